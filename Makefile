@@ -1,0 +1,32 @@
+# vgrpo: `make run` and `make test` each install first, so each is one command on a fresh machine.
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+STAMP      := $(VENV)/.installed
+
+.PHONY: install run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/vgrpo sde-report
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,53 @@
+"""The `vgrpo` command line. Each command lives in its own module, which registers its parser.
+
+Modules register with `register(subparsers)` and set `func(args) -> int`; their heavy imports
+(torch, ray) happen inside the handler, so `vgrpo --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from common.config import ConfigError
+
+# Command modules, in the order `vgrpo --help` lists them.
+COMMANDS = [
+    "cluster.cmd_config",
+    "cluster.sde_report",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vgrpo",
+        description="Post-train video diffusion models with GRPO on Ray "
+        "(SAGE-GRPO, TAGRPO, DanceGRPO, FlowGRPO, CPS).",
+        epilog="Run `vgrpo COMMAND --help` for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        # A user error: one clear line, no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The typed description of one vgrpo run.
+
+One pydantic model (`RunConfig`) describes a whole run. It loads from YAML, takes dotted
+overrides (`sde.scheme=flow`), rejects unknown keys, and reports a bad value as one line
+naming the full field path, the value and what is allowed (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
+
+# Per-scheme default noise level η (ALGORITHM.md section 2).
+DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 0.7, "sage": 0.5}
+
+
+class Section(BaseModel):
+    """A config section: typed, strict about unknown keys, validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    family: Literal["toy", "wan", "hunyuan15"] = "toy"
+    """Which adapter in rollout_worker/models/ builds the video model."""
+    path: str | None = None
+    """Local directory or hub id for `from_pretrained`; None means the committed toy checkpoint."""
+    task: Literal["t2v", "i2v"] = "t2v"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_frames: int = Field(6, ge=1)
+    height: int = Field(16, ge=8)
+    width: int = Field(16, ge=8)
+    guidance_scale: float = Field(1.0, ge=0.0)
+    """Classifier-free guidance scale; 1.0 disables the unconditional pass."""
+    guidance_scale_2: float | None = Field(None, ge=0.0)
+    """Wan 2.2: guidance for the low-noise expert (transformer_2)."""
+    boundary_ratio: float | None = Field(None, gt=0.0, lt=1.0)
+    """Wan 2.2: σ above which the high-noise expert runs."""
+    train_experts: Literal["all", "high_noise"] = "all"
+    """Wan 2.2: `high_noise` trains only the high-noise expert (the TAGRPO setting)."""
+    negative_prompt: str = ""
+    max_sequence_length: int = Field(512, ge=1)
+
+
+class ScheduleConfig(Section):
+    steps: int = Field(16, ge=1, le=1000)
+    """T, the number of sampling steps."""
+    shift: float = Field(3.0, gt=0.0)
+    """Time shift s in σ' = s·σ / (1 + (s-1)·σ)."""
+    sigmas: list[float] | None = None
+    """Explicit schedule σ_0 … σ_T (decreasing, 1 → 0); overrides steps and shift."""
+
+    @model_validator(mode="after")
+    def _check_sigmas(self) -> ScheduleConfig:
+        if self.sigmas is not None:
+            s = self.sigmas
+            if len(s) < 2:
+                raise ValueError("sigmas needs at least two values (σ_0 … σ_T)")
+            if any(not (0.0 <= a <= 1.0) for a in s):
+                raise ValueError("sigmas must lie in [0, 1]")
+            if any(b >= a for a, b in zip(s, s[1:], strict=False)):
+                raise ValueError("sigmas must be strictly decreasing")
+        return self
+
+
+class SDEConfig(Section):
+    scheme: SchemeName = "sage"
+    eta: float | None = Field(None, ge=0.0, le=10.0)
+    """Noise level η; None takes the scheme's default (flow 0.7, sage 0.5, dance 0.25, cps 0.7)."""
+    flow_first_step: Literal["sigma1", "clamp"] = "sigma1"
+    """FlowGRPO's σ=1 step: use σ_1 in g (their code) or clamp 1-σ at c (paper regime b)."""
+    clamp_c: float = Field(3e-3, gt=0.0, lt=0.5)
+    """c in σ̃ = min(σ, 1-c) inside the precise variance's log."""
+
+    @property
+    def resolved_eta(self) -> float:
+        return DEFAULT_ETA[self.scheme] if self.eta is None else self.eta
+
+
+class SamplerConfig(Section):
+    group_size: int = Field(8, ge=2, le=256)
+    """G, rollouts per condition."""
+    shared_noise: bool = True
+    """Members of a group share the initial noise (TAGRPO needs this)."""
+    train_steps: Literal["fraction", "threshold", "all"] = "fraction"
+    train_fraction: float = Field(0.6, gt=0.0, le=1.0)
+    sigma_threshold: float = Field(0.9, ge=0.0, le=1.0)
+    """With train_steps=threshold, train steps with σ_k above this (TAGRPO: t > 900/1000)."""
+    untrained_steps: Literal["scheme", "ode"] = "scheme"
+    """How steps that are not trained run: with the scheme, or as ODE (MixGRPO-style window)."""
+    ode_last_steps: int = Field(1, ge=0)
+    """Run the last n steps deterministically (never trained); a stochastic last step adds pure noise."""
+    latent_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
+
+
+class GRPOConfig(Section):
+    clip_eps: float = Field(1e-4, gt=0.0, le=1.0)
+    adv_clip: float = Field(5.0, gt=0.0)
+    per_head_advantages: bool = False
+    """Normalise each reward head separately, then sum with the head weights (DanceGRPO)."""
+    adv_stats: Literal["group", "group_and_bank"] = "group"
+    equalizer: bool = True
+    """Weight each step's loss by w_k = median(N)/N_k (ALGORITHM.md section 4)."""
+
+
+class OptimConfig(Section):
+    finetune: Literal["lora", "full"] = "lora"
+    lora_rank: int = Field(16, ge=1, le=1024)
+    lora_alpha: float = Field(16.0, gt=0.0)
+    lora_target_modules: list[str] | None = None
+    """None takes the model family's default target modules."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    micro_batch: int = Field(8, ge=1)
+    """(sample, trained step) pairs per micro-batch; gradients accumulate over the batch."""
+
+
+class KLConfig(Section):
+    strategy: Literal["none", "fixed", "step", "moving", "dual"] = "dual"
+    beta_anchor: float = Field(1.0, ge=0.0)
+    beta_step: float = Field(0.1, ge=0.0)
+    anchor_period: int = Field(10, ge=1)
+    """N: optimizer steps between refreshes of the moving anchor."""
+    d_step: Literal["k1", "exact"] = "k1"
+    schedule: Literal["constant", "two_stage", "milder", "adaptive"] = "two_stage"
+    lam: float = Field(1e-5, ge=0.0, le=100.0)
+    """λ_KL for the constant schedule."""
+    lam_low: float = Field(1e-7, ge=0.0, le=100.0)
+    lam_high: float = Field(1e-5, ge=0.0, le=100.0)
+    switch_step: int = Field(100, ge=0)
+    """two_stage / milder: the optimizer step at which λ moves from low to high."""
+    target: float = Field(1e-3, gt=0.0)
+    """adaptive: the target KL δ."""
+    alpha: float = Field(0.1, gt=0.0)
+    """adaptive: the step size α of the multiplier update."""
+
+
+class AlignConfig(Section):
+    enabled: bool = True
+    gamma: float = Field(1.0, ge=0.0)
+    """γ in L_total = L + γ·J_align."""
+
+
+class BankConfig(Section):
+    enabled: bool = True
+    redis_url: SecretStr | None = None
+    """redis://:PASSWORD@host:port/db. None starts an embedded redis-server on loopback."""
+    redis_url_env: str = "VGRPO_REDIS_URL"
+    """Environment variable read for the URL when redis_url is not set."""
+    allow_no_password: bool = False
+    """Allow connecting to an external Redis without a password (not recommended)."""
+    namespace: str = Field("vgrpo", pattern=r"^[A-Za-z0-9_.-]+$")
+    capacity: int = Field(8, ge=1, le=1024)
+    """N, entries kept per condition (4, 8, 16 in the paper)."""
+    strategy: Literal["fifo", "fifo_s2", "sdu"] = "fifo"
+    max_staleness: int = Field(8, ge=0)
+    """Entries more than this many policy versions old are not used for training."""
+    max_bytes: int = Field(2 << 30, ge=1 << 20)
+    """Producers wait when the bank holds this many bytes (backpressure)."""
+    aof: bool = False
+    """Embedded server: turn on append-only persistence so the bank survives a restart."""
+
+
+class RewardModelConfig(Section):
+    name: Literal["toy", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
+    path: str | None = None
+    """Local directory or hub id of the checkpoint (not needed for toy)."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Head weights w_h; a missing head gets weight 1."""
+    batch_size: int = Field(8, ge=1)
+    timeout_s: float = Field(120.0, gt=0.0)
+    retries: int = Field(2, ge=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class RewardsConfig(Section):
+    models: list[RewardModelConfig] = Field(default_factory=lambda: [RewardModelConfig()])
+
+
+class PoolConfig(Section):
+    num_actors: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0.0)
+    num_gpus: float = Field(0.0, ge=0.0)
+    torch_threads: int = Field(1, ge=1)
+    max_restarts: int = Field(3, ge=-1)
+
+
+class PoolsConfig(Section):
+    rollout: PoolConfig = Field(default_factory=PoolConfig)
+    reward: PoolConfig = Field(default_factory=lambda: PoolConfig(num_cpus=0.5))
+    learner: PoolConfig = Field(default_factory=PoolConfig)
+    """learner.num_actors is the number of FSDP2 ranks."""
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["object_store", "collective"] = "object_store"
+    checksum: bool = False
+    timeout_s: float = Field(120.0, gt=0.0)
+    bucket_mb: int = Field(64, ge=1)
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=0)
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)
+    """async: rollout runs ahead of the learner by at most this many versions."""
+    groups_per_step: int = Field(4, ge=1)
+    seed: int = 0
+    prompts: str = "toy-train"
+    """A prompts file (one per line) or a built-in set: toy-train, toy-eval."""
+    eval_prompts: str = "toy-eval"
+    eval_seeds: int = Field(4, ge=1)
+    """Seeds per evaluation prompt for the before/after comparison."""
+    checkpoint_every: int = Field(25, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+
+
+class RunDirConfig(Section):
+    root: str = "runs"
+    name: str | None = None
+    """Run directory name; None uses a timestamp."""
+
+
+class RunConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    sde: SDEConfig = Field(default_factory=SDEConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    align: AlignConfig = Field(default_factory=AlignConfig)
+    bank: BankConfig = Field(default_factory=BankConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    run: RunDirConfig = Field(default_factory=RunDirConfig)
+
+
+# --- loading -------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A user error in a config: one line naming the field path, the value and the fix."""
+
+
+def _describe(err: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in err["loc"]) or "<root>"
+    kind, value = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key (check the spelling; `vgrpo config show` lists the keys)"
+    if kind == "literal_error":
+        allowed = err.get("ctx", {}).get("expected", "")
+        return f"{path} = {value!r} is not allowed; expected {allowed}"
+    msg = err["msg"]
+    if kind == "missing":
+        return f"{path}: required field is missing"
+    return f"{path} = {value!r}: {msg}"
+
+
+def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Build a RunConfig from plain data, turning pydantic's report into one ConfigError line."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        more = len(e.errors()) - 1
+        tail = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
+        raise ConfigError(f"{source}: {_describe(first)}{tail}") from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` → (["a","b","c"], value parsed as a YAML scalar or flow collection)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.path=value, for example sde.scheme=flow")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted field path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}:{where}: malformed YAML: {problem}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML file (or the defaults), apply dotted overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return validate(data, source=str(path) if path is not None else "config")
+
+
+def to_dict(cfg: RunConfig, reveal_secrets: bool = False) -> dict[str, Any]:
+    """Plain data for YAML. Secrets are masked unless asked for; a saved config never holds them."""
+    data = cfg.model_dump(mode="json")
+    if not reveal_secrets and cfg.bank.redis_url is not None:
+        data["bank"]["redis_url"] = "**********"
+    return data
+
+
+def to_yaml(cfg: RunConfig, reveal_secrets: bool = False) -> str:
+    return yaml.safe_dump(to_dict(cfg, reveal_secrets), sort_keys=False, allow_unicode=True)
+
+
+def save_config(cfg: RunConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config; the Redis URL (with its password) is never written."""
+    data = to_dict(cfg)
+    data["bank"]["redis_url"] = None
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")

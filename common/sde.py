@@ -1,0 +1,317 @@
+"""SDE schemes for flow-matching rollouts (ALGORITHM.md sections 1, 2 and 4).
+
+Every scheme turns (x, v, σ_k, σ_{k+1}) into a Gaussian transition x' = μ + std·z. Each
+scheme is a small class with one formula for `std`, one for `mean` and one for `dmu_dv`
+(the equalizer's ∂μ/∂v). The shared helpers below sample a step, score a step's
+log-prob (averaged over elements) and compute the Gaussian KL between two means.
+
+Statistics are computed in fp32 whatever the input dtype. σ may be a Python float or a
+tensor of shape [B]; it broadcasts over any latent shape [B, ...].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+# --- schedule ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """σ_0 = 1 > σ_1 > … > σ_T = 0, stored explicitly so a rollout can carry it."""
+
+    sigmas: tuple[float, ...]
+
+    @classmethod
+    def linear(cls, steps: int, shift: float = 1.0) -> Schedule:
+        """Linear in [1, 0], then shifted: σ' = s·σ / (1 + (s-1)·σ)."""
+        if steps < 1:
+            raise ValueError(f"steps must be ≥ 1, got {steps}")
+        base = [1.0 - i / steps for i in range(steps + 1)]
+        return cls(tuple(shift * s / (1.0 + (shift - 1.0) * s) for s in base))
+
+    @classmethod
+    def explicit(cls, sigmas) -> Schedule:
+        s = tuple(float(x) for x in sigmas)
+        if len(s) < 2 or any(b >= a for a, b in zip(s, s[1:], strict=False)):
+            raise ValueError("sigmas must hold at least two strictly decreasing values")
+        return cls(s)
+
+    @classmethod
+    def from_config(cls, cfg) -> Schedule:
+        """From a common.config.ScheduleConfig."""
+        return cls.explicit(cfg.sigmas) if cfg.sigmas is not None else cls.linear(cfg.steps, cfg.shift)
+
+    @property
+    def steps(self) -> int:
+        return len(self.sigmas) - 1
+
+    def pair(self, k: int) -> tuple[float, float]:
+        """(σ_k, σ_{k+1}) for step k."""
+        return self.sigmas[k], self.sigmas[k + 1]
+
+    def tensor(self) -> Tensor:
+        return torch.tensor(self.sigmas, dtype=torch.float64)
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def _as_batch(sigma, like: Tensor | None = None) -> Tensor:
+    """σ as an fp32 tensor; a [B] σ is viewed as [B, 1, 1, ...] to broadcast against `like`."""
+    t = torch.as_tensor(sigma, dtype=torch.float32, device=None if like is None else like.device)
+    if like is not None and t.dim() == 1:
+        t = t.view(-1, *([1] * (like.dim() - 1)))
+    return t
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x.to(torch.float32)
+
+
+# --- schemes -------------------------------------------------------------------------
+
+
+class Scheme:
+    """A Gaussian transition x' = μ(x, v) + std·z for one step σ_k → σ_{k+1}."""
+
+    name: ClassVar[str]
+
+    def __init__(self, eta: float = 0.0):
+        self.eta = float(eta)
+
+    def std(self, sigma, sigma_next) -> Tensor:
+        raise NotImplementedError
+
+    def mean(self, x: Tensor, v: Tensor, sigma, sigma_next) -> Tensor:
+        raise NotImplementedError
+
+    def dmu_dv(self, sigma, sigma_next) -> Tensor:
+        """|∂μ/∂v| per step, for the gradient norm equalizer."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(eta={self.eta})"
+
+
+class ODE(Scheme):
+    """Euler step, deterministic: μ = x - Δ·v, std = 0."""
+
+    name = "ode"
+
+    def std(self, sigma, sigma_next):
+        return torch.zeros_like(_as_batch(sigma))
+
+    def mean(self, x, v, sigma, sigma_next):
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        return _f32(x) - (s - s1) * _f32(v)
+
+    def dmu_dv(self, sigma, sigma_next):
+        return _as_batch(sigma) - _as_batch(sigma_next)
+
+
+class Dance(Scheme):
+    """DanceGRPO: std = η·√Δ, μ = x - Δ·v - (η²·Δ / 2σ)·ε̂."""
+
+    name = "dance"
+
+    def std(self, sigma, sigma_next):
+        delta = _as_batch(sigma) - _as_batch(sigma_next)
+        return self.eta * delta.clamp_min(0).sqrt()
+
+    def mean(self, x, v, sigma, sigma_next):
+        x, v = _f32(x), _f32(v)
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        delta, eps_hat = s - s1, x + (1 - s) * v
+        return x - delta * v - (self.eta**2 * delta / (2 * s)) * eps_hat
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        delta = s - s1
+        return delta + self.eta**2 * delta * (1 - s) / (2 * s)
+
+
+class Flow(Scheme):
+    """FlowGRPO: std = g·√Δ with g = η·√(σ̄/(1-σ̄)); μ = x - Δ·v - (g²·Δ / 2σ)·ε̂.
+
+    At σ_k = 1, g is undefined. `first_step="sigma1"` uses σ̄ = σ_1 there (FlowGRPO's code);
+    `first_step="clamp"` uses 1-σ ≥ c instead (the SAGE paper's regime b).
+    """
+
+    name = "flow"
+
+    def __init__(self, eta: float = 0.7, first_step: str = "sigma1", sigma1: float | None = None,
+                 clamp_c: float = 3e-3):
+        super().__init__(eta)
+        if first_step not in ("sigma1", "clamp"):
+            raise ValueError(f"first_step must be 'sigma1' or 'clamp', got {first_step!r}")
+        self.first_step, self.sigma1, self.clamp_c = first_step, sigma1, clamp_c
+
+    def g(self, sigma) -> Tensor:
+        s = _as_batch(sigma)
+        if self.first_step == "clamp":
+            return self.eta * (s / (1 - s).clamp_min(self.clamp_c)).sqrt()
+        if self.sigma1 is None:
+            raise ValueError("flow with first_step='sigma1' needs sigma1 (σ_1 of the schedule)")
+        s_bar = torch.where(s >= 1.0, torch.full_like(s, self.sigma1), s)
+        return self.eta * (s_bar / (1 - s_bar)).sqrt()
+
+    def std(self, sigma, sigma_next):
+        delta = _as_batch(sigma) - _as_batch(sigma_next)
+        return self.g(sigma) * delta.clamp_min(0).sqrt()
+
+    def mean(self, x, v, sigma, sigma_next):
+        x, v = _f32(x), _f32(v)
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        g = self.g(s)
+        delta, eps_hat = s - s1, x + (1 - s) * v
+        return x - delta * v - (g**2 * delta / (2 * s)) * eps_hat
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        delta = s - s1
+        return delta + self.g(sigma) ** 2 * delta * (1 - s) / (2 * s)
+
+
+class CPS(Scheme):
+    """Coefficients-preserving: std = σ_{k+1}·sin(η·π/2), μ = (1-σ_{k+1})·x̂0 + √(σ_{k+1}² - std²)·ε̂."""
+
+    name = "cps"
+
+    def std(self, sigma, sigma_next):
+        return _as_batch(sigma_next) * math.sin(self.eta * math.pi / 2)
+
+    def mean(self, x, v, sigma, sigma_next):
+        x, v = _f32(x), _f32(v)
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        std = s1 * math.sin(self.eta * math.pi / 2)
+        x0_hat, eps_hat = x - s * v, x + (1 - s) * v
+        return (1 - s1) * x0_hat + (s1**2 - std**2).clamp_min(0).sqrt() * eps_hat
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        std = self.std(sigma, sigma_next)
+        return ((1 - s) * (s1**2 - std**2).clamp_min(0).sqrt() - s * (1 - s1)).abs()
+
+
+class Sage(Scheme):
+    """SAGE-GRPO's precise variance: std = √Σ_k, μ = x - Δ·v - (Σ_k / 2σ_k)·ε̂, where
+
+    Σ_k = ∫_{σ_{k+1}}^{σ_k} η²·s/(1-s) ds = η²·[log((1-σ_{k+1}) / (1-σ̃_k)) - Δ],  σ̃_k = min(σ_k, 1-c).
+    """
+
+    name = "sage"
+
+    def __init__(self, eta: float = 0.5, clamp_c: float = 3e-3):
+        super().__init__(eta)
+        self.clamp_c = clamp_c
+
+    def variance(self, sigma, sigma_next) -> Tensor:
+        s, s1 = _as_batch(sigma).double(), _as_batch(sigma_next).double()
+        s_tilde = s.clamp_max(1 - self.clamp_c)
+        var = self.eta**2 * (torch.log((1 - s1) / (1 - s_tilde)) - (s - s1))
+        return var.clamp_min(0).float()
+
+    def std(self, sigma, sigma_next):
+        return self.variance(sigma, sigma_next).sqrt()
+
+    def mean(self, x, v, sigma, sigma_next):
+        x, v = _f32(x), _f32(v)
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        var = self.variance(s, s1)
+        delta, eps_hat = s - s1, x + (1 - s) * v
+        return x - delta * v - (var / (2 * s)) * eps_hat
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        return (s - s1) + self.variance(sigma, sigma_next) * (1 - s) / (2 * s)
+
+
+SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, Sage)}
+
+
+def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None = None,
+                flow_first_step: str = "sigma1", clamp_c: float = 3e-3) -> Scheme:
+    """Build a scheme by name. `schedule` provides σ_1 for FlowGRPO's first-step trick."""
+    from common.config import DEFAULT_ETA
+
+    if name not in SCHEMES:
+        raise ValueError(f"unknown SDE scheme {name!r}; expected one of {sorted(SCHEMES)}")
+    eta = DEFAULT_ETA[name] if eta is None else eta
+    if name == "flow":
+        sigma1 = schedule.sigmas[1] if schedule is not None else None
+        return Flow(eta, first_step=flow_first_step, sigma1=sigma1, clamp_c=clamp_c)
+    if name == "sage":
+        return Sage(eta, clamp_c=clamp_c)
+    return SCHEMES[name](eta)
+
+
+def scheme_from_config(cfg, schedule: Schedule) -> Scheme:
+    """From a common.config.RunConfig."""
+    return make_scheme(cfg.sde.scheme, cfg.sde.resolved_eta, schedule,
+                       cfg.sde.flow_first_step, cfg.sde.clamp_c)
+
+
+# --- the shared step operations ------------------------------------------------------
+
+
+def _bcast(t: Tensor, like: Tensor) -> Tensor:
+    return t.view(-1, *([1] * (like.dim() - 1))) if t.dim() == 1 else t
+
+
+def sample_step(scheme: Scheme, x: Tensor, v: Tensor, sigma, sigma_next,
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw x' = μ + std·z. Returns (x' [B, ...] fp32, μ [B, ...], std [B] or scalar)."""
+    mu = scheme.mean(x, v, sigma, sigma_next)
+    std = scheme.std(sigma, sigma_next).to(mu.device)
+    z = torch.randn(mu.shape, generator=generator, dtype=torch.float32, device="cpu").to(mu.device)
+    return mu + _bcast(std, mu) * z, mu, std
+
+
+def log_prob(x_next: Tensor, mu: Tensor, std) -> Tensor:
+    """Element-averaged Gaussian log-density of x' under N(μ, std²): one value per sample [B].
+
+    A step with std = 0 (ODE, CPS's last step) carries no log-prob; it gives 0.
+    """
+    x_next, mu = _f32(x_next), _f32(mu)
+    std = torch.as_tensor(std, dtype=torch.float32, device=mu.device)
+    std_b = _bcast(std, mu) if std.dim() else std
+    safe = torch.where(std_b > 0, std_b, torch.ones_like(std_b))
+    lp = -((x_next - mu) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * LOG_2PI
+    lp = lp.flatten(1).mean(1) if lp.dim() > 1 else lp
+    has_noise = (std > 0) if std.dim() == 0 else (std > 0).to(lp.device)
+    return torch.where(has_noise, lp, torch.zeros_like(lp))
+
+
+def gaussian_kl(mu_a: Tensor, mu_b: Tensor, std, eps: float = 1e-6) -> Tensor:
+    """KL(N(μ_a, std²) ‖ N(μ_b, std²)) averaged over elements: mean(‖μ_a - μ_b‖²) / (2·(std² + eps)). [B]"""
+    sq = ((_f32(mu_a) - _f32(mu_b)) ** 2).flatten(1).mean(1)
+    std = torch.as_tensor(std, dtype=torch.float32, device=sq.device)
+    return sq / (2 * (std**2 + eps))
+
+
+# --- gradient norm equalizer ---------------------------------------------------------
+
+
+def grad_scale(scheme: Scheme, sigma, sigma_next) -> Tensor:
+    """N_k = |∂μ/∂v| / std_k, the per-step scale of ∂ log π / ∂v."""
+    return scheme.dmu_dv(sigma, sigma_next).abs() / scheme.std(sigma, sigma_next)
+
+
+def equalizer_weights(scheme: Scheme, schedule: Schedule, steps: list[int] | None = None) -> Tensor:
+    """w_k = median_j(N_j) / N_k over the given steps (default: all); non-finite or non-positive N → 1."""
+    ks = list(range(schedule.steps)) if steps is None else list(steps)
+    n = torch.stack([grad_scale(scheme, *schedule.pair(k)).reshape(()) for k in ks]).double()
+    ok = torch.isfinite(n) & (n > 0)
+    w = torch.ones_like(n)
+    if ok.any():
+        w[ok] = n[ok].median() / n[ok]
+    return w.float()

@@ -1,0 +1,127 @@
+"""The data contract between roles: what a rollout produces, a reward adds and the learner reads.
+
+Every object that crosses a role boundary carries the `policy_version` that made it.
+Tensors are CPU tensors; shapes are written beside each field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Condition:
+    """One prompt (plus a first frame for image-to-video) that a group is generated for."""
+
+    id: str                        # stable id, e.g. a hash of prompt (+ image)
+    prompt: str
+    image: Tensor | None = None    # uint8 [H, W, 3] first frame for I2V, else None
+
+
+@dataclass
+class Trajectory:
+    """One member of a group: the trained transitions of its SDE rollout.
+
+    Only trained steps are stored. `x[j] → x_next[j]` is step `step_indices[j]`, from
+    σ = sigmas[k] to sigmas[k+1]; `logp_old[j]` is its element-averaged log-prob under the
+    policy that sampled it, computed from exactly these stored tensors.
+    """
+
+    condition: Condition
+    group_id: str
+    member: int
+    seed: int
+    scheme: str
+    eta: float
+    guidance_scale: float
+    policy_version: int
+    sigmas: list[float]            # the whole schedule σ_0 … σ_T
+    step_indices: list[int]        # K trained steps k
+    x: Tensor                      # [K, C, F, H, W] latents at the trained steps
+    x_next: Tensor                 # [K, C, F, H, W] the sampled next latents
+    logp_old: Tensor               # [K] fp32
+    final_latents: Tensor          # [C, F, H, W]
+    frames: Tensor | None = None   # uint8 [F, H, W, 3] decoded video
+    trained_times: int = 0         # how often the learner has used it
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_indices)
+
+    def nbytes(self) -> int:
+        ts = [self.x, self.x_next, self.logp_old, self.final_latents]
+        if self.frames is not None:
+            ts.append(self.frames)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class Scores:
+    """Reward heads for a batch of videos: `values[i, h]` is head `heads[h]` of video i."""
+
+    heads: list[str]
+    values: Tensor                 # [B, H] fp32; non-finite means the head failed for that video
+
+    @property
+    def valid(self) -> Tensor:     # [B] bool
+        return torch.isfinite(self.values).all(dim=1)
+
+    def composite(self, weights: dict[str, float]) -> Tensor:
+        """R = Σ_h w_h·S_h (a head without a weight gets 1). [B]"""
+        w = torch.tensor([weights.get(h, 1.0) for h in self.heads], dtype=torch.float32)
+        return self.values.float() @ w
+
+    @staticmethod
+    def merge(parts: list[Scores]) -> Scores:
+        """Side-by-side heads of several reward models for the same videos."""
+        heads = [h for p in parts for h in p.heads]
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"reward heads collide: {heads}")
+        return Scores(heads, torch.cat([p.values for p in parts], dim=1))
+
+
+@dataclass
+class Group:
+    """G trajectories of one condition, with their scores once the reward role has run."""
+
+    condition: Condition
+    group_id: str
+    policy_version: int
+    members: list[Trajectory]
+    scores: Scores | None = None   # [G, H]
+    composite: Tensor | None = None  # [G] fp32
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def frames(self) -> Tensor:
+        """uint8 [G, F, H, W, 3]."""
+        return torch.stack([m.frames for m in self.members])
+
+
+@dataclass
+class TrainBatch:
+    """What the learner trains on in one optimizer step: fresh groups plus bank entries.
+
+    `bank[i]` holds earlier trajectories of `fresh[i].condition` (within the staleness
+    bound), each with its stored rewards.
+    """
+
+    fresh: list[Group]
+    bank: list[list[tuple[Trajectory, Tensor, float]]] = field(default_factory=list)
+    # bank[i][j] = (trajectory, head scores [H], composite)
+    version: int = 0               # the learner's policy version the batch is trained at
+
+
+@dataclass
+class TrainStats:
+    """Scalars the learner reports per optimizer step (all floats, for metrics.jsonl)."""
+
+    values: dict[str, float] = field(default_factory=dict)
+
+    def __getitem__(self, k: str) -> float:
+        return self.values[k]

@@ -1,0 +1,107 @@
+"""The one interface the sampler and the learner use to drive a video model.
+
+An adapter owns the text/image encoders, the transformer(s) and the decoder of one model
+family. The sampler owns the loop; the adapter never calls a scheduler.
+
+Latent layout is the transformer's: [B, C, F, H, W].
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class ModelLoadError(FileNotFoundError):
+    """A model path is missing or incomplete; the message names the path and what is missing."""
+
+
+@dataclass
+class Cond:
+    """Encoded conditions for a batch: whatever tensors the family's transformer needs.
+
+    `tensors` hold the conditional inputs, `uncond` the unconditional ones for CFG (or None).
+    Every tensor has the batch as its first dim, so a Cond can be repeated and indexed.
+    """
+
+    tensors: dict[str, Tensor]
+    uncond: dict[str, Tensor] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def _map(self, fn) -> Cond:
+        return Cond({k: fn(v) for k, v in self.tensors.items()},
+                    None if self.uncond is None else {k: fn(v) for k, v in self.uncond.items()},
+                    dict(self.extra))
+
+    def repeat(self, n: int) -> Cond:
+        """Each row repeated n times in place: [B, ...] → [B·n, ...]."""
+        return self._map(lambda t: t.repeat_interleave(n, dim=0))
+
+    def index(self, idx) -> Cond:
+        return self._map(lambda t: t[idx])
+
+    def to(self, device) -> Cond:
+        return self._map(lambda t: t.to(device))
+
+
+class VideoModel(ABC):
+    """A model family's adapter. Subclasses: toy, wan, hunyuan15."""
+
+    family: str = "base"
+    device: torch.device = torch.device("cpu")
+
+    @property
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """(C, F, H, W) of one video's latents."""
+
+    @abstractmethod
+    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+        """Encode a batch of conditions once (text, plus uint8 [B, H, W, 3] first frames for I2V)."""
+
+    @abstractmethod
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        """v_θ(x, σ, c) with classifier-free guidance inside. x [B, C, F, H, W], σ [B] → [B, C, F, H, W]."""
+
+    @abstractmethod
+    def decode(self, latents: Tensor) -> Tensor:
+        """Final latents [B, C, F, H, W] → uint8 frames [B, F, H, W, 3] (denormalised as the pipelines do)."""
+
+    @abstractmethod
+    def trainable_module(self) -> nn.Module:
+        """The module the learner trains (and a weights payload targets)."""
+
+    def initial_noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
+        """ε ~ N(0, I), drawn on the CPU from `generator` so it is the same on every device. [B, C, F, H, W]"""
+        return torch.randn((batch, *self.latent_shape), generator=generator,
+                           dtype=torch.float32).to(self.device)
+
+    def load_weights(self, payload: dict[str, Tensor], strict: bool = True) -> None:
+        """Load a state dict (full, or only the adapter weights) into the trainable module."""
+        module = self.trainable_module()
+        missing, unexpected = module.load_state_dict(payload, strict=False)
+        if strict and unexpected:
+            raise KeyError(f"weights payload has keys the model lacks: {unexpected[:5]}")
+        if strict and len(payload) == len(module.state_dict()) and missing:
+            raise KeyError(f"weights payload misses keys: {missing[:5]}")
+
+
+def require_dir(path: str | Path, needed: list[str], what: str) -> Path:
+    """Check that a local model directory exists and holds the files a loader needs."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"{what}: model path {str(p)!r} does not exist")
+    lacking = [n for n in needed if not (p / n).exists()]
+    if lacking:
+        raise ModelLoadError(f"{what}: model path {str(p)!r} is incomplete; missing {', '.join(lacking)}")
+    return p
+
+
+def is_local(path: str) -> bool:
+    """A path that looks local (absolute, relative, or existing) rather than a hub id."""
+    return path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
