@@ -215,24 +215,26 @@ class Sage(Scheme):
         self.clamp_c = clamp_c
 
     def variance(self, sigma, sigma_next) -> Tensor:
-        s, s1 = _as_batch(sigma).double(), _as_batch(sigma_next).double()
+        """Σ_k in float64: the log and -Δ nearly cancel on small steps, so fp32 would lose it."""
+        s = torch.as_tensor(sigma, dtype=torch.float64)
+        s1 = torch.as_tensor(sigma_next, dtype=torch.float64)
         s_tilde = s.clamp_max(1 - self.clamp_c)
-        var = self.eta**2 * (torch.log((1 - s1) / (1 - s_tilde)) - (s - s1))
-        return var.clamp_min(0).float()
+        var = self.eta**2 * (torch.log1p((s_tilde - s1) / (1 - s_tilde)) - (s - s1))
+        return var.clamp_min(0)
 
     def std(self, sigma, sigma_next):
-        return self.variance(sigma, sigma_next).sqrt()
+        return self.variance(sigma, sigma_next).sqrt().float()
 
     def mean(self, x, v, sigma, sigma_next):
         x, v = _f32(x), _f32(v)
         s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        var = self.variance(s, s1)
+        var = self.variance(s, s1).to(x.dtype)
         delta, eps_hat = s - s1, x + (1 - s) * v
         return x - delta * v - (var / (2 * s)) * eps_hat
 
     def dmu_dv(self, sigma, sigma_next):
         s, s1 = _as_batch(sigma), _as_batch(sigma_next)
-        return (s - s1) + self.variance(sigma, sigma_next) * (1 - s) / (2 * s)
+        return (s - s1) + self.variance(s, s1).float() * (1 - s) / (2 * s)
 
 
 SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, Sage)}
