@@ -1,0 +1,71 @@
+"""Evaluation on fixed (prompt, seed) pairs with the ODE sampler, and the paired before/after summary."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class EvalResult:
+    """Per-pair scores of one evaluation: `values[i, h]` is head h of pair i; `composite[i]` is R."""
+
+    heads: list[str]
+    values: np.ndarray      # [N, H]
+    composite: np.ndarray   # [N]
+
+    def mean_se(self, key: str) -> tuple[float, float]:
+        x = self.column(key)
+        return float(x.mean()), float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0
+
+    def column(self, key: str) -> np.ndarray:
+        return self.composite if key == "composite" else self.values[:, self.heads.index(key)]
+
+    def to_dict(self) -> dict[str, float]:
+        out = {}
+        for key in ["composite", *self.heads]:
+            m, se = self.mean_se(key)
+            out[f"{key}_mean"], out[f"{key}_se"] = m, se
+        return out
+
+
+@dataclass
+class PairedDiff:
+    key: str
+    before: float
+    after: float
+    diff: float
+    se: float
+
+    @property
+    def z(self) -> float:
+        return self.diff / self.se if self.se > 0 else (math.inf if self.diff > 0 else 0.0)
+
+
+def paired(before: EvalResult, after: EvalResult) -> list[PairedDiff]:
+    """Paired differences over the same (prompt, seed) pairs: mean and its standard error."""
+    if before.values.shape != after.values.shape or before.heads != after.heads:
+        raise ValueError("before/after evaluations must use the same pairs and heads")
+    rows = []
+    for key in ["composite", *before.heads]:
+        d = after.column(key) - before.column(key)
+        se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else 0.0
+        rows.append(PairedDiff(key, float(before.column(key).mean()), float(after.column(key).mean()),
+                               float(d.mean()), se))
+    return rows
+
+
+def summary_table(before: EvalResult, after: EvalResult, title: str):
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("reward", "before", "after", "after − before", "z"):
+        t.add_column(col, justify="right" if col != "reward" else "left")
+    for row in paired(before, after):
+        b_se = before.mean_se(row.key)[1]
+        a_se = after.mean_se(row.key)[1]
+        t.add_row(row.key, f"{row.before:.3f} ± {b_se:.3f}", f"{row.after:.3f} ± {a_se:.3f}",
+                  f"{row.diff:+.3f} ± {row.se:.3f}", f"{row.z:.1f}")
+    return t

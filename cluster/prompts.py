@@ -1,0 +1,55 @@
+"""Prompt sets: a built-in toy set by name, or a text file with one prompt per line."""
+
+from __future__ import annotations
+
+import hashlib
+import unicodedata
+from pathlib import Path
+
+from common.config import ConfigError
+from common.types import Condition
+
+MAX_PROMPT_CHARS = 4096
+
+
+def condition_id(prompt: str) -> str:
+    """A stable id for a prompt: the same text always lands in the same bank slot."""
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:16]
+
+
+def _clean(prompt: str, where: str) -> str:
+    text = unicodedata.normalize("NFC", prompt).strip()
+    if any(unicodedata.category(ch) == "Cc" for ch in text):
+        raise ConfigError(f"{where}: prompt contains a control character")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ConfigError(f"{where}: prompt is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS}")
+    return text
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: prompts file not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    prompts = [_clean(line, f"{path}:{i}") for i, line in enumerate(lines, 1)
+               if line.strip() and not line.lstrip().startswith("#")]
+    if not prompts:
+        raise ConfigError(f"{path}: the prompts file holds no prompts (one per line; # starts a comment)")
+    return prompts
+
+
+def load_prompts(spec: str) -> list[Condition]:
+    """`toy-train`, `toy-eval`, `toy-world`, or the path of a prompts file."""
+    from common.toyworld import PROMPT_SETS
+
+    if spec in PROMPT_SETS:
+        prompts = list(PROMPT_SETS[spec])
+    else:
+        prompts = read_prompt_file(Path(spec))
+    seen: dict[str, Condition] = {}
+    for p in prompts:
+        seen.setdefault(p, Condition(id=condition_id(p), prompt=p))
+    return list(seen.values())

@@ -1,0 +1,79 @@
+"""The run directory: resolved config, metrics.jsonl, the reward-curve PNG, samples, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from common.config import RunConfig, save_config
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.samples = self.path / "samples"
+        self.metrics_file = self.path / "metrics.jsonl"
+        self.curve_file = self.path / "reward_curve.png"
+
+    @classmethod
+    def create(cls, cfg: RunConfig) -> RunDir:
+        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+        path = Path(cfg.run.root) / name
+        path.mkdir(parents=True, exist_ok=True)
+        rd = cls(path)
+        rd.checkpoints.mkdir(exist_ok=True)
+        rd.samples.mkdir(exist_ok=True)
+        save_config(cfg, rd.path / "config.yaml")
+        return rd
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one line to metrics.jsonl (non-finite floats as null, so the file stays JSON)."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with self.metrics_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(clean) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_file.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """On resume: drop lines past the checkpoint's step so the curve has no duplicate steps."""
+        keep = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
+        self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def plot_rewards(self, heads: list[str]) -> Path:
+        """Reward per step (composite and heads), with a moving average; rewritten as the run goes."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.read_metrics()
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [r["step"] for r in rows]
+        for key, label in [("reward_mean", "composite")] + [(f"reward/{h}", h) for h in heads]:
+            ys = [r.get(key) for r in rows]
+            pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
+            if not pts:
+                continue
+            xs, vs = zip(*pts, strict=True)
+            line, = ax.plot(xs, vs, alpha=0.35, lw=1)
+            w = max(1, len(vs) // 10)
+            smooth = [sum(vs[max(0, i - w + 1): i + 1]) / len(vs[max(0, i - w + 1): i + 1]) for i in range(len(vs))]
+            ax.plot(xs, smooth, color=line.get_color(), lw=2, label=label)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training reward (rollouts)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        tmp = self.curve_file.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(self.curve_file)
+        return self.curve_file
