@@ -15,6 +15,7 @@ lists the catalogue and the exported names the Grafana dashboard queries.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ _SPECS = [
     MetricSpec("vgrpo_approx_kl", "gauge", "Approximate KL between old and new policy."),
     MetricSpec("vgrpo_kl", "gauge", "KL regulariser terms (term=anchor: D_anchor, step: D_step).",
                ("term",)),
-    MetricSpec("vgrpo_lambda_kl", "gauge", "KL coefficient λ_KL after the last update."),
+    MetricSpec("vgrpo_lambda_kl", "gauge", "KL coefficient lambda_KL after the last update."),
     MetricSpec("vgrpo_align_loss", "gauge", "Trajectory-alignment term J_align."),
     MetricSpec("vgrpo_grad_norm", "gauge", "Gradient norm before clipping."),
     # -- versions, staleness, queues, sync
@@ -221,7 +222,7 @@ class Metrics:
         m.record_stats(train_stats.values)
     """
 
-    def __init__(self, backend: Backend = "memory", role: str = "driver", pool: str = "",
+    def __init__(self, backend: Backend = "memory", role: str = "driver", pool: str | None = None,
                  serve_port: int | None = None, serve_addr: str = "127.0.0.1"):
         if backend not in ("ray", "prometheus", "memory", "none"):
             raise ValueError(f"metrics backend must be ray, prometheus, memory or none, "
@@ -231,7 +232,8 @@ class Metrics:
                              "is served by Ray's metrics agent")
         self.backend: Backend = backend
         self.role = role
-        self.pool = pool or role
+        # The Helm chart sets VGRPO_POOL to the worker group's name on every Ray pod.
+        self.pool = pool or os.environ.get("VGRPO_POOL") or role
         self.port: int | None = None
         if serve_port is not None:
             self.port = serve_prometheus(serve_port, serve_addr)
@@ -239,7 +241,7 @@ class Metrics:
         self._values: dict[tuple[str, tuple[tuple[str, str], ...]], object] = {}
 
     @classmethod
-    def auto(cls, role: str, pool: str = "") -> Metrics:
+    def auto(cls, role: str, pool: str | None = None) -> Metrics:
         """Ray metrics when Ray is up in this process, else in-memory."""
         try:
             import ray
