@@ -136,6 +136,8 @@ class KLConfig(Section):
     """λ_KL for the constant schedule."""
     lam_low: float = Field(1e-7, ge=0.0, le=100.0)
     lam_high: float = Field(1e-5, ge=0.0, le=100.0)
+    lam_mid: float = Field(1e-6, ge=0.0, le=100.0)
+    """milder: λ after switch_step (lam_low before it)."""
     switch_step: int = Field(100, ge=0)
     """two_stage / milder: the optimizer step at which λ moves from low to high."""
     target: float = Field(1e-3, gt=0.0)

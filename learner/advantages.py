@@ -1,0 +1,50 @@
+"""Group-relative advantages (ALGORITHM.md section 3).
+
+    A_i = (R_i - mean) / (std + 1e-8), clipped to ±adv_clip
+
+The statistics run over a "stats set" (the fresh group, or the group plus its bank entries)
+and are applied to every member that trains (fresh and bank). std is the population std,
+as the baselines' `np.std`. A group whose rewards are all equal gets A = 0 everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor
+
+ADV_EPS = 1e-8
+
+
+def normalize(values: Tensor, stats_mask: Tensor) -> Tensor:
+    """(values - mean) / (std + 1e-8), with mean and std over values[stats_mask]. [N] or [N, H]"""
+    ref = values[stats_mask]                                    # [M] or [M, H]
+    mean, std = ref.mean(0), ref.std(0, unbiased=False)
+    return (values - mean) / (std + ADV_EPS)
+
+
+def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
+                     head_scores: Tensor | None = None, head_weights: Tensor | None = None,
+                     mode: Literal["composite", "per_head"] = "composite") -> Tensor:
+    """Advantages of one condition's members.
+
+    rewards      [N] composite R_i of every member (fresh, then bank)
+    stats_mask   [N] bool, which members the mean and std are taken over
+    head_scores  [N, H] per-head S_h (per_head mode only)
+    head_weights [H] w_h (per_head mode only)
+    mode         `per_head` normalises each head, then sums with w_h (DanceGRPO)
+    returns      [N] fp32, clipped to ±adv_clip
+    """
+    if mode == "per_head":
+        if head_scores is None or head_weights is None:
+            raise ValueError("per-head advantages need head scores and head weights "
+                             "(grpo.per_head_advantages=true with a batch that has no scores)")
+        adv = normalize(head_scores.float(), stats_mask) @ head_weights.float()  # [N]
+    else:
+        adv = normalize(rewards.float(), stats_mask)                             # [N]
+    return adv.clamp(-adv_clip, adv_clip)
+
+
+def is_zero_std(rewards: Tensor, stats_mask: Tensor, tol: float = 1e-6) -> bool:
+    """A group whose rewards carry no signal (every advantage is 0)."""
+    return bool(rewards[stats_mask].float().std(unbiased=False) <= tol)

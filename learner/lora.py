@@ -1,0 +1,49 @@
+"""LoRA injection with per-family default target modules.
+
+The rollout side must inject the same adapter (same family, rank, alpha, targets) before it
+loads an adapter-only weights payload: the payload's keys are the injected module's keys,
+e.g. `blocks.0.attn1.to_q.lora_A.default.weight`. Nothing here imports learner state, so the
+function can move to a shared place unchanged.
+"""
+
+from __future__ import annotations
+
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from common.config import OptimConfig
+
+# The attention projections of each family's transformer blocks (diffusers module names).
+DEFAULT_TARGETS: dict[str, list[str]] = {
+    "wan": ["to_q", "to_k", "to_v", "to_out.0"],
+    "hunyuan15": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                  "to_add_out"],
+    "toy": ["to_q", "to_k", "to_v", "to_out.0"],
+}
+ADAPTER = "default"
+
+
+def lora_targets(family: str, optim: OptimConfig) -> list[str]:
+    if optim.lora_target_modules is not None:
+        return list(optim.lora_target_modules)
+    if family not in DEFAULT_TARGETS:
+        raise ValueError(f"no default LoRA targets for model family {family!r}; "
+                         f"set optim.lora_target_modules")
+    return DEFAULT_TARGETS[family]
+
+
+def inject_lora(module: nn.Module, family: str, optim: OptimConfig) -> nn.Module:
+    """Add a LoRA adapter in place (B = 0, so the output is unchanged); only it requires grad."""
+    targets = lora_targets(family, optim)
+    names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()} | {
+        n for n, _ in module.named_modules()}
+    if not any(n == t or n.endswith("." + t) for t in targets for n in names):
+        raise ValueError(f"optim.lora_target_modules {targets} match no module of the "
+                         f"{family!r} transformer")
+    cfg = LoraConfig(r=optim.lora_rank, lora_alpha=optim.lora_alpha, target_modules=targets,
+                     lora_dropout=0.0, init_lora_weights=True)
+    return inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+
+
+def is_lora_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name

@@ -1,0 +1,118 @@
+"""The per-micro-batch loss, line by line with ALGORITHM.md sections 3–6.
+
+    L       = mean_{i,k}[ w_k·max(-A_i·r, -A_i·clip(r, 1-ε, 1+ε)) ] + λ_KL·(β_anchor·D_anchor + β_step·D_step)
+    L_total = L + γ·J_align
+
+`compute_loss` is a pure function of the policy's velocity function and one micro-batch
+(anchor velocities come in precomputed). Every mean over (i, k) is a sum divided by the
+batch-wide count, so summing the micro-batch losses (and the ranks' gradients) gives the
+full-batch loss exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from common.config import RunConfig
+from common.sde import Scheme, gaussian_kl, log_prob
+from learner.rows import MicroBatch
+from rollout_worker.models.base import Cond
+
+VelocityFn = Callable[[Tensor, Tensor, Cond], Tensor]  # (x [B, ...], σ [B], cond) → v [B, ...]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_eps: float
+    strategy: Literal["none", "fixed", "step", "moving", "dual"]
+    beta_anchor: float
+    beta_step: float
+    d_step: Literal["k1", "exact"]
+    gamma: float          # 0 with alignment off
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig) -> LossConfig:
+        return cls(cfg.grpo.clip_eps, cfg.kl.strategy, cfg.kl.beta_anchor, cfg.kl.beta_step,
+                   cfg.kl.d_step, cfg.align.gamma if cfg.align.enabled else 0.0)
+
+    @property
+    def anchor(self) -> str | None:
+        """The anchor D_anchor is taken against: π_0 (`fixed`), the moving one, or none."""
+        return {"fixed": "pi0", "moving": "moving", "dual": "moving"}.get(self.strategy)
+
+    @property
+    def uses_step(self) -> bool:
+        return self.strategy in ("step", "dual")
+
+    @property
+    def needs_prev(self) -> bool:
+        """The exact D_step compares with the policy before the last optimizer step."""
+        return self.uses_step and self.d_step == "exact"
+
+
+def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Scheme,
+                 lc: LossConfig, lam_kl: float, n_rows: int, n_align: int,
+                 anchor_v: Tensor | None = None, prev_v: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Returns (this micro-batch's share of L_total, detached sums for the step's stats).
+
+    cond: the micro-batch's encoded conditions (rows aligned with mb).
+    anchor_v, prev_v: velocities of the D_anchor anchor and the previous policy on mb.x, no grad.
+    """
+    m = mb.mask                                                            # [B] 0 on padding
+    std = scheme.std(mb.sigma, mb.sigma_next).to(mb.x.device)              # [B]
+
+    # 1. new log-probs: velocity → scheme mean → Gaussian log-density (as the sampler does)
+    x = mb.x.float()                                                       # stored latents may be bf16
+    new_v = velocity_fn(x, mb.sigma, cond)                                 # [B, C, F, H, W]
+    new_mu = scheme.mean(mb.x, new_v, mb.sigma, mb.sigma_next)             # [B, C, F, H, W] fp32
+    new_logp = log_prob(mb.x_next, new_mu, std)                            # [B]
+
+    # 2. clipped surrogate (section 3), weighted per step by the equalizer (section 4)
+    logratio = new_logp - mb.logp_old                                      # [B]
+    ratio = logratio.exp()
+    pg_loss1 = -mb.adv * ratio
+    pg_loss2 = -mb.adv * ratio.clamp(1 - lc.clip_eps, 1 + lc.clip_eps)
+    pg_loss = torch.max(pg_loss1, pg_loss2)                                # [B]
+    policy_loss = (m * mb.weight * pg_loss).sum() / n_rows
+
+    # 3. dual trust region (section 5)
+    d_anchor = torch.zeros_like(new_logp)
+    if lc.anchor is not None:
+        anchor_mu = scheme.mean(mb.x, anchor_v, mb.sigma, mb.sigma_next)
+        d_anchor = gaussian_kl(new_mu, anchor_mu, std)                     # [B]
+    if lc.needs_prev:
+        prev_mu = scheme.mean(mb.x, prev_v, mb.sigma, mb.sigma_next)
+        d_step = gaussian_kl(new_mu, prev_mu, std)                         # [B] exact
+    else:
+        d_step = mb.logp_old - new_logp                                    # [B] k1
+    beta_anchor = lc.beta_anchor if lc.anchor is not None else 0.0
+    beta_step = lc.beta_step if lc.uses_step else 0.0
+    kl_loss = lam_kl * (beta_anchor * (m * d_anchor).sum() + beta_step * (m * d_step).sum()) / n_rows
+
+    # 4. trajectory alignment (section 6): step from x^i_k to the winner's / loser's x_{k+1}
+    align_loss = torch.zeros((), device=new_logp.device)
+    if lc.gamma > 0 and n_align > 0:
+        logp_pos = log_prob(mb.x_pos, new_mu, std)                         # [B]
+        logp_neg = log_prob(mb.x_neg, new_mu, std)                         # [B]
+        j = mb.a_pos * logp_pos + mb.a_neg * logp_neg
+        align_loss = -(m * mb.align_mask * j).sum() / n_align
+
+    loss = policy_loss + kl_loss + lc.gamma * align_loss
+
+    with torch.no_grad():
+        sums = {
+            "loss": loss.detach(), "loss/policy": policy_loss.detach(), "loss/kl": kl_loss.detach(),
+            "loss/align": align_loss.detach(),
+            "ratio_mean": (m * ratio).sum() / n_rows,
+            "approx_kl": (m * ((ratio - 1) - logratio)).sum() / n_rows,
+            "clipfrac": (m * ((ratio - 1).abs() > lc.clip_eps).float()).sum() / n_rows,
+            "kl/d_anchor": (m * d_anchor).sum() / n_rows,
+            "kl/d_step": (m * d_step).sum() / n_rows,
+            "logratio_absmax": (m * logratio.abs()).max(),
+        }
+    return loss, sums

@@ -1,0 +1,176 @@
+"""The single-process reference learner: setup → train_step → save_checkpoint.
+
+One `train_step` is one optimizer step over a TrainBatch: gradients accumulate over
+(sample, trained step) micro-batches of cfg.optim.micro_batch rows, are clipped to
+cfg.optim.grad_clip, and AdamW steps once; the policy version then advances by one.
+
+For data-parallel ranks (learner/fsdp.py), `train_step(batch, rank=r, world_size=n, reduce=fn)`
+processes rank r's share of the rows (every rank runs the same number of micro-batches) and
+scales its loss by n, because FSDP2's gradient reduce-scatter averages over ranks while the
+loss is a sum over rows / the batch-wide count. `reduce` (a sum all-reduce of one fp64
+tensor) makes the reported stats batch-wide.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from common.config import RunConfig
+from common.sde import Schedule, scheme_from_config
+from common.types import TrainBatch, TrainStats
+from learner import checkpoint
+from learner.kl import KLController
+from learner.losses import LossConfig, compute_loss
+from learner.policy import Policy
+from learner.rows import Rows, build_rows, micro_batches
+from rollout_worker.models.base import Cond, VideoModel
+
+ReduceFn = Callable[[Tensor], Tensor]
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, model: VideoModel, *, device: str | torch.device | None = None):
+        self.cfg, self.model = cfg, model
+        self.device = torch.device(device) if device is not None else torch.device(model.device)
+        self.version = 0  # optimizer steps taken; the policy version of the current weights
+
+    def setup(self) -> Trainer:
+        cfg = self.cfg
+        # 1. losses and the anchors they need (LoRA anchors are cheap: keep π_0 and moving)
+        self.loss_cfg = LossConfig.from_run(cfg)
+        anchors = {"pi0", "moving"} if cfg.optim.finetune == "lora" else set()
+        if self.loss_cfg.anchor is not None:
+            anchors.add(self.loss_cfg.anchor)
+        if self.loss_cfg.needs_prev:
+            anchors.add("prev")
+        self.model.trainable_module().to(self.device)
+        self.policy = Policy(self.model, cfg.optim, sorted(anchors))
+        # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01)
+        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr,
+                                           weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)
+        # 3. λ_KL and the configured schedule/scheme (batches carry their own; these are defaults)
+        self.kl = KLController(cfg.kl)
+        self.schedule = Schedule.from_config(cfg.schedule)
+        self.scheme = scheme_from_config(cfg, self.schedule)
+        return self
+
+    # --- one optimizer step ------------------------------------------------------------
+
+    def encode(self, rows: Rows) -> Cond:
+        """Each condition of the batch once; the text encoder is frozen."""
+        conds = rows.conditions
+        with_image = [c.image is not None for c in conds]
+        if any(with_image) and not all(with_image):
+            raise ValueError("a TrainBatch mixes conditions with and without a first frame")
+        images = torch.stack([c.image for c in conds]) if all(with_image) else None
+        with torch.no_grad():
+            return self.model.encode([c.prompt for c in conds], images).to(self.device)
+
+    def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
+                   reduce: ReduceFn | None = None) -> TrainStats:
+        cfg, lc, policy = self.cfg, self.loss_cfg, self.policy
+        lam_kl = self.kl.value(self.version)
+
+        # 1. rows: advantages, equalizer weights, winner/loser rows
+        rows = build_rows(batch, cfg)
+        n_rows, n_align = rows.n, rows.n_align
+
+        # 2. conditions, encoded once
+        cond_all = self.encode(rows)
+
+        # 3. accumulate gradients over this rank's micro-batches
+        self.optimizer.zero_grad(set_to_none=True)
+        keys = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
+                "kl/d_anchor", "kl/d_step"]
+        sums = torch.zeros(len(keys), dtype=torch.float64)
+        first_logratio = float("nan")
+        for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
+            mb = mb.to(self.device)
+            cond = cond_all.index(mb.cond_idx)
+            # anchors first: swapping weights after the grad forward would corrupt backward
+            anchor_v = policy.anchor_velocity(lc.anchor, mb.x, mb.sigma, cond) if lc.anchor else None
+            prev_v = policy.anchor_velocity("prev", mb.x, mb.sigma, cond) if lc.needs_prev else None
+            loss, s = compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, n_rows, n_align,
+                                   anchor_v, prev_v)
+            (loss * world_size).backward()
+            sums += torch.stack([s[k].double().cpu() for k in keys])
+            if i == 0:
+                first_logratio = float(s["logratio_absmax"])
+        if reduce is not None:
+            sums = reduce(sums)
+
+        # 4. clip, remember the pre-step policy, step
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.optim.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if "prev" in policy.anchors:
+            policy.refresh("prev")
+        self.optimizer.step()
+        self.version += 1
+
+        # 5. anchors and λ_KL for the next step
+        if self.version % cfg.kl.anchor_period == 0 and "moving" in policy.anchors:
+            policy.refresh("moving")
+        stats = dict(zip(keys, sums.tolist(), strict=True))
+        measured_kl = (lc.beta_anchor * stats["kl/d_anchor"] if lc.anchor else 0.0) + \
+                      (lc.beta_step * stats["kl/d_step"] if lc.uses_step else 0.0)
+        self.kl.update(measured_kl)
+
+        stats.update(rows.stats)
+        stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
+                      "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
+                      "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
+        return TrainStats(stats)
+
+    # --- weights and checkpoints -------------------------------------------------------
+
+    def weights_payload(self) -> dict[str, Tensor]:
+        """Adapter-only for LoRA (see Policy.weights_payload), else the full state dict; CPU tensors."""
+        return self.policy.weights_payload()
+
+    def state_dict(self) -> dict:
+        rng = {"torch": torch.get_rng_state(), "python": _py_rng_to_list(random.getstate())}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"version": self.version, "finetune": self.cfg.optim.finetune,
+                "policy": self.policy.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "kl": self.kl.state_dict(), "rng": rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["finetune"] != self.cfg.optim.finetune:
+            raise ValueError(f"checkpoint was trained with optim.finetune={state['finetune']!r}, "
+                             f"this run uses {self.cfg.optim.finetune!r}")
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.kl.load_state_dict(state["kl"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(_py_rng_from_list(state["rng"]["python"]))
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def save_checkpoint(self, dir: str | Path, extra: dict | None = None) -> Path:
+        """Atomically write `<dir>/step_<version>`; keeps cfg.train.keep_checkpoints of them."""
+        return checkpoint.save(dir, self.version, self.state_dict(), dict(extra or {}),
+                               self.cfg.train.keep_checkpoints)
+
+    def load_checkpoint(self, dir: str | Path) -> dict:
+        """Restore from a checkpoint dir (or the newest under a root); returns the driver's `extra`."""
+        state, extra, _ = checkpoint.load(dir, map_location=self.device)
+        self.load_state_dict(state)
+        return extra
+
+
+def _py_rng_to_list(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _py_rng_from_list(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
