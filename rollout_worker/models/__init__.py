@@ -1,0 +1,38 @@
+"""Model adapters: one VideoModel per family, built from the run config by `build_model`."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import RunConfig
+from rollout_worker.models.base import Cond, ModelLoadError, VideoModel
+
+__all__ = ["Cond", "ModelLoadError", "VideoModel", "build_model", "default_device"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> VideoModel:
+    """The adapter for `cfg.model.family`, loaded from `cfg.model.path` (families import lazily)."""
+    m = cfg.model
+    device = default_device() if device is None else torch.device(device)
+    if m.family == "toy":
+        from rollout_worker.models.toy import ToyVideoModel
+
+        return ToyVideoModel.from_config(cfg)  # CPU-sized by design
+    if m.path is None:
+        raise ModelLoadError(f"model.path is required for model.family = {m.family!r} "
+                             "(a local diffusers-format directory or a hub id)")
+    if m.family == "wan":
+        from rollout_worker.models.wan import WanVideoModel
+
+        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device)
+    if m.family == "hunyuan15":
+        from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
+
+        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device)
+    raise ModelLoadError(f"model.family = {m.family!r} has no adapter")

@@ -76,6 +76,10 @@ class VideoModel(ABC):
     def trainable_module(self) -> nn.Module:
         """The module the learner trains (and a weights payload targets)."""
 
+    def trains_sigma(self, sigma: float) -> bool:
+        """Whether a step at σ_k runs a trainable module (False where a frozen expert runs it)."""
+        return True
+
     def initial_noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """ε ~ N(0, I), drawn on the CPU from `generator` so it is the same on every device. [B, C, F, H, W]"""
         return torch.randn((batch, *self.latent_shape), generator=generator,
@@ -91,6 +95,12 @@ class VideoModel(ABC):
             raise KeyError(f"weights payload misses keys: {missing[:5]}")
 
 
+def frames_to_uint8(video: Tensor) -> Tensor:
+    """A decoder's [B, 3, F, H, W] output in [-1, 1] → uint8 [B, F, H, W, 3], rounded as diffusers does."""
+    video = (video.float() / 2 + 0.5).clamp(0, 1)
+    return (video * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu()
+
+
 def require_dir(path: str | Path, needed: list[str], what: str) -> Path:
     """Check that a local model directory exists and holds the files a loader needs."""
     p = Path(path)
@@ -100,6 +110,15 @@ def require_dir(path: str | Path, needed: list[str], what: str) -> Path:
     if lacking:
         raise ModelLoadError(f"{what}: model path {str(p)!r} is incomplete; missing {', '.join(lacking)}")
     return p
+
+
+def require_weights(root: Path, parts: list[str], what: str) -> None:
+    """Each listed component folder that exists must hold weights (*.safetensors or *.bin)."""
+    for p in parts:
+        d = root / p
+        if d.is_dir() and not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+            raise ModelLoadError(f"{what}: model path {str(root)!r} is incomplete; {p}/ holds no weights "
+                                 "(*.safetensors or *.bin)")
 
 
 def is_local(path: str) -> bool:

@@ -1,0 +1,166 @@
+"""HunyuanVideo 1.5 (T2V and I2V) through diffusers' own classes.
+
+As in `HunyuanVideo15Pipeline.__call__`: the transformer takes [x, condition latents, mask]
+along channels, timestep t = σ·1000, the Qwen2.5-VL and ByT5 text states with their masks,
+and SigLIP image states (zeros for T2V, which the transformer reads as "no image"). CFG is
+uncond + g·(cond - uncond), run only when guidance_scale > 1. Latents are divided by the
+VAE's scaling_factor before decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from common.config import ModelConfig
+from rollout_worker.models.base import (
+    Cond,
+    ModelLoadError,
+    VideoModel,
+    frames_to_uint8,
+    is_local,
+    require_dir,
+    require_weights,
+)
+from rollout_worker.models.wan import _to_pil
+
+_TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
+              "encoder_attention_mask_2")
+_NEEDED = ["model_index.json", "transformer/config.json", "vae/config.json", "text_encoder/config.json",
+           "text_encoder_2/config.json", "tokenizer", "tokenizer_2"]
+_NEEDED_I2V = ["image_encoder/config.json", "feature_extractor"]
+
+
+def _pipeline_class(task: str):
+    from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+
+    return HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
+
+
+class Hunyuan15VideoModel(VideoModel):
+    """HunyuanVideo 1.5 adapter. Build with `from_pretrained` (a checkpoint) or `from_components` (tests)."""
+
+    family = "hunyuan15"
+
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
+        self.transformer = pipe.transformer
+        self.guidance_scale = cfg.guidance_scale
+        if cfg.guidance_scale_2 is not None or cfg.boundary_ratio is not None:
+            raise ValueError("model.guidance_scale_2 / model.boundary_ratio are Wan 2.2 options; "
+                             "HunyuanVideo 1.5 has one transformer")
+        if cfg.train_experts != "all":
+            raise ValueError("model.train_experts = 'high_noise' is a Wan 2.2 option")
+        st, ss = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+        if cfg.num_frames % st != 1:
+            raise ValueError(f"model.num_frames = {cfg.num_frames}: HunyuanVideo 1.5 needs {st}·k + 1")
+        if cfg.height % ss or cfg.width % ss:
+            raise ValueError(f"model.height/width = {cfg.height}x{cfg.width}: need multiples of {ss}")
+        for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae, getattr(pipe, "image_encoder", None)):
+            if m is not None:
+                m.requires_grad_(False)
+        pipe.to(self.device)
+
+    # --- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu") -> Hunyuan15VideoModel:
+        """From built modules (keys as HunyuanVideo15Pipeline's: transformer, vae, text_encoder, …)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        comps = dict(components)
+        comps.setdefault("scheduler", FlowMatchEulerDiscreteScheduler())  # unused: the sampler owns the loop
+        comps.setdefault("guider", ClassifierFreeGuidance(guidance_scale=cfg.guidance_scale))
+        return cls(_pipeline_class(cfg.task)(**comps), cfg, device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                        device="cpu") -> Hunyuan15VideoModel:
+        """Load a diffusers-format HunyuanVideo 1.5 checkpoint (local directory or hub id) in `dtype`."""
+        path = str(path)
+        if is_local(path):
+            root = require_dir(path, _NEEDED + (_NEEDED_I2V if cfg.task == "i2v" else []), "hunyuan15")
+            require_weights(root, ["transformer", "vae", "text_encoder", "text_encoder_2", "image_encoder"],
+                            "hunyuan15")
+        try:
+            pipe = _pipeline_class(cfg.task).from_pretrained(path, torch_dtype=dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"hunyuan15: could not load model path {path!r}: {e}") from e
+        return cls(pipe, cfg, device)
+
+    # --- VideoModel --------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        c, p = self.cfg, self.pipe
+        return (p.vae.config.latent_channels, (c.num_frames - 1) // p.vae_scale_factor_temporal + 1,
+                c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
+
+    def _text(self, prompts: list[str]) -> dict[str, Tensor]:
+        out = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype,
+                                      batch_size=len(prompts))
+        return dict(zip(_TEXT_KEYS, out, strict=True))  # [B, L, D], [B, L], [B, L2, D2], [B, L2]
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+        B, shape = len(prompts), self.latent_shape
+        # 1. Text, and the negative prompt when CFG runs
+        tensors = self._text(list(prompts))
+        uncond = self._text([self.cfg.negative_prompt] * B) if self.guidance_scale > 1.0 else None
+        # 2. Image states and first-frame condition latents + mask (zeros for T2V)
+        if self.cfg.task == "t2v":
+            tensors["image_embeds"] = torch.zeros(B, self.pipe.vision_num_semantic_tokens,
+                                                  self.transformer.config.image_embed_dim,
+                                                  dtype=self.dtype, device=self.device)
+            tensors["cond_latents"] = torch.zeros(B, *shape, dtype=self.dtype, device=self.device)
+            tensors["mask"] = torch.zeros(B, 1, *shape[1:], dtype=self.dtype, device=self.device)
+            return Cond(tensors, uncond)
+        if images is None or len(images) != B:
+            raise ValueError("model.task = 'i2v' needs one first frame (uint8 [H, W, 3]) per prompt")
+        embeds, conds, masks = [], [], []
+        for img in images:
+            pil = self.pipe.video_processor.resize(_to_pil(img), height=self.cfg.height, width=self.cfg.width,
+                                                   resize_mode="crop")
+            embeds.append(self.pipe.encode_image(image=pil, batch_size=1, device=self.device, dtype=self.dtype))
+            c, m = self.pipe.prepare_cond_latents_and_mask(
+                latents=torch.zeros(1, *shape, device=self.device), image=pil, batch_size=1,
+                height=self.cfg.height, width=self.cfg.width, dtype=self.dtype, device=self.device)
+            conds.append(c)   # [1, C, F, H, W], first frame set
+            masks.append(m)   # [1, 1, F, H, W], 1 on the first frame
+        tensors.update(image_embeds=torch.cat(embeds), cond_latents=torch.cat(conds), mask=torch.cat(masks))
+        return Cond(tensors, uncond)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        n = x.shape[0]
+        t = (torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000.0)
+        c = cond.tensors
+        x_in = torch.cat([x.to(self.device, self.dtype), c["cond_latents"], c["mask"]], dim=1)  # [B, 2C+1, F, H, W]
+        kw = {k: c[k] for k in _TEXT_KEYS}
+        image_embeds = c["image_embeds"]
+        do_cfg = self.guidance_scale > 1.0 and cond.uncond is not None
+        if do_cfg:  # one forward over [cond; uncond]
+            kw = {k: torch.cat([v, cond.uncond[k]]) for k, v in kw.items()}
+            x_in, t, image_embeds = torch.cat([x_in, x_in]), torch.cat([t, t]), torch.cat([image_embeds] * 2)
+        out = self.transformer(hidden_states=x_in, image_embeds=image_embeds, timestep=t.to(self.dtype),
+                               return_dict=False, **kw)[0].float()
+        if not do_cfg:
+            return out
+        v_cond, v_uncond = out[:n], out[n:]
+        return v_uncond + self.guidance_scale * (v_cond - v_uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipe.vae
+        video = vae.decode(latents.to(self.device, vae.dtype) / vae.config.scaling_factor,
+                           return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
+        return frames_to_uint8(video)
+
+    def trainable_module(self) -> nn.Module:
+        return self.transformer

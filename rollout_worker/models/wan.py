@@ -1,0 +1,237 @@
+"""Wan 2.1 / 2.2 (T2V and I2V) through diffusers' own classes.
+
+The adapter holds a diffusers pipeline object only as the container of its components
+and for its public encoders (`encode_prompt`, `encode_image`, `prepare_latents`); the
+sampler owns the loop. Conventions follow `WanPipeline.__call__`:
+- the transformer gets timestep t = σ·1000;
+- Wan 2.2 runs `transformer` (high-noise expert) while t ≥ boundary_ratio·1000, with
+  `guidance_scale`, and `transformer_2` below it, with `guidance_scale_2`;
+- CFG runs only when guidance_scale > 1; I2V concatenates [x, mask, condition latents];
+- latents are denormalised with the VAE's latents_mean/std before decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from common.config import ModelConfig
+from rollout_worker.models.base import (
+    Cond,
+    ModelLoadError,
+    VideoModel,
+    frames_to_uint8,
+    is_local,
+    require_dir,
+    require_weights,
+)
+
+_NEEDED = ["model_index.json", "vae/config.json", "text_encoder/config.json", "tokenizer"]
+
+
+def _check_local(path: str, task: str) -> None:
+    """Name the first missing piece of a local Wan checkpoint before diffusers fails obscurely."""
+    root = require_dir(path, _NEEDED, "wan")
+    index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+    parts = [k for k in ("transformer", "transformer_2") if (index.get(k) or [None])[0] is not None]
+    if task == "i2v" and (index.get("image_encoder") or [None])[0] is not None:
+        parts += ["image_encoder", "image_processor"]
+    if not any(p.startswith("transformer") for p in parts):
+        raise ModelLoadError(f"wan: model path {path!r} is incomplete; model_index.json names no transformer")
+    require_dir(root, [f"{p}/{'preprocessor_config.json' if p == 'image_processor' else 'config.json'}"
+                       for p in parts], "wan")
+    require_weights(root, ["transformer", "transformer_2", "vae", "text_encoder"], "wan")
+
+
+class WanVideoModel(VideoModel):
+    """Wan 2.x adapter. Build with `from_pretrained` (a checkpoint) or `from_components` (tests)."""
+
+    family = "wan"
+
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
+        if pipe.config.get("expand_timesteps", False):
+            raise ModelLoadError("wan: Wan 2.2 TI2V-5B (expand_timesteps) is not supported by this adapter")
+        self.transformer, self.transformer_2 = pipe.transformer, pipe.transformer_2
+        if self.transformer is None:
+            raise ModelLoadError("wan: the checkpoint has no `transformer` (the high-noise expert); "
+                                 "boundary_ratio=1.0 checkpoints are not supported")
+        boundary = cfg.boundary_ratio if cfg.boundary_ratio is not None else pipe.config.get("boundary_ratio")
+        if self.transformer_2 is not None and boundary is None:
+            raise ModelLoadError("wan: two experts need model.boundary_ratio (none in config or checkpoint)")
+        if self.transformer_2 is None and cfg.boundary_ratio is not None:
+            raise ValueError("model.boundary_ratio is set but the checkpoint has one expert (no transformer_2)")
+        if cfg.train_experts == "high_noise" and self.transformer_2 is None:
+            raise ValueError("model.train_experts=high_noise needs a Wan 2.2 checkpoint with transformer_2")
+        self.boundary_timestep = None if self.transformer_2 is None else boundary * 1000.0
+        self.guidance_scale = cfg.guidance_scale
+        self.guidance_scale_2 = cfg.guidance_scale if cfg.guidance_scale_2 is None else cfg.guidance_scale_2
+        self._check_shapes()
+        self._freeze()
+        pipe.to(self.device)
+
+    # --- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu") -> WanVideoModel:
+        """From built modules (keys as WanPipeline's: transformer, vae, text_encoder, tokenizer, …)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+
+        comps = dict(components)
+        comps.setdefault("scheduler", FlowMatchEulerDiscreteScheduler())  # unused: the sampler owns the loop
+        pipe_cls = WanImageToVideoPipeline if cfg.task == "i2v" else WanPipeline
+        return cls(pipe_cls(**comps), cfg, device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                        device="cpu") -> WanVideoModel:
+        """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; VAE stays fp32."""
+        from diffusers import WanImageToVideoPipeline, WanPipeline
+
+        path = str(path)
+        if is_local(path):
+            _check_local(path, cfg.task)
+        pipe_cls = WanImageToVideoPipeline if cfg.task == "i2v" else WanPipeline
+        try:
+            pipe = pipe_cls.from_pretrained(path, torch_dtype=dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"wan: could not load model path {path!r}: {e}") from e
+        pipe.vae.to(torch.float32)  # decoding in low precision visibly degrades Wan videos
+        return cls(pipe, cfg, device)
+
+    def _check_shapes(self) -> None:
+        c = self.cfg
+        st, ss = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        if c.num_frames % st != 1:
+            raise ValueError(f"model.num_frames = {c.num_frames}: Wan needs num_frames = {st}·k + 1")
+        mult = ss * self.transformer.config.patch_size[1]
+        if c.height % mult or c.width % mult:
+            raise ValueError(f"model.height/width = {c.height}x{c.width}: Wan needs multiples of {mult}")
+        z = self.pipe.vae.config.z_dim
+        want = z if c.task == "t2v" else 2 * z + self.pipe.vae_scale_factor_temporal
+        for name, t in (("transformer", self.transformer), ("transformer_2", self.transformer_2)):
+            if t is not None and t.config.in_channels != want:
+                raise ModelLoadError(f"wan: {name} takes {t.config.in_channels} channels, but model.task = "
+                                     f"{c.task!r} needs {want}; is this a {'t2v' if c.task == 'i2v' else 'i2v'} "
+                                     "checkpoint?")
+
+    def _freeze(self) -> None:
+        for m in (self.pipe.text_encoder, self.pipe.vae, getattr(self.pipe, "image_encoder", None)):
+            if m is not None:
+                m.requires_grad_(False)
+        if self.cfg.train_experts == "high_noise" and self.transformer_2 is not None:
+            self.transformer_2.requires_grad_(False)
+
+    # --- VideoModel --------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        c, p = self.cfg, self.pipe
+        return (p.vae.config.z_dim, (c.num_frames - 1) // p.vae_scale_factor_temporal + 1,
+                c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+        # 1. Text (and the negative prompt when CFG runs), as WanPipeline.encode_prompt does
+        do_cfg = self.guidance_scale > 1.0
+        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if do_cfg else None,
+            do_classifier_free_guidance=do_cfg, max_sequence_length=self.cfg.max_sequence_length,
+            device=self.device)
+        tensors = {"encoder_hidden_states": prompt_embeds.to(self.dtype)}  # [B, L, D]
+        uncond = {"encoder_hidden_states": negative_embeds.to(self.dtype)} if do_cfg else None
+        if self.cfg.task == "t2v":
+            return Cond(tensors, uncond)
+        # 2. I2V: first-frame condition latents with their mask, and CLIP features (Wan 2.1)
+        if images is None or len(images) != len(prompts):
+            raise ValueError("model.task = 'i2v' needs one first frame (uint8 [H, W, 3]) per prompt")
+        conds, feats = [], []
+        for img in images:
+            pil = _to_pil(img)
+            pixels = self.pipe.video_processor.preprocess(pil, height=self.cfg.height, width=self.cfg.width)
+            _, condition = self.pipe.prepare_latents(
+                pixels.to(self.device, torch.float32), 1, self.pipe.vae.config.z_dim, self.cfg.height,
+                self.cfg.width, self.cfg.num_frames, torch.float32, self.device, None,
+                latents=torch.zeros(1, *self.latent_shape, device=self.device))
+            conds.append(condition)  # [1, 4 + C, F, H, W]
+            if self.transformer.config.image_dim is not None:
+                if getattr(self.pipe, "image_encoder", None) is None:
+                    raise ModelLoadError("wan: this I2V transformer takes CLIP features, but the checkpoint "
+                                         "has no image_encoder")
+                feats.append(self.pipe.encode_image(pil, self.device))  # [1, N, D_img]
+        tensors["condition"] = torch.cat(conds).to(self.dtype)
+        if feats:
+            tensors["encoder_hidden_states_image"] = torch.cat(feats).to(self.dtype)
+        return Cond(tensors, uncond)
+
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(x.shape[0]) * 1000.0
+        if self.transformer_2 is None:
+            return self._guided(self.transformer, self.guidance_scale, x, t, cond)
+        high = t >= self.boundary_timestep  # [B] which samples the high-noise expert serves
+        if bool(high.all()):
+            return self._guided(self.transformer, self.guidance_scale, x, t, cond)
+        if not bool(high.any()):
+            return self._guided(self.transformer_2, self.guidance_scale_2, x, t, cond)
+        v = torch.empty(x.shape, dtype=torch.float32, device=self.device)
+        v[high] = self._guided(self.transformer, self.guidance_scale, x[high], t[high], cond.index(high))
+        v[~high] = self._guided(self.transformer_2, self.guidance_scale_2, x[~high], t[~high],
+                                cond.index(~high))
+        return v
+
+    def _guided(self, model: nn.Module, scale: float, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
+        """One batched forward over [cond; uncond] and the CFG mix, in fp32. [B, C, F, H, W]"""
+        x_in = x.to(self.device, self.dtype)
+        if "condition" in cond.tensors:
+            x_in = torch.cat([x_in, cond.tensors["condition"]], dim=1)  # [B, 2C + 4, F, H, W]
+        kw = {k: v for k, v in cond.tensors.items() if k != "condition"}
+        do_cfg = self.guidance_scale > 1.0 and cond.uncond is not None
+        if do_cfg:
+            n = x.shape[0]
+            kw = {k: torch.cat([v, cond.uncond.get(k, v)]) for k, v in kw.items()}
+            x_in, t = torch.cat([x_in, x_in]), torch.cat([t, t])
+        out = model(hidden_states=x_in, timestep=t, return_dict=False, **kw)[0].float()
+        if not do_cfg:
+            return out
+        v_cond, v_uncond = out[:n], out[n:]
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        vae = self.pipe.vae
+        z = latents.to(self.device, vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+        video = vae.decode(z * std + mean, return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
+        return frames_to_uint8(video)
+
+    def trainable_module(self) -> nn.Module:
+        """`transformer` alone (Wan 2.1, or train_experts=high_noise); else both experts in a ModuleDict."""
+        if self.transformer_2 is None or self.cfg.train_experts == "high_noise":
+            return self.transformer
+        if not hasattr(self, "_experts"):
+            self._experts = nn.ModuleDict({"transformer": self.transformer, "transformer_2": self.transformer_2})
+        return self._experts
+
+    def trains_sigma(self, sigma: float) -> bool:
+        if self.transformer_2 is None or self.cfg.train_experts == "all":
+            return True
+        t = torch.tensor(sigma, dtype=torch.float32) * 1000.0  # the same fp32 test as velocity's
+        return bool(t >= self.boundary_timestep)
+
+
+def _to_pil(img: Tensor):
+    from PIL import Image
+
+    arr = img.detach().cpu().numpy() if isinstance(img, Tensor) else np.asarray(img)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[-1] != 3:
+        raise ValueError(f"a first frame must be uint8 [H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
+    return Image.fromarray(arr)

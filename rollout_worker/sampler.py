@@ -1,0 +1,154 @@
+"""The SDE sampler: one group of G rollouts of one condition, read like a pipeline's __call__.
+
+The model gives the velocity (CFG inside); the scheme from common/sde.py gives each step's
+Gaussian; this module owns the loop and what it records. `transition_log_prob` is the
+one place a step's log-prob is computed, here and in the learner, so a stored transition
+replays exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from common.config import RunConfig, SamplerConfig
+from common.sde import ODE, Schedule, Scheme, log_prob, make_scheme, sample_step, scheme_from_config
+from common.types import Condition, Group, Trajectory
+from rollout_worker.models.base import Cond, VideoModel
+
+_PERM_SEED_OFFSET = 0x5EED  # the step permutation's generator must not replay the noise stream
+
+_LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond) -> Tensor:
+    """v_θ(x, σ, c) for x [B, C, F, H, W] and σ a float or [B]."""
+    sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(x.shape[0])
+    return model.velocity(x.to(model.device, torch.float32), sig.to(model.device), cond)
+
+
+def transition_log_prob(model: VideoModel, scheme: Scheme, x: Tensor, x_next: Tensor, sigma, sigma_next,
+                        cond: Cond) -> tuple[Tensor, Tensor]:
+    """log π(x' | x) averaged over elements, and μ: velocity → scheme.mean → log_prob. ([B], [B, ...])
+
+    σ and σ' are floats or [B] tensors; x and x' may be stored bf16 (they are read as fp32).
+    """
+    v = _velocity(model, x, sigma, cond)
+    mu = scheme.mean(x.to(v.device, torch.float32), v, sigma, sigma_next)
+    return log_prob(x_next.to(mu.device), mu, scheme.std(sigma, sigma_next)), mu
+
+
+def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int,
+                         model: VideoModel | None = None) -> list[int]:
+    """The steps k whose transitions are trained, per `sampler.train_steps`.
+
+    Never a step with std 0 (no log-prob), never one of the last `ode_last_steps` (they run
+    as ODE), never one served by a frozen module (`model.trains_sigma`). `fraction` takes
+    round(fraction·n) of the n eligible steps (at least one) from a permutation seeded by `seed`.
+    """
+    last = schedule.steps - scfg.ode_last_steps
+    eligible = [k for k in range(max(last, 0))
+                if _has_noise(scheme, *schedule.pair(k))
+                and (model is None or model.trains_sigma(schedule.sigmas[k]))]
+    if scfg.train_steps == "all" or not eligible:
+        return eligible
+    if scfg.train_steps == "threshold":
+        return [k for k in eligible if schedule.sigmas[k] > scfg.sigma_threshold]
+    n = max(1, round(scfg.train_fraction * len(eligible)))
+    gen = torch.Generator().manual_seed(seed + _PERM_SEED_OFFSET)
+    perm = torch.randperm(len(eligible), generator=gen)[:n]
+    return sorted(eligible[int(i)] for i in perm)
+
+
+@torch.no_grad()
+def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
+                 group_id: str | None = None) -> Group:
+    """Generate G = sampler.group_size rollouts of `condition` and record their trained transitions."""
+    scfg = cfg.sampler
+    G = scfg.group_size
+    store = _LATENT_DTYPES[scfg.latent_dtype]
+    group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
+
+    # 1. Schedule, scheme and the steps to train
+    schedule = Schedule.from_config(cfg.schedule)
+    scheme = scheme_from_config(cfg, schedule)
+    trained = select_trained_steps(schedule, scheme, scfg, seed, model)
+    trained_set = set(trained)
+    ode_from = schedule.steps - scfg.ode_last_steps
+
+    # 2. Encode the condition once; every member shares it
+    images = None if condition.image is None else condition.image.unsqueeze(0)
+    cond = model.encode([condition.prompt], images).repeat(G)
+
+    # 3. Initial noise: shared by the group (default) or fresh per member
+    gen = torch.Generator().manual_seed(seed)
+    x = model.initial_noise(1 if scfg.shared_noise else G, gen).float()
+    x = _round(x.expand(G, *x.shape[1:]).clone(), store)  # [G, C, F, H, W]
+
+    # 4. Denoising loop; the state keeps the stored dtype's values so stored steps replay exactly
+    xs, x_nexts, logps = [], [], []
+    for k in range(schedule.steps):
+        sigma, sigma_next = schedule.pair(k)
+        step_scheme = scheme if k in trained_set or (k < ode_from and scfg.untrained_steps == "scheme") \
+            else ODE()
+        v = _velocity(model, x, sigma, cond)  # [G, C, F, H, W], CFG inside
+        if _has_noise(step_scheme, sigma, sigma_next):
+            x_next, mu, std = sample_step(step_scheme, x, v, sigma, sigma_next, generator=gen)
+        else:
+            x_next = mu = step_scheme.mean(x, v, sigma, sigma_next)
+        x_next = _round(x_next, store)
+        if k in trained_set:
+            logps.append(log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
+            xs.append(x.to(store).cpu())
+            x_nexts.append(x_next.to(store).cpu())
+        x = x_next
+
+    # 5. Decode and record one Trajectory per member
+    frames = model.decode(x)  # uint8 [G, F, H, W, 3]
+    K = len(trained)
+    empty = torch.empty((0, G, *x.shape[1:]), dtype=store)
+    b_x = torch.stack(xs) if K else empty            # [K, G, C, F, H, W]
+    b_x_next = torch.stack(x_nexts) if K else empty  # [K, G, C, F, H, W]
+    b_logp = torch.stack(logps).float() if K else torch.empty((0, G))  # [K, G]
+    members = [
+        Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, scheme=scheme.name,
+                   eta=scheme.eta, guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
+                   sigmas=list(schedule.sigmas), step_indices=list(trained),
+                   x=b_x[:, i].clone(), x_next=b_x_next[:, i].clone(), logp_old=b_logp[:, i].clone(),
+                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
+        for i in range(G)
+    ]
+    return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
+
+
+@torch.no_grad()
+def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], schedule: Schedule,
+                  scheme_name: str = "ode", eta: float | None = None, images: Tensor | None = None) -> Tensor:
+    """Evaluation videos, one per (prompt, seed), independent of batch composition. uint8 [B, F, H, W, 3]"""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"sample_videos: {len(prompts)} prompts but {len(seeds)} seeds")
+    scheme = make_scheme(scheme_name, eta, schedule)
+    # 1. Encode, and one generator per sample for its initial noise and step noise
+    cond = model.encode(list(prompts), images)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    x = torch.cat([model.initial_noise(1, g).float() for g in gens])  # [B, C, F, H, W]
+    # 2. Denoising loop
+    for k in range(schedule.steps):
+        sigma, sigma_next = schedule.pair(k)
+        v = _velocity(model, x, sigma, cond)
+        if _has_noise(scheme, sigma, sigma_next):
+            x = torch.cat([sample_step(scheme, x[i:i + 1], v[i:i + 1], sigma, sigma_next, generator=g)[0]
+                           for i, g in enumerate(gens)])
+        else:
+            x = scheme.mean(x, v, sigma, sigma_next)
+    # 3. Decode
+    return model.decode(x)
+
+
+def _has_noise(scheme: Scheme, sigma: float, sigma_next: float) -> bool:
+    return float(scheme.std(sigma, sigma_next).reshape(-1)[0]) > 0
+
+
+def _round(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x with the values `dtype` can hold, kept in fp32."""
+    return x if dtype == torch.float32 else x.to(dtype).float()
