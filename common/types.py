@@ -46,6 +46,7 @@ class Trajectory:
     final_latents: Tensor          # [C, F, H, W]
     frames: Tensor | None = None   # uint8 [F, H, W, 3] decoded video
     trained_times: int = 0         # how often the learner has used it
+    bank_id: str | None = None     # memory-bank entry id, set when read back from the bank
 
     @property
     def num_steps(self) -> int:

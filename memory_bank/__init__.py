@@ -1,0 +1,21 @@
+"""Redis-backed memory bank: fresh-group queue, per-condition bank, embedded redis-server."""
+
+from memory_bank.bank import MemoryBank
+from memory_bank.codec import Entry
+from memory_bank.connect import client_from_url, connect_bank, redact_url
+from memory_bank.embedded import EmbeddedRedis, find_redis_server
+from memory_bank.errors import (
+    BankError,
+    BankUnavailable,
+    CorruptEntry,
+    DuplicateGroup,
+    InsecureRedisUrl,
+    RedisBinaryNotFound,
+    UnscoredGroup,
+)
+
+__all__ = [
+    "MemoryBank", "Entry", "connect_bank", "client_from_url", "redact_url", "EmbeddedRedis",
+    "find_redis_server", "BankError", "BankUnavailable", "CorruptEntry", "DuplicateGroup",
+    "InsecureRedisUrl", "RedisBinaryNotFound", "UnscoredGroup",
+]

@@ -1,0 +1,414 @@
+"""MemoryBank: producers push scored groups, the learner pulls fresh groups plus banked
+entries of the same condition, then commits (TAGRPO memory bank, ALGORITHM.md section 6).
+
+Lifecycle of a group: push → `fresh` queue → pull → `pending` → commit → its members enter
+the condition's bank (per strategy) or are dropped. Pull/commit form a reliable queue: a
+learner crash between them leaves the group in `pending`, and `requeue_pending` returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import redis
+import torch
+
+from common.config import BankConfig
+from common.types import Group, Scores, TrainBatch, Trajectory
+from memory_bank import codec
+from memory_bank.codec import Entry
+from memory_bank.errors import CorruptEntry, DuplicateGroup, UnscoredGroup
+from memory_bank.keys import DEAD_CAP, DONE_CAP, Keys, check_eid
+from memory_bank.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+LOW_WATERMARK = 0.9
+"""Over max_bytes, commit evicts the oldest banked entries down to this share of it."""
+SNAPSHOT_FORMAT = 1
+
+
+class MemoryBank:
+    """Redis-backed memory bank. One consumer (the learner), any number of producers."""
+
+    def __init__(self, client: redis.Redis, cfg: BankConfig):
+        self.r = client
+        self.cfg = cfg
+        self.keys = Keys(cfg.namespace)
+        self.scripts = Scripts(client)
+
+    def __repr__(self) -> str:  # never shows the connection (its URL holds the password)
+        c = self.cfg
+        return (f"MemoryBank(namespace={c.namespace!r}, strategy={c.strategy!r}, "
+                f"capacity={c.capacity}, max_staleness={c.max_staleness}, max_bytes={c.max_bytes})")
+
+    # ------------------------------------------------------------------ producers
+    def push_group(self, group: Group) -> str:
+        """Store a scored group and queue it as fresh; returns its group id."""
+        # 1. Validate: scored, one condition, shapes agree.
+        gid, g = group.group_id, group.size
+        if not isinstance(gid, str) or not gid or len(gid) > 256:
+            raise ValueError(f"group_id {gid!r} must be a non-empty string of at most 256 chars")
+        if group.scores is None or group.composite is None:
+            raise UnscoredGroup(f"group {gid!r} has no scores/composite: run the reward role "
+                                "before push_group")
+        heads = list(group.scores.heads)
+        if g == 0 or tuple(group.scores.values.shape) != (g, len(heads)):
+            raise ValueError(f"group {gid!r}: scores.values shape {tuple(group.scores.values.shape)}"
+                             f" != [G={g}, H={len(heads)}]")
+        if tuple(group.composite.shape) != (g,):
+            raise ValueError(f"group {gid!r}: composite shape {tuple(group.composite.shape)} != [{g}]")
+        for m in group.members:
+            if m.condition.id != group.condition.id:
+                raise ValueError(f"group {gid!r} member {m.member}: condition {m.condition.id!r} "
+                                 f"!= group condition {group.condition.id!r}")
+        # 2. Encode members (frames are not stored).
+        eids = [uuid.uuid4().hex for _ in group.members]
+        encoded = [codec.encode(eid, m, heads, group.scores.values[i], float(group.composite[i]))
+                   for i, (eid, m) in enumerate(zip(eids, group.members, strict=True))]
+        # 3. Write entry keys; nobody sees them until step 4 queues the group.
+        pipe = self.r.pipeline(transaction=False)
+        info: list[str] = []
+        total = 0
+        for eid, m, (meta, blob) in zip(eids, group.members, encoded, strict=True):
+            pipe.hset(self.keys.meta(eid), mapping=meta)
+            pipe.set(self.keys.blob(eid), blob)
+            nbytes = len(blob) + sum(len(k) + len(v.encode()) for k, v in meta.items())
+            total += nbytes
+            info += [eid, json.dumps({"b": nbytes, "c": float(meta["composite"]),
+                                      "v": m.policy_version, "cond": group.condition.id})]
+        pipe.execute()
+        # 4. Queue atomically.
+        k = self.keys
+        res = self.scripts.push(
+            keys=[k.group(gid), k.fresh, k.einfo, k.bytes, k.counts],
+            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g, *info])
+        if res == -1:
+            self._delete_entries(eids)
+            raise DuplicateGroup(f"group_id {gid!r} is already queued in bank {k.namespace!r}: "
+                                 "producers must use unique group ids")
+        return gid
+
+    def bytes_used(self) -> int:
+        return int(self.r.get(self.keys.bytes) or 0)
+
+    def has_space(self) -> bool:
+        """False once the bank holds bank.max_bytes: producers should wait."""
+        return self.bytes_used() < self.cfg.max_bytes
+
+    def wait_for_space(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Block until has_space() or timeout; returns has_space()."""
+        deadline = time.monotonic() + timeout_s
+        while not self.has_space():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(poll_s, left))
+            poll_s = min(poll_s * 1.5, 1.0)
+        return True
+
+    # ------------------------------------------------------------------ the learner
+    def pull(self, n: int, version: int) -> TrainBatch:
+        """Up to n fresh groups (FIFO), each with its condition's banked entries whose
+        policy version is within bank.max_staleness of `version`."""
+        k = self.keys
+        # 1. Move up to n groups fresh → pending atomically.
+        gids = [_s(g) for g in self.scripts.pull(keys=[k.fresh, k.pending], args=[n])]
+        if not gids:
+            return TrainBatch(fresh=[], bank=[], version=version)
+        pipe = self.r.pipeline(transaction=False)
+        for gid in gids:
+            pipe.hgetall(k.group(gid))
+        records = pipe.execute()
+        # 2. Banked entry ids per condition, filtered by staleness.
+        conds = {_s(rec.get(b"cond", b"")) for rec in records if rec}
+        banked = self._fresh_enough(conds, version)
+        # 3. Decode each group and its bank entries; skip what is corrupt.
+        batch = TrainBatch(fresh=[], bank=[], version=version)
+        for gid, rec in zip(gids, records, strict=True):
+            group = self._load_group(gid, rec)
+            if group is None:
+                self._drop_group(gid)
+                continue
+            batch.fresh.append(group)
+            batch.bank.append(self._load_bank(group, banked.get(group.condition.id, [])))
+        return batch
+
+    def commit(self, batch: TrainBatch, step: int) -> None:
+        """After the optimizer step: pending → done, fresh members enter the bank per
+        bank.strategy, trained counts go up, evicted entries are deleted."""
+        k, cfg = self.keys, self.cfg
+        mode = {"fifo": "fifo", "sdu": "sdu",
+                "fifo_s2": "fifo" if step % 2 == 0 else "skip"}[cfg.strategy]
+        # 1. Trained counts first, while every used entry still exists.
+        used = [t.bank_id for grp in batch.fresh for t in grp.members]
+        used += [t.bank_id for entries in batch.bank for t, _, _ in entries]
+        pipe = self.r.pipeline(transaction=False)
+        for eid in filter(None, used):
+            self.scripts.touch(keys=[k.meta(eid)], args=[1, ""], client=pipe)
+        pipe.execute()
+        # 2. Move each group out of pending and bank its members, atomically per group.
+        low = int(cfg.max_bytes * LOW_WATERMARK)
+        evicted: list[str] = []
+        banked: list[str] = []
+        for grp in batch.fresh:
+            keep = [t.bank_id for t in grp.members if t.bank_id]
+            out = self.scripts.commit(
+                keys=[k.pending, k.group(grp.group_id), k.cond(grp.condition.id), k.einfo,
+                      k.bytes, k.counts, k.done, k.conds, k.bankz],
+                args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
+                      DONE_CAP, "committed", *keep])
+            if out is None:
+                log.warning("bank: group %r was not pending (committed twice?); ignored",
+                            grp.group_id)
+                continue
+            gone = [_s(e) for e in out]
+            evicted += gone
+            banked += [e for e in keep if e not in set(gone)]
+        # 3. Delete evicted entries; mark the banked ones.
+        evicted_set = set(evicted)
+        pipe = self.r.pipeline(transaction=False)
+        for eid in banked:
+            if eid not in evicted_set:
+                self.scripts.touch(keys=[k.meta(eid)], args=[0, "banked"], client=pipe)
+        pipe.execute()
+        self._delete_entries(evicted)
+
+    def requeue_pending(self) -> int:
+        """Put groups pulled but never committed back at the head of the fresh queue (resume)."""
+        n = int(self.scripts.requeue(keys=[self.keys.pending, self.keys.fresh]))
+        if n:
+            log.info("bank: requeued %d pending groups", n)
+        return n
+
+    # ------------------------------------------------------------------ inspection
+    def entries(self, condition_id: str) -> list[Entry]:
+        """A condition's banked entries, oldest first, whatever their version."""
+        eids = [_s(e) for e in self.r.lrange(self.keys.cond(condition_id), 0, -1)]
+        return [e for _, e in self._fetch(eids, condition_id)]
+
+    def stats(self) -> dict[str, Any]:
+        """Counts by status, bytes, queue depths, corrupt count and Redis round-trip latency."""
+        k = self.keys
+        t0 = time.perf_counter()
+        self.r.ping()
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        pipe = self.r.pipeline(transaction=False)
+        pipe.llen(k.fresh).llen(k.pending).get(k.bytes).hgetall(k.counts)
+        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo)
+        fresh, pending, nbytes, counts, banked, conds, entries = pipe.execute()
+        c = {_s(a): int(b) for a, b in counts.items()}
+        return {
+            "fresh": fresh, "pending": pending, "banked": banked, "entries": entries,
+            "conditions": conds, "pushed": c.get("pushed", 0), "committed": c.get("committed", 0),
+            "dropped": c.get("dropped", 0), "corrupt": c.get("corrupt", 0),
+            "bytes": int(nbytes or 0), "max_bytes": self.cfg.max_bytes,
+            "redis_latency_ms": latency_ms,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able watermark for a checkpoint: pending groups and each condition's bank."""
+        k = self.keys
+        conds = sorted(_s(c) for c in self.r.smembers(k.conds))
+        pipe = self.r.pipeline(transaction=False)
+        for cid in conds:
+            pipe.lrange(k.cond(cid), 0, -1)
+        indexes = pipe.execute()
+        return {
+            "format": SNAPSHOT_FORMAT, "namespace": k.namespace, "time": time.time(),
+            "pending": [_s(g) for g in self.r.lrange(k.pending, 0, -1)],
+            "banked": {cid: [_s(e) for e in ix] for cid, ix in zip(conds, indexes, strict=True)},
+            "counts": {_s(a): int(b) for a, b in self.r.hgetall(k.counts).items()},
+        }
+
+    def restore(self, snap: dict[str, Any]) -> dict[str, int]:
+        """Resume from a snapshot: requeue pending groups and set each condition's bank to
+        the snapshot's entries that still exist (entries banked since are evicted; entries
+        evicted since cannot come back and are counted as missing)."""
+        k = self.keys
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"bank snapshot: unknown format {snap.get('format') if isinstance(snap, dict) else snap!r}")
+        if snap.get("namespace") != k.namespace:
+            raise ValueError(f"bank snapshot is for namespace {snap.get('namespace')!r}, "
+                             f"this bank is {k.namespace!r} (bank.namespace)")
+        banked = snap.get("banked") or {}
+        if not isinstance(banked, dict) or not all(
+                isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
+            raise ValueError("bank snapshot: field 'banked' must map condition id -> [entry id]")
+        requeued = self.requeue_pending()
+        current = {_s(c) for c in self.r.smembers(k.conds)}
+        kept = missing = 0
+        evicted: list[str] = []
+        for cid in sorted(current | set(banked)):
+            want = banked.get(cid, [])
+            n, gone = self.scripts.restore(
+                keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.counts], args=[cid, *want])
+            kept, missing = kept + n, missing + len(want) - n
+            evicted += [_s(e) for e in gone]
+        self._delete_entries(evicted)
+        out = {"requeued": requeued, "restored": kept, "missing": missing, "evicted": len(evicted)}
+        log.info("bank: restored snapshot %s", out)
+        return out
+
+    def clear(self) -> int:
+        """Delete every key of this namespace (tests, or starting a run afresh)."""
+        n = 0
+        batch: list[bytes] = []
+        for key in self.r.scan_iter(match=self.keys.pattern, count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                n += self.r.delete(*batch)
+                batch = []
+        if batch:
+            n += self.r.delete(*batch)
+        return n
+
+    # ------------------------------------------------------------------ internals
+    def _fresh_enough(self, conds: set[str], version: int) -> dict[str, list[str]]:
+        """Condition id → banked entry ids (oldest first) within the staleness bound."""
+        k = self.keys
+        conds_l = sorted(conds)
+        pipe = self.r.pipeline(transaction=False)
+        for cid in conds_l:
+            pipe.lrange(k.cond(cid), 0, -1)
+        out: dict[str, list[str]] = {}
+        for cid, ix in zip(conds_l, pipe.execute(), strict=True):
+            eids = [_s(e) for e in ix]
+            infos = self.r.hmget(k.einfo, eids) if eids else []
+            keep = []
+            for eid, info in zip(eids, infos, strict=True):
+                try:
+                    v = int(json.loads(info)["v"])
+                except (TypeError, ValueError, KeyError):
+                    self._corrupt(f"bank entry {eid!r} of condition {cid!r}: bad index info")
+                    self._evict_banked(cid, [eid])
+                    continue
+                if version - v <= self.cfg.max_staleness:
+                    keep.append(eid)
+            out[cid] = keep
+        return out
+
+    def _load_group(self, gid: str, rec: dict) -> Group | None:
+        """Decode a pulled group; None when nothing usable is left."""
+        if not rec or b"eids" not in rec:
+            self._corrupt(f"group {gid!r}: record missing or incomplete")
+            return None
+        cid = _s(rec.get(b"cond", b""))
+        try:
+            version = int(rec.get(b"version", b""))
+        except ValueError:
+            self._corrupt(f"group {gid!r}: bad version field")
+            return None
+        members = [e for _, e in self._fetch(_s(rec[b"eids"]).split(), cid)]
+        if members:  # foreign members with another latent shape or other heads are dropped
+            shape = Counter(tuple(e.trajectory.x.shape[1:]) for e in members).most_common(1)[0][0]
+            heads = members[0].heads
+            bad = [e for e in members if tuple(e.trajectory.x.shape[1:]) != shape or e.heads != heads]
+            for e in bad:
+                self._corrupt(f"group {gid!r} entry {e.id}: shape/heads differ from the group")
+            members = [e for e in members if e not in bad]
+        if not members:
+            self._corrupt(f"group {gid!r}: no decodable member")
+            return None
+        members.sort(key=lambda e: e.trajectory.member)
+        cond = members[0].trajectory.condition
+        for e in members:  # one Condition object per group
+            e.trajectory.condition = cond
+        return Group(
+            condition=cond, group_id=gid, policy_version=version,
+            members=[e.trajectory for e in members],
+            scores=Scores(list(members[0].heads), torch.stack([e.scores for e in members])),  # [G, H]
+            composite=torch.tensor([e.composite for e in members], dtype=torch.float32),  # [G]
+        )
+
+    def _load_bank(self, group: Group, eids: list[str]) -> list[tuple[Trajectory, torch.Tensor, float]]:
+        cid, heads = group.condition.id, group.scores.heads
+        shape = tuple(group.members[0].x.shape[1:])
+        out, bad = [], []
+        for eid, e in self._fetch(eids, cid):
+            if tuple(e.trajectory.x.shape[1:]) != shape or sorted(e.heads) != sorted(heads):
+                self._corrupt(f"bank entry {eid} of condition {cid!r}: shape "
+                              f"{tuple(e.trajectory.x.shape[1:])}/heads {e.heads} differ from "
+                              f"the fresh group's {shape}/{heads}")
+                bad.append(eid)
+                continue
+            scores = e.scores[[e.heads.index(h) for h in heads]]  # [H] in the group's head order
+            e.trajectory.condition = group.condition
+            out.append((e.trajectory, scores, e.composite))
+        if bad:
+            self._evict_banked(cid, bad)
+        return out
+
+    def _fetch(self, eids: list[str], cid: str) -> list[tuple[str, Entry]]:
+        """Decode entries (one round trip); corrupt ones are logged, counted and evicted."""
+        good_ids, bad = [], []
+        for eid in eids:
+            try:
+                check_eid(eid)
+                good_ids.append(eid)
+            except ValueError:
+                self._corrupt(f"condition {cid!r}: foreign entry id {eid[:80]!r}")
+                bad.append(eid)
+        pipe = self.r.pipeline(transaction=False)
+        for eid in good_ids:
+            pipe.hgetall(self.keys.meta(eid))
+            pipe.get(self.keys.blob(eid))
+        raw = pipe.execute() if good_ids else []
+        out = []
+        for i, eid in enumerate(good_ids):
+            try:
+                e = codec.decode(raw[2 * i], raw[2 * i + 1])
+                if e.id != eid or e.trajectory.condition.id != cid:
+                    raise CorruptEntry(f"id/condition {e.id}/{e.trajectory.condition.id!r} do not "
+                                       f"match the index ({eid}/{cid!r})")
+                out.append((eid, e))
+            except CorruptEntry as err:
+                self._corrupt(f"entry {eid} of condition {cid!r}: {err}")
+                bad.append(eid)
+        if bad:
+            self._evict_banked(cid, bad)
+        return out
+
+    def _evict_banked(self, cid: str, eids: list[str]) -> None:
+        """Remove entries from a condition's index (no-op for eids not in it) and delete them."""
+        k = self.keys
+        gone = self.scripts.evict(keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz],
+                                  args=[cid, *eids])
+        self._delete_entries([_s(e) for e in gone])
+
+    def _drop_group(self, gid: str) -> None:
+        """A pulled group with nothing usable: out of pending into the capped dead list."""
+        k = self.keys
+        out = self.scripts.commit(
+            keys=[k.pending, k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts, k.dead,
+                  k.conds, k.bankz],
+            args=[gid, "drop", self.cfg.capacity, "-", int(self.cfg.max_bytes * LOW_WATERMARK),
+                  k.cond_prefix, DEAD_CAP, "dropped"])
+        self._delete_entries([_s(e) for e in out or []])
+
+    def _delete_entries(self, eids: list[str]) -> None:
+        keys = []
+        for eid in eids:
+            try:
+                keys += [self.keys.meta(eid), self.keys.blob(eid)]
+            except ValueError:
+                pass  # a foreign id never had keys of ours
+        for i in range(0, len(keys), 512):  # non-atomic DEL of distinct slots, in chunks
+            pipe = self.r.pipeline(transaction=False)
+            for key in keys[i:i + 512]:
+                pipe.delete(key)
+            pipe.execute()
+
+    def _corrupt(self, what: str) -> None:
+        log.error("bank: skipped %s", what)
+        self.r.hincrby(self.keys.counts, "corrupt", 1)
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+

@@ -1,0 +1,221 @@
+"""Trajectory <-> (metadata hash fields, safetensors bytes).
+
+Bytes read from Redis are untrusted: decoding never unpickles, checks every field and
+shape, and raises only `CorruptEntry` (naming the field) on anything it does not accept.
+Frames are not stored: the learner needs latents, log-probs and rewards, not video.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, get_args
+
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from common.config import SchemeName
+from common.types import Condition, Trajectory
+from memory_bank.errors import CorruptEntry
+from memory_bank.keys import check_eid
+
+FORMAT = "1"
+SCHEMES = frozenset(get_args(SchemeName))
+STATUSES = frozenset({"fresh", "banked"})
+TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V
+REQUIRED = (
+    "format", "id", "condition", "prompt", "group", "member", "seed", "version", "created",
+    "scheme", "eta", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
+    "composite", "status",
+)
+
+
+@dataclass
+class Entry:
+    """One decoded bank entry: a trajectory with its stored rewards."""
+
+    id: str
+    trajectory: Trajectory
+    heads: list[str]
+    scores: Tensor                 # [H] fp32
+    composite: float
+    status: str
+    created: float
+
+
+def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composite: float,
+           status: str = "fresh") -> tuple[dict[str, str], bytes]:
+    """Return (metadata hash fields, blob) for one member; raises ValueError on bad input."""
+    check_eid(eid)
+    row = [float(s) for s in scores.reshape(-1).tolist()]          # [H]
+    if len(row) != len(heads) or not heads:
+        raise ValueError(f"member {traj.member}: {len(row)} scores for heads {heads}")
+    if not all(math.isfinite(s) for s in [*row, float(composite)]):
+        raise ValueError(f"group {traj.group_id!r} member {traj.member}: non-finite reward "
+                         f"{row} / {composite}; the reward role must drop such members")
+    tensors = {"x": traj.x, "x_next": traj.x_next, "logp_old": traj.logp_old,
+               "final_latents": traj.final_latents}
+    if traj.condition.image is not None:
+        tensors["image"] = traj.condition.image
+    blob = safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
+    meta = {
+        "format": FORMAT,
+        "id": eid,
+        "condition": traj.condition.id,
+        "prompt": traj.condition.prompt,
+        "group": traj.group_id,
+        "member": str(int(traj.member)),
+        "seed": str(int(traj.seed)),
+        "version": str(int(traj.policy_version)),
+        "created": repr(time.time()),
+        "scheme": traj.scheme,
+        "eta": repr(float(traj.eta)),
+        "guidance_scale": repr(float(traj.guidance_scale)),
+        "sigmas": json.dumps([float(s) for s in traj.sigmas]),
+        "step_indices": json.dumps([int(k) for k in traj.step_indices]),
+        "trained": str(int(traj.trained_times)),
+        "heads": json.dumps(list(heads)),
+        "scores": json.dumps(row),
+        "composite": repr(float(composite)),
+        "status": status,
+    }
+    return meta, blob
+
+
+def decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
+    """Rebuild an entry from its hash fields and blob; raises only CorruptEntry."""
+    try:
+        return _decode(meta, blob)
+    except CorruptEntry:
+        raise
+    except Exception as e:  # noqa: BLE001 — untrusted bytes: any other failure is corruption too
+        raise CorruptEntry(f"undecodable entry: {type(e).__name__}: {e}") from e
+
+
+def _decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
+    # 1. Metadata: text fields, all present, each parsed and range-checked.
+    m = {_text(k, "field name"): _text(v, k) for k, v in meta.items()}
+    missing = [f for f in REQUIRED if f not in m]
+    if missing:
+        raise CorruptEntry(f"missing fields {missing}")
+    if m["format"] != FORMAT:
+        raise CorruptEntry(f"field 'format' is {m['format']!r}, expected {FORMAT!r}")
+    eid = m["id"]
+    try:
+        check_eid(eid)
+    except ValueError as e:
+        raise CorruptEntry(f"field 'id': {e}") from None
+    if m["scheme"] not in SCHEMES:
+        raise CorruptEntry(f"field 'scheme' is {m['scheme']!r}, expected one of {sorted(SCHEMES)}")
+    if m["status"] not in STATUSES:
+        raise CorruptEntry(f"field 'status' is {m['status']!r}")
+    member, seed, version, trained = (_int(m, f) for f in ("member", "seed", "version", "trained"))
+    if member < 0 or trained < 0:
+        raise CorruptEntry(f"field 'member'/'trained' negative: {member}/{trained}")
+    eta, cfg_scale, composite, created = (
+        _float(m, f) for f in ("eta", "guidance_scale", "composite", "created"))
+    sigmas = _json_list(m, "sigmas", float)
+    steps = _json_list(m, "step_indices", int)
+    heads = _json_list(m, "heads", str)
+    scores = _json_list(m, "scores", float)
+    if len(sigmas) < 2 or not steps or not heads:
+        raise CorruptEntry("fields 'sigmas' (>= 2), 'step_indices', 'heads' must be non-empty")
+    if any(not 0 <= k < len(sigmas) - 1 for k in steps):
+        raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{len(sigmas) - 2}")
+    if len(scores) != len(heads):
+        raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
+
+    # 2. Blob: safetensors only (no pickle), exactly the expected tensors and shapes.
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptEntry("blob missing")
+    try:
+        t = safetensors.torch.load(bytes(blob))
+    except Exception as e:  # noqa: BLE001 — SafetensorError and friends
+        raise CorruptEntry(f"blob is not safetensors: {e}") from None
+    extra, absent = set(t) - {*TENSORS, "image"}, set(TENSORS) - set(t)
+    if extra or absent:
+        raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
+    x, x_next, logp_old, final = (t[k] for k in TENSORS)
+    if x.dim() != 5 or x.shape[0] != len(steps):
+        raise CorruptEntry(f"tensor 'x' shape {tuple(x.shape)}: expected [K={len(steps)}, C, F, H, W]")
+    if x_next.shape != x.shape:
+        raise CorruptEntry(f"tensor 'x_next' shape {tuple(x_next.shape)} != x {tuple(x.shape)}")
+    if logp_old.shape != (len(steps),):
+        raise CorruptEntry(f"tensor 'logp_old' shape {tuple(logp_old.shape)}: expected [{len(steps)}]")
+    if final.shape != x.shape[1:]:
+        raise CorruptEntry(f"tensor 'final_latents' shape {tuple(final.shape)} != {tuple(x.shape[1:])}")
+    for k in TENSORS:
+        if not t[k].is_floating_point():
+            raise CorruptEntry(f"tensor {k!r} has dtype {t[k].dtype}, expected floating point")
+    if not torch.isfinite(logp_old).all():
+        raise CorruptEntry("tensor 'logp_old' has non-finite values")
+    image = t.get("image")
+    if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
+        raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
+
+    # 3. Assemble.
+    traj = Trajectory(
+        condition=Condition(id=m["condition"], prompt=m["prompt"], image=image),
+        group_id=m["group"], member=member, seed=seed, scheme=m["scheme"], eta=eta,
+        guidance_scale=cfg_scale, policy_version=version, sigmas=sigmas, step_indices=steps,
+        x=x, x_next=x_next, logp_old=logp_old, final_latents=final, frames=None,
+        trained_times=trained, bank_id=eid,
+    )
+    return Entry(id=eid, trajectory=traj, heads=heads,
+                 scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
+                 status=m["status"], created=created)
+
+
+def _text(v: Any, field: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (bytes, bytearray)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptEntry(f"field {field!r} is not UTF-8") from None
+    raise CorruptEntry(f"field {field!r} has type {type(v).__name__}")
+
+
+def _int(m: dict[str, str], f: str) -> int:
+    try:
+        return int(m[f])
+    except ValueError:
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected an integer") from None
+
+
+def _float(m: dict[str, str], f: str) -> float:
+    try:
+        v = float(m[f])
+    except ValueError:
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected a number") from None
+    if not math.isfinite(v):
+        raise CorruptEntry(f"field {f!r} is not finite: {v}")
+    return v
+
+
+def _json_list(m: dict[str, str], f: str, kind: type) -> list:
+    try:
+        v = json.loads(m[f])
+    except (ValueError, RecursionError):
+        raise CorruptEntry(f"field {f!r} is not JSON") from None
+    if not isinstance(v, list) or not all(_is(e, kind) for e in v):
+        raise CorruptEntry(f"field {f!r} must be a JSON list of {kind.__name__}")
+    if kind is float:
+        try:
+            v = [float(e) for e in v]
+        except OverflowError:
+            raise CorruptEntry(f"field {f!r} has out-of-range values") from None
+        if not all(math.isfinite(e) for e in v):
+            raise CorruptEntry(f"field {f!r} has non-finite values")
+    return v
+
+
+def _is(e: Any, kind: type) -> bool:
+    if isinstance(e, bool):        # JSON true/false are not numbers here
+        return False
+    return isinstance(e, (int, float)) if kind is float else isinstance(e, kind)

@@ -1,0 +1,87 @@
+"""Resolve the bank's Redis (config URL, environment variable, or an embedded server).
+
+The URL is a secret: it is only ever logged or raised through `redact_url`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from common.config import BankConfig
+from memory_bank.bank import MemoryBank
+from memory_bank.embedded import EmbeddedRedis
+from memory_bank.errors import BankUnavailable, InsecureRedisUrl
+
+log = logging.getLogger(__name__)
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user and password replaced by '***'."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        netloc = (f"***@{host}" if (parts.username or parts.password) else host) + (
+            f":{parts.port}" if parts.port else "")
+        return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    except ValueError:
+        return "<unparseable redis url>"
+
+
+def client_from_url(url: str, allow_no_password: bool = False) -> redis.Redis:
+    """A client with bounded retries; refuses a password-less URL unless allowed."""
+    safe = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 — raises ValueError on a bad port
+    except ValueError:
+        raise BankUnavailable(f"bank.redis_url is malformed: {safe}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise BankUnavailable(f"bank.redis_url {safe}: scheme must be redis://, rediss:// or unix://")
+    if not parts.password and not allow_no_password:
+        raise InsecureRedisUrl(
+            f"bank.redis_url {safe} has no password: use redis://:PASSWORD@host:port/0 (e.g. from "
+            "the environment variable named by bank.redis_url_env), or set "
+            "bank.allow_no_password=true to accept an unauthenticated Redis")
+    # Bounded backoff: a few quick retries on a dropped connection, then a clear error.
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=3)
+    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=60, retry=retry,
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+                                health_check_interval=30)
+
+
+def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None
+                 ) -> tuple[MemoryBank, EmbeddedRedis | None]:
+    """bank.redis_url, else $bank.redis_url_env, else an embedded server (AOF in data_dir).
+
+    The caller owns the returned EmbeddedRedis (stop it at the end; it also stops at exit).
+    Workers in other processes connect with `embedded.url`.
+    """
+    url = cfg.redis_url.get_secret_value() if cfg.redis_url is not None else None
+    source = "bank.redis_url"
+    if not url and os.environ.get(cfg.redis_url_env):
+        url, source = os.environ[cfg.redis_url_env], f"${cfg.redis_url_env}"
+    server = None
+    if url:
+        client = client_from_url(url, cfg.allow_no_password)
+        where = f"{redact_url(url)} (from {source})"
+    else:
+        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof).start()
+        client = server.client()
+        where = repr(server)
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        raise BankUnavailable(f"Redis at {where} refused the password") from None
+    except redis.RedisError as e:
+        if server is not None:
+            server.stop()
+        raise BankUnavailable(f"Redis at {where} is unreachable: {type(e).__name__}") from None
+    log.info("memory bank on %s, namespace %r", where, cfg.namespace)
+    return MemoryBank(client, cfg), server

@@ -1,0 +1,31 @@
+"""Errors raised by the memory bank. Each message names the key, field or setting at fault."""
+
+from __future__ import annotations
+
+
+class BankError(Exception):
+    """Base class for memory-bank errors."""
+
+
+class CorruptEntry(BankError):
+    """A stored entry could not be decoded (bad bytes, wrong shapes, missing fields)."""
+
+
+class UnscoredGroup(BankError, ValueError):
+    """A group was pushed before the reward role scored it."""
+
+
+class DuplicateGroup(BankError):
+    """A group id was pushed twice by different producers."""
+
+
+class InsecureRedisUrl(BankError):
+    """An external Redis URL has no password and bank.allow_no_password is off."""
+
+
+class BankUnavailable(BankError):
+    """Redis could not be reached (the message never carries credentials)."""
+
+
+class RedisBinaryNotFound(BankError):
+    """No redis-server binary for the embedded server."""

@@ -1,0 +1,107 @@
+"""Every Redis key of the bank, built in one place.
+
+Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
+- per entry, hash tag = entry id, so an entry's two keys share a Cluster slot:
+  `ns:e:{eid}:meta` (hash of codec fields) and `ns:e:{eid}:blob` (safetensors bytes);
+- global structures, hash tag = namespace, so one Lua script can update them atomically:
+  `ns:{ns}:fresh` list of group ids (FIFO, producers RPUSH),
+  `ns:{ns}:pending` list of groups pulled but not committed (reliable queue),
+  `ns:{ns}:done` / `ns:{ns}:dead` capped lists of committed / dropped groups,
+  `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token,
+  `ns:{ns}:c:<cid>` list: a condition's banked entry ids, oldest first,
+  `ns:{ns}:einfo` hash eid -> JSON {b: bytes, c: composite, v: version, cond: cid},
+  `ns:{ns}:bankz` zset of banked eids by bank order (global eviction under max_bytes),
+  `ns:{ns}:conds` set of conditions with a non-empty index,
+  `ns:{ns}:bytes` counter, `ns:{ns}:counts` hash of counters.
+Only the first `{...}` of a key is its hash tag, so ids after it may hold any character.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_EID = re.compile(r"^[0-9a-f]{32}$")
+
+DONE_CAP = 10_000   # committed group ids kept for inspection
+DEAD_CAP = 1_000    # dropped (corrupt) group ids kept for inspection
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str
+
+    def __post_init__(self):
+        if not _NAMESPACE.match(self.namespace):
+            raise ValueError(f"bank.namespace {self.namespace!r} must match [A-Za-z0-9_.-]+")
+
+    # --- global structures: tag {ns} ---
+    @property
+    def _g(self) -> str:
+        return f"{self.namespace}:{{{self.namespace}}}"
+
+    @property
+    def fresh(self) -> str:
+        return f"{self._g}:fresh"
+
+    @property
+    def pending(self) -> str:
+        return f"{self._g}:pending"
+
+    @property
+    def done(self) -> str:
+        return f"{self._g}:done"
+
+    @property
+    def dead(self) -> str:
+        return f"{self._g}:dead"
+
+    @property
+    def einfo(self) -> str:
+        return f"{self._g}:einfo"
+
+    @property
+    def bankz(self) -> str:
+        return f"{self._g}:bankz"
+
+    @property
+    def conds(self) -> str:
+        return f"{self._g}:conds"
+
+    @property
+    def bytes(self) -> str:
+        return f"{self._g}:bytes"
+
+    @property
+    def counts(self) -> str:
+        return f"{self._g}:counts"
+
+    @property
+    def cond_prefix(self) -> str:
+        return f"{self._g}:c:"
+
+    def group(self, gid: str) -> str:
+        return f"{self._g}:g:{gid}"
+
+    def cond(self, cid: str) -> str:
+        return f"{self.cond_prefix}{cid}"
+
+    # --- per entry: tag {eid} ---
+    def meta(self, eid: str) -> str:
+        return f"{self.namespace}:e:{{{check_eid(eid)}}}:meta"
+
+    def blob(self, eid: str) -> str:
+        return f"{self.namespace}:e:{{{check_eid(eid)}}}:blob"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern for every key of this namespace."""
+        return f"{self.namespace}:*"
+
+
+def check_eid(eid: str) -> str:
+    """Entry ids are 32 hex chars (uuid4) so they never break a key or a hash tag."""
+    if not _EID.match(eid):
+        raise ValueError(f"bad entry id {eid!r}: expected 32 lowercase hex characters")
+    return eid

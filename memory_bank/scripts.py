@@ -1,0 +1,201 @@
+"""The bank's atomic state changes, as Lua scripts over the `{ns}`-tagged global keys.
+
+Each script runs atomically on the server, so producers and the learner never see a
+half-moved group. Entry keys (other hash tags) are written before a group is queued and
+deleted after it is evicted; a crash in between leaves at worst an orphan, never a loss.
+"""
+
+from __future__ import annotations
+
+import redis
+
+# KEYS: group, fresh, einfo, bytes, counts
+# ARGV: gid, token, cid, version, total_bytes, n, then n × (eid, einfo_json)
+PUSH = """
+local token = redis.call('HGET', KEYS[1], 'token')
+if token then
+  if token == ARGV[2] then return 0 end   -- our own retried call: already queued
+  return -1                               -- another producer's group with this id
+end
+local eids = {}
+for i = 0, tonumber(ARGV[6]) - 1 do
+  redis.call('HSET', KEYS[3], ARGV[7 + 2 * i], ARGV[8 + 2 * i])
+  eids[#eids + 1] = ARGV[7 + 2 * i]
+end
+redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
+           'eids', table.concat(eids, ' '))
+redis.call('INCRBY', KEYS[4], ARGV[5])
+redis.call('HINCRBY', KEYS[5], 'pushed', 1)
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: fresh, pending. ARGV: n. Reliable queue: a pulled group stays in `pending` until
+# commit, so a learner crash loses nothing (requeue puts it back).
+PULL = """
+local out = {}
+for _ = 1, tonumber(ARGV[1]) do
+  local g = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not g then break end
+  out[#out + 1] = g
+end
+return out
+"""
+
+# KEYS: pending, fresh. Oldest pending group ends up first in fresh, in its old order.
+REQUEUE = """
+local n = 0
+while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
+return n
+"""
+
+# Shared by COMMIT, EVICT and RESTORE: forget an entry's accounting, remember its id so
+# the caller deletes its keys. KEYS[E], KEYS[B], KEYS[Z] are einfo, bytes, bankz.
+_EVICT_FN = """
+local evicted = {}
+local function evict(eid)
+  local info = redis.call('HGET', KEYS[E], eid)
+  if info then
+    local ok, d = pcall(cjson.decode, info)
+    if ok and type(d) == 'table' and tonumber(d['b']) then
+      redis.call('DECRBY', KEYS[B], tonumber(d['b']))
+    end
+    redis.call('HDEL', KEYS[E], eid)
+  end
+  redis.call('ZREM', KEYS[Z], eid)
+  evicted[#evicted + 1] = eid
+end
+local function composite(eid)
+  local info = redis.call('HGET', KEYS[E], eid)
+  if not info then return 0 end
+  local ok, d = pcall(cjson.decode, info)
+  if ok and type(d) == 'table' and tonumber(d['c']) then return tonumber(d['c']) end
+  return 0
+end
+"""
+
+
+def _with_evict(body: str, e: int, b: int, z: int) -> str:
+    fn = _EVICT_FN.replace("KEYS[E]", f"KEYS[{e}]").replace("KEYS[B]", f"KEYS[{b}]")
+    return fn.replace("KEYS[Z]", f"KEYS[{z}]") + body
+
+
+# KEYS: pending, group, cond, einfo, bytes, counts, log (done or dead), conds, bankz
+# ARGV: gid, mode (fifo | sdu | skip | drop), capacity, cid, low_bytes, cond_prefix,
+#       log_cap, counter, then the group's entry ids to bank.
+# Returns the evicted entry ids, or false when the group was not pending (exactly once).
+COMMIT = _with_evict("""
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return false end
+local mode, cap, cid = ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local keep = {}
+for i = 9, #ARGV do keep[ARGV[i]] = true end
+-- 1. members not banked: corrupt ones, or all of them on a skipped or dropped step
+local new = {}
+local all = redis.call('HGET', KEYS[2], 'eids') or ''
+for eid in string.gmatch(all, '%S+') do
+  if keep[eid] and mode ~= 'skip' and mode ~= 'drop' then new[#new + 1] = eid else evict(eid) end
+end
+redis.call('DEL', KEYS[2])
+-- 2. bank the rest, newest last
+for _, eid in ipairs(new) do
+  redis.call('RPUSH', KEYS[3], eid)
+  redis.call('ZADD', KEYS[9], redis.call('HINCRBY', KEYS[6], 'bank_seq', 1), eid)
+end
+-- 3. trim to capacity N: FIFO drops the oldest, SDU keeps the composite's extremes
+local len = redis.call('LLEN', KEYS[3])
+if len > cap then
+  if mode == 'sdu' then
+    local items = redis.call('LRANGE', KEYS[3], 0, -1)
+    local order = {}
+    for i, eid in ipairs(items) do order[i] = {eid = eid, c = composite(eid), i = i} end
+    table.sort(order, function(a, b)
+      if a.c == b.c then return a.i > b.i end
+      return a.c < b.c
+    end)
+    local lo = math.floor(cap / 2)
+    local drop = {}
+    for r = lo + 1, #order - (cap - lo) do drop[order[r].eid] = true end
+    redis.call('DEL', KEYS[3])
+    for _, eid in ipairs(items) do
+      if drop[eid] then evict(eid) else redis.call('RPUSH', KEYS[3], eid) end
+    end
+  else
+    for _ = 1, len - cap do evict(redis.call('LPOP', KEYS[3])) end
+  end
+end
+if redis.call('LLEN', KEYS[3]) > 0 then redis.call('SADD', KEYS[8], cid)
+else redis.call('SREM', KEYS[8], cid) end
+-- 4. global byte bound: evict the oldest banked entries, never fresh or pending ones.
+-- Condition keys are built here; they share the {ns} slot with KEYS, so this is Cluster-safe.
+while tonumber(redis.call('GET', KEYS[5]) or '0') > tonumber(ARGV[5]) do
+  local oldest = redis.call('ZRANGE', KEYS[9], 0, 0)[1]
+  if not oldest then break end
+  local info = redis.call('HGET', KEYS[4], oldest)
+  local ok, d = pcall(cjson.decode, info or '')
+  if ok and type(d) == 'table' and type(d['cond']) == 'string' then
+    local ckey = ARGV[6] .. d['cond']
+    redis.call('LREM', ckey, 0, oldest)
+    if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[8], d['cond']) end
+  end
+  evict(oldest)
+end
+redis.call('HINCRBY', KEYS[6], ARGV[8], 1)
+redis.call('LPUSH', KEYS[7], ARGV[1])
+redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
+return evicted
+""", e=4, b=5, z=9)
+
+# KEYS: cond, einfo, bytes, conds, bankz. ARGV: cid, eids to remove from the index.
+EVICT = _with_evict("""
+for i = 2, #ARGV do
+  redis.call('LREM', KEYS[1], 0, ARGV[i])
+  evict(ARGV[i])
+end
+if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[1]) end
+return evicted
+""", e=2, b=3, z=5)
+
+# KEYS: cond, einfo, bytes, conds, bankz, counts. ARGV: cid, the snapshot's eids in order.
+# Sets the index to the snapshot's entries that still exist; evicts entries banked since.
+RESTORE = _with_evict("""
+local want, wanted = {}, {}
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then
+    want[#want + 1] = ARGV[i]
+    wanted[ARGV[i]] = true
+  end
+end
+for _, eid in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if not wanted[eid] then evict(eid) end
+end
+redis.call('DEL', KEYS[1])
+for _, eid in ipairs(want) do
+  redis.call('RPUSH', KEYS[1], eid)
+  if not redis.call('ZSCORE', KEYS[5], eid) then
+    redis.call('ZADD', KEYS[5], redis.call('HINCRBY', KEYS[6], 'bank_seq', 1), eid)
+  end
+end
+if #want > 0 then redis.call('SADD', KEYS[4], ARGV[1]) else redis.call('SREM', KEYS[4], ARGV[1]) end
+return {#want, evicted}
+""", e=2, b=3, z=5)
+
+# KEYS: meta. ARGV: trained increment, new status or ''. Never recreates an evicted entry.
+TOUCH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if tonumber(ARGV[1]) ~= 0 then redis.call('HINCRBY', KEYS[1], 'trained', ARGV[1]) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'status', ARGV[2]) end
+return 1
+"""
+
+
+class Scripts:
+    """The scripts registered on one client (EVALSHA, reloaded after a server restart)."""
+
+    def __init__(self, client: redis.Redis):
+        self.push = client.register_script(PUSH)
+        self.pull = client.register_script(PULL)
+        self.requeue = client.register_script(REQUEUE)
+        self.commit = client.register_script(COMMIT)
+        self.evict = client.register_script(EVICT)
+        self.restore = client.register_script(RESTORE)
+        self.touch = client.register_script(TOUCH)
