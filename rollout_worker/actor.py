@@ -1,0 +1,103 @@
+"""The rollout actor: one model on one pool slot; verbs `generate`, `set_weights`, `version`, `ping`.
+
+`RolloutWorker` is the plain class (usable without Ray, and the place to add methods such
+as a collective-transport receive); `RolloutActor = ray.remote(RolloutWorker)` is what the
+driver creates, with `create_rollout_actors(cfg)` placing it on the `rollout` pool.
+
+Restarts. Ray re-runs the constructor of a restarted actor with the same arguments, so the
+constructor loads weights before the actor can generate:
+- `weights_ref`: a published record (or an ObjectRef to one) loaded first;
+- `latest_weights`: where the newest published record lives, asked next — the name of a
+  named Ray actor, or its handle, whose `latest()` method returns a record or None; or any
+  zero-argument callable returning one.
+A published record is a plain dict {"version": int, "weights": {name: Tensor}, "checksum": str | None}.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+from torch import Tensor
+
+from common.config import RunConfig, validate
+from common.types import Condition, Group
+from common.weights import verify
+from rollout_worker.models import build_model
+from rollout_worker.sampler import sample_group
+
+log = logging.getLogger(__name__)
+
+LatestWeights = str | Callable[[], dict | None] | Any  # actor name, callable, or actor handle
+
+
+def published(weights: dict[str, Tensor], version: int, checksum: str | None = None) -> dict:
+    """The record a publisher hands to rollout actors (see the module docstring)."""
+    return {"version": int(version), "weights": weights, "checksum": checksum}
+
+
+class RolloutWorker:
+    """Holds one model and generates groups with it, stamped with the weights' policy version."""
+
+    def __init__(self, cfg: RunConfig | dict, actor_index: int = 0, weights_ref: Any = None,
+                 latest_weights: LatestWeights | None = None):
+        self.cfg = cfg if isinstance(cfg, RunConfig) else validate(cfg, source="rollout actor config")
+        torch.set_num_threads(self.cfg.pools.rollout.torch_threads)
+        self.actor_index = actor_index
+        self.model = build_model(self.cfg)
+        self._version = 0
+        for record in (_resolve(weights_ref), _fetch_latest(latest_weights)):
+            if record is not None:
+                self.set_weights(record["weights"], record["version"], record.get("checksum"))
+
+    def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
+        return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
+                            group_id=group_id)
+
+    def set_weights(self, payload: dict[str, Tensor], version: int, checksum: str | None = None) -> bool:
+        """Load a payload if its version is newer than ours; a stale push is ignored (returns False)."""
+        if version <= self._version:
+            log.info("rollout %d: ignoring weights v%d (holding v%d)", self.actor_index, version, self._version)
+            return False
+        verify(payload, checksum, who=f"rollout actor {self.actor_index} weights v{version}")
+        self.model.load_weights(payload)
+        self._version = int(version)
+        return True
+
+    def version(self) -> int:
+        return self._version
+
+    def ping(self) -> dict:
+        return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family}
+
+
+RolloutActor = ray.remote(RolloutWorker)
+
+
+def create_rollout_actors(cfg: RunConfig, *, count: int | None = None, weights_ref: Any = None,
+                          latest_weights: LatestWeights | None = None) -> list:
+    """`count` (default pools.rollout.num_actors) actors on the `rollout` resource, sized by the pool."""
+    pool = cfg.pools.rollout
+    n = pool.num_actors if count is None else count
+    return [RolloutActor.options(resources={"rollout": 1}, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
+                                 max_restarts=pool.max_restarts)
+            .remote(cfg, i, weights_ref, latest_weights) for i in range(n)]
+
+
+def _resolve(ref: Any) -> dict | None:
+    return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+
+
+def _fetch_latest(source: LatestWeights | None) -> dict | None:
+    if source is None:
+        return None
+    if isinstance(source, str):
+        source = ray.get_actor(source)
+    if isinstance(source, ray.actor.ActorHandle):
+        return _resolve(ray.get(source.latest.remote()))
+    if callable(source):
+        return _resolve(source())
+    raise TypeError(f"latest_weights must be an actor name, an actor handle or a callable, got {type(source)}")
