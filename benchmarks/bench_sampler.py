@@ -1,0 +1,93 @@
+"""Sampler overhead: time per group of `sample_group` vs a plain ODE loop over the same model.
+
+    python -m benchmarks.bench_sampler [--quick]
+
+Both paths encode once, draw the noise, run T batched velocity calls over G members and
+decode; the sampler adds the SDE noise, the log-probs and the recording. The goal is a
+ratio ≤ 1.05 (the transformer should dominate); on tiny CPU models fixed costs weigh more.
+Not a test: it prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common.config import RunConfig
+from common.sde import Schedule
+from common.types import Condition
+from rollout_worker.models.base import VideoModel
+from rollout_worker.sampler import sample_group
+
+COND = Condition(id="bench", prompt="a red ball bouncing")
+
+
+@torch.no_grad()
+def plain_ode_group(model: VideoModel, cfg: RunConfig, seed: int) -> torch.Tensor:
+    """The baseline: encode, shared noise, T Euler steps over G members, decode."""
+    G, schedule = cfg.sampler.group_size, Schedule.from_config(cfg.schedule)
+    images = None if COND.image is None else COND.image[None]
+    cond = model.encode([COND.prompt], images).repeat(G)
+    x = model.initial_noise(1, torch.Generator().manual_seed(seed)).expand(G, *model.latent_shape).clone()
+    for k in range(schedule.steps):
+        s, s1 = schedule.pair(k)
+        x = x - (s - s1) * model.velocity(x, torch.full((G,), s, device=model.device), cond)
+    return model.decode(x)
+
+
+def time_it(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench(name: str, model: VideoModel, cfg: RunConfig, repeats: int) -> None:
+    t_plain = time_it(lambda: plain_ode_group(model, cfg, 0), repeats)
+    t_sampler = time_it(lambda: sample_group(model, COND, cfg, seed=0, policy_version=0), repeats)
+    print(f"{name:<10} {cfg.sde.scheme:<6} G={cfg.sampler.group_size:<3} T={cfg.schedule.steps:<3} "
+          f"plain {t_plain * 1e3:8.1f} ms   sampler {t_sampler * 1e3:8.1f} ms   "
+          f"ratio {t_sampler / t_plain:5.3f}  (goal ≤ 1.05)")
+
+
+def toy_case() -> tuple[VideoModel, RunConfig] | None:
+    try:
+        from rollout_worker.models.toy import ToyVideoModel
+    except ImportError:
+        print("toy       skipped: rollout_worker/models/toy.py is not there yet")
+        return None
+    cfg = RunConfig.model_validate({"sampler": {"group_size": 8, "train_steps": "all"}})
+    return ToyVideoModel.from_config(cfg), cfg
+
+
+def wan_case() -> tuple[VideoModel, RunConfig]:
+    from rollout_worker.models.tiny import tiny_wan_components
+    from rollout_worker.models.wan import WanVideoModel
+
+    cfg = RunConfig.model_validate({
+        "model": {"family": "wan", "num_frames": 9, "height": 32, "width": 32, "guidance_scale": 4.0,
+                  "max_sequence_length": 32},
+        "sampler": {"group_size": 8, "train_steps": "all"}})
+    return WanVideoModel.from_components(tiny_wan_components("t2v"), cfg.model), cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    repeats = 2 if args.quick else 7
+    for case in (toy_case(), wan_case()):
+        if case is not None:
+            bench(type(case[0]).__name__.replace("VideoModel", "").lower(), *case, repeats)
+
+
+if __name__ == "__main__":
+    main()
