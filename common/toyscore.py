@@ -1,0 +1,141 @@
+"""Verifiable measurements of a toy-world video (pure numpy), behind the toy reward heads.
+
+Each head lies in [0, 1]; 1 is a perfect rendering of the prompt.
+- VQ (visual quality): per frame, the geometric mean of
+  `clean` (share of foreground mass inside a box around the centroid: background noise and
+  stray blobs lower it), `size` (mass against the square's area, min(m/A, A/m)) and
+  `crisp` (1 - mean 4·m·(1-m) over pixels: half-lit pixels everywhere lower it); averaged
+  over frames.
+- MQ (motion quality): geometric mean of `smooth` (exp(-mean |d_f - d̄| / 0.5 px): jitter of
+  the per-frame displacement around its mean), `steady` (exp(-cv/0.2) of the per-frame mass:
+  flicker, vanishing) and `speed` (exp(-||d̄| - v*| / v*), v* the world's speed). It does not
+  look at the direction; TA does.
+- TA (text alignment): mean of `colour` (softmax probability of the prompt's colour against
+  the palette, from the mean foreground colour) and `direction` (net displacement projected
+  on the prompt's direction, clip(p/travel, 0, 1)·exp(-2·(q/travel)²) with q the sideways
+  part).
+The foreground is the per-pixel max channel / 255 (the background is black).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common import toyworld as tw
+
+HEADS: tuple[str, ...] = ("VQ", "MQ", "TA")
+MIN_MASS = 0.5
+"""A frame with less foreground mass than this (pixels) has no object."""
+_PALETTE = np.asarray([tw.COLOURS[c] for c in tw.COLOURS], dtype=np.float64) / 255.0   # [K, 3]
+_COLOUR_TEMP = 0.05
+
+
+def foreground(frames: np.ndarray) -> np.ndarray:
+    """uint8 [F, H, W, 3] → soft mask [F, H, W] in [0, 1]."""
+    return frames.max(axis=-1).astype(np.float64) / 255.0
+
+
+def centroids(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mask [F, H, W] → (centroid [F, 2] (y, x), mass [F]); NaN centroid where a frame is empty."""
+    F, H, W = mask.shape
+    mass = mask.sum(axis=(1, 2))                                          # [F]
+    yy, xx = np.meshgrid(np.arange(H) + 0.5, np.arange(W) + 0.5, indexing="ij")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cy = (mask * yy).sum(axis=(1, 2)) / mass
+        cx = (mask * xx).sum(axis=(1, 2)) / mass
+    c = np.stack([cy, cx], axis=1)
+    c[mass < MIN_MASS] = np.nan
+    return c, mass
+
+
+def visual_quality(frames: np.ndarray) -> float:
+    mask = foreground(frames)
+    F, H, W = mask.shape
+    area = tw.side(H) ** 2
+    half = tw.side(H) / 2 + 1.0                   # box half-width: the square plus a pixel
+    c, mass = centroids(mask)
+    yy, xx = np.meshgrid(np.arange(H) + 0.5, np.arange(W) + 0.5, indexing="ij")
+    per_frame = []
+    for f in range(F):
+        if not np.isfinite(c[f]).all():
+            per_frame.append(0.0)
+            continue
+        box = (np.abs(yy - c[f, 0]) <= half) & (np.abs(xx - c[f, 1]) <= half)
+        clean = mask[f][box].sum() / mass[f]
+        size = min(mass[f] / area, area / mass[f])
+        crisp = 1.0 - float(np.mean(4.0 * mask[f] * (1.0 - mask[f])))
+        per_frame.append(float((clean * size * crisp) ** (1 / 3)))
+    return float(np.mean(per_frame))
+
+
+def motion_quality(frames: np.ndarray) -> float:
+    mask = foreground(frames)
+    F, H, _ = mask.shape
+    c, mass = centroids(mask)
+    if F < 2 or not np.isfinite(c).all():
+        return 0.0
+    d = np.diff(c, axis=0)                                                # [F-1, 2]
+    d_mean = d.mean(axis=0)
+    smooth = np.exp(-np.linalg.norm(d - d_mean, axis=1).mean() / 0.5)
+    steady = np.exp(-(mass.std() / mass.mean()) / 0.2)
+    v_star = tw.travel(H) / (F - 1)
+    speed = np.exp(-abs(np.linalg.norm(d_mean) - v_star) / v_star)
+    return float((smooth * steady * speed) ** (1 / 3))
+
+
+def colour_score(frames: np.ndarray, colour: str) -> float:
+    """Probability of `colour` under a softmax over palette distances of the mean foreground colour."""
+    mask = foreground(frames)
+    solid = mask > 0.5
+    if solid.sum() == 0:
+        return 0.0
+    rgb = frames[solid].astype(np.float64) / 255.0                        # [N, 3]
+    mean = rgb.mean(axis=0)
+    logits = -((_PALETTE - mean) ** 2).sum(axis=1) / _COLOUR_TEMP
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    return float(p[list(tw.COLOURS).index(colour)])
+
+
+def displacement(frames: np.ndarray) -> np.ndarray | None:
+    """Net centroid motion first → last frame (y, x) in px, or None when a frame is empty."""
+    c, _ = centroids(foreground(frames))
+    if not np.isfinite(c).all():
+        return None
+    return c[-1] - c[0]
+
+
+def direction_score(frames: np.ndarray, direction: str) -> float:
+    d = displacement(frames)
+    if d is None:
+        return 0.0
+    t = tw.travel(frames.shape[1])
+    u = np.asarray(tw.DIRECTIONS[direction])
+    p = float(d @ u)
+    q = float(abs(d[0] * u[1] - d[1] * u[0]))
+    return float(np.clip(p / t, 0.0, 1.0) * np.exp(-2.0 * (q / t) ** 2))
+
+
+def predicted_direction(frames: np.ndarray, min_travel: float = 1.0) -> str | None:
+    """The direction word whose axis the net motion follows most, or None if it hardly moves."""
+    d = displacement(frames)
+    if d is None or np.linalg.norm(d) < min_travel:
+        return None
+    return max(tw.DIRECTIONS, key=lambda k: float(d @ np.asarray(tw.DIRECTIONS[k])))
+
+
+def score_video(frames: np.ndarray, prompt: str) -> dict[str, float]:
+    """All heads and their parts for one video uint8 [F, H, W, 3]; ValueError on a bad prompt."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
+    spec = tw.parse_prompt(prompt)
+    colour = colour_score(frames, spec.colour)
+    direction = direction_score(frames, spec.direction)
+    return {
+        "VQ": visual_quality(frames),
+        "MQ": motion_quality(frames),
+        "TA": 0.5 * (colour + direction),
+        "colour": colour,
+        "direction": direction,
+        "direction_correct": float(predicted_direction(frames) == spec.direction),
+    }
