@@ -1,0 +1,134 @@
+"""FSDP2 for the learner: process-group setup, `fully_shard` per transformer block, full-state
+gathers for publishing, and a teardown that cannot abort the process.
+
+Teardown: with torch 2.13 and gloo on CPU, `destroy_process_group` now and then aborts the
+process (SIGABRT from gloo's C++ pair teardown while a peer has already closed its socket;
+no Python `try` can catch it). So `shutdown_process_group` first runs a barrier, which
+bounds the group's life: after it no collective is in flight and every rank is at the end.
+Then it does not destroy the group by default: the owner ends the process (LearnerGroup
+kills its rank actors), and the OS frees the sockets. `mode="destroy"` is for a process
+that must live on; it destroys the group under the same barrier, rank 0 last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from common.weight_group import backend_for
+
+log = logging.getLogger(__name__)
+
+# ModuleList attribute names that hold the repeated transformer blocks in diffusers models.
+BLOCK_LISTS = ("blocks", "transformer_blocks", "single_transformer_blocks")
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
+                     device: torch.device | str = "cpu", timeout_s: float = 120.0) -> DeviceMesh:
+    """Join the learner's default process group and return its 1-D device mesh."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (elements of ModuleLists named as in BLOCK_LISTS), in model order."""
+    blocks: list[nn.Module] = []
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_LISTS:
+            blocks.extend(child)
+    return blocks
+
+
+def shard_model(module: nn.Module, mesh: DeviceMesh, *,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Apply FSDP2 `fully_shard` to each transformer block, then to the root (in place).
+
+    Call after LoRA injection, so adapter weights are sharded with their block, and before
+    anything keeps references to the parameters (fully_shard replaces them with DTensors).
+    """
+    blocks = transformer_blocks(module)
+    if not blocks:
+        log.warning("shard_model: %s has no %s ModuleList; sharding the root only",
+                    type(module).__name__, "/".join(BLOCK_LISTS))
+    mp = MixedPrecisionPolicy(
+        # None keeps fp32 master params for compute: Policy.velocity autocasts to bf16 on GPU
+        # exactly as the single-process path does, so both recompute the same log-probs.
+        param_dtype=param_dtype,
+        # Gradients are averaged across ranks in fp32: bf16 sums lose the small GRPO updates.
+        reduce_dtype=torch.float32,
+    )
+    for block in blocks:
+        # One FSDP unit per block: its all-gather overlaps the previous block's compute, and
+        # only one block's full weights are alive at a time.
+        # reshard_after_forward=True frees the gathered weights after forward and gathers again
+        # in backward (ZeRO-3): memory, not bandwidth, bounds 14B video transformers.
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+    # The root holds what is left (patch/time/text embeddings, the head). Its weights are the
+    # first needed in backward, right after forward, so keeping them gathered saves a re-gather.
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return module
+
+
+def full_state_dict(module: nn.Module, names: Iterable[str] | None = None) -> dict[str, Tensor]:
+    """Gather full, unsharded CPU tensors. A collective: every rank must call it.
+
+    Rank 0 gets the tensors (only `names`, when given); the other ranks get {} (cpu_offload
+    keeps the full copy on rank 0 only, so no rank but the publisher pays its memory).
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(module, options=opts)
+    if names is not None:
+        keep = set(names)
+        sd = {k: v for k, v in sd.items() if k in keep}
+    return sd
+
+
+def load_full_state_dict(module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
+    """Load full tensors into a sharded module (every rank passes the same full state)."""
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def full_value(t: Tensor) -> Tensor:
+    """A DTensor's full value (a collective when sharded), or the tensor itself."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def shutdown_process_group(mode: Literal["barrier_only", "destroy"] = "barrier_only") -> bool:
+    """End this rank's part in the default group; returns whether the barrier completed.
+
+    `barrier_only` (the default, see the module doc) leaves the group for process exit;
+    `destroy` destroys it after the barrier, rank 0 last so its store outlives its peers.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+    rank = dist.get_rank()
+    try:
+        dist.barrier()  # bounded by the group's timeout
+        ok = True
+    except Exception as e:  # a dead peer: nothing more can be synchronised
+        log.warning("learner rank %d: teardown barrier failed (%s); leaving the group as is", rank, e)
+        return False
+    if mode == "destroy":
+        if rank == 0:
+            time.sleep(0.2)  # let the peers close their pairs against a live store first
+        dist.destroy_process_group()
+    return ok
