@@ -182,6 +182,18 @@ class RewardModelConfig(Section):
     timeout_s: float = Field(120.0, gt=0.0)
     retries: int = Field(2, ge=0)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the scorer runs; auto takes a GPU when the actor has one."""
+    base_path: str | None = None
+    """The base VLM's config and tokenizer (dir or hub id); None takes the model's published base."""
+    video_fps: float = Field(16.0, gt=0.0)
+    """Frame rate of the decoded videos handed to the scorer."""
+    sample_fps: float = Field(2.0, gt=0.0)
+    """Frames per second the scorer samples (VideoAlign, HPSv3 and Q-Save read 2 fps)."""
+    head_norm: dict[str, tuple[float, float]] | None = None
+    """Per-head (mean, std) applied as (s - mean) / std; None takes the model's published values."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Q-Save: tokens the evaluator may write for its scores."""
 
 
 class RewardsConfig(Section):
