@@ -28,6 +28,7 @@ from common.types import Condition, Group
 from common.weights import verify
 from rollout_worker.models import build_model
 from rollout_worker.sampler import sample_group
+from rollout_worker.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,26 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self._version
+
+    # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
+
+    def join_weight_group(self, host: str, port: int, prefix: str, rank: int, world_size: int,
+                          backend: str, timeout_s: float) -> int:
+        """Join the publisher's weight group as `rank`; returns once the group is built."""
+        if getattr(self, "_receiver", None) is None:
+            self._receiver = WeightReceiver()
+        self._receiver.join(host, port, prefix, rank, world_size, backend, timeout_s)
+        return rank
+
+    def receive_weights(self, version: int, manifest: dict) -> bool:
+        """Take part in the broadcast of `version`, then load it like set_weights (stale: ignored)."""
+        receiver = getattr(self, "_receiver", None)
+        if receiver is None:
+            raise RuntimeError(f"rollout actor {self.actor_index}: receive_weights before join_weight_group")
+        m, state = receiver.receive(manifest, self.model.device)  # checksum verified there
+        if m.version != version:
+            raise ValueError(f"rollout actor {self.actor_index}: manifest says v{m.version}, call says v{version}")
+        return self.set_weights(state, m.version)
 
     def ping(self) -> dict:
         return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family}
