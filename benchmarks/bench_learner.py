@@ -1,0 +1,139 @@
+"""Learner benchmark (not a test): `python -m benchmarks.bench_learner [--quick]`.
+
+1. Step time per sample: Trainer.train_step (losses, anchors, clipping, AdamW) against a bare
+   forward+backward of the same transformer on the same rows, in one run (ratio).
+2. Weight sync: WeightPublisher seconds (object_store and collective, to two rollout actors on a
+   local Ray) against a memcpy of the same bytes, for the full weights and for the LoRA adapter.
+
+The model is the tiny diffusers Wan pipeline (rollout_worker.models.tiny) loaded through the
+real Wan adapter from a temp dir, so the numbers are about overhead, not absolute speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from common.config import RunConfig
+from common.types import Condition, TrainBatch
+from common.weights import nbytes
+
+
+def _cfg(path: str, finetune: str, quick: bool) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"family": "wan", "path": path, "num_frames": 5, "height": 16, "width": 16,
+                  "max_sequence_length": 16},
+        "schedule": {"steps": 4 if quick else 8}, "sde": {"scheme": "sage"},
+        "sampler": {"group_size": 4, "train_steps": "all", "ode_last_steps": 1},
+        "optim": {"finetune": finetune, "micro_batch": 4, "lora_rank": 4},
+        "kl": {"strategy": "dual"},
+        "pools": {"rollout": {"num_actors": 2, "num_cpus": 0.5, "torch_threads": 1, "max_restarts": 0}},
+    })
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def bench_step(path: str, quick: bool) -> dict:
+    from learner.rows import build_rows, micro_batches
+    from learner.trainer import Trainer
+    from rollout_worker.models import build_model
+    from rollout_worker.sampler import sample_group
+
+    cfg = _cfg(path, "lora", quick)
+    model = build_model(cfg, "cpu")
+    groups = []
+    for c in range(2):
+        g = sample_group(model, Condition(id=f"b{c}", prompt=f"bench prompt {c}"), cfg, seed=c, policy_version=0)
+        g.composite = torch.randn(g.size, generator=torch.Generator().manual_seed(c))
+        groups.append(g)
+    batch = TrainBatch(fresh=groups)
+    trainer = Trainer(cfg, model, device="cpu").setup()
+    rows = build_rows(batch, cfg)
+    cond_all = trainer.encode(rows)
+
+    def bare() -> None:  # forward+backward of the same rows in the same micro-batches, nothing else
+        for mb in micro_batches(rows, cfg.optim.micro_batch):
+            v = trainer.policy.velocity(mb.x, mb.sigma, cond_all.index(mb.cond_idx))  # [b, C, F, H, W]
+            v.float().pow(2).mean().backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    repeats = 2 if quick else 5
+    t_bare = _timed(bare, repeats)
+    t_step = _timed(lambda: trainer.train_step(batch), repeats)
+    return {"rows": rows.n, "step_s_per_sample": t_step / rows.n, "bare_fwd_bwd_s_per_sample": t_bare / rows.n,
+            "ratio": t_step / t_bare, "lora_payload": trainer.weights_payload(),
+            "full_payload": {k: v.detach().clone() for k, v in model.trainable_module().state_dict().items()
+                             if ".lora_" not in k}}
+
+
+def _memcpy_s(state: dict, repeats: int) -> float:
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    return _timed(lambda: [dst[k].copy_(v) for k, v in state.items()], repeats)
+
+
+def bench_sync(path: str, payloads: dict, quick: bool) -> list[dict]:
+    import ray
+
+    from common.config import WeightSyncConfig
+    from learner.lora import inject_lora
+    from learner.weight_sync import WeightPublisher
+    from rollout_worker.actor import create_rollout_actors
+
+    cfg = _cfg(path, "lora", quick)
+    ray.init(num_cpus=2, resources={"rollout": 2}, include_dashboard=False, log_to_driver=False)
+    try:
+        actors = create_rollout_actors(cfg, count=2)
+        # the adapter payload needs the same LoRA injected on the rollout side
+        ray.get([a.__ray_call__.remote(lambda self, o=cfg.optim: inject_lora(
+            self.model.trainable_module(), self.model.family, o) and None) for a in actors])
+        repeats, out, version = (2 if quick else 5), [], 0
+        for kind in ("full", "lora"):
+            state = payloads[kind]
+            for transport in ("object_store", "collective"):
+                pub = WeightPublisher(WeightSyncConfig(transport=transport, timeout_s=60), actors)
+
+                def push(pub=pub, state=state) -> None:
+                    nonlocal version
+                    version += 1
+                    pub.publish(state, version)
+
+                t = _timed(push, repeats)
+                pub.close()
+                out.append({"payload": kind, "transport": transport, "bytes": nbytes(state),
+                            "sync_s": t, "memcpy_s": _memcpy_s(state, repeats)})
+        return out
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from rollout_worker.models.tiny import tiny_wan_components
+
+    with tempfile.TemporaryDirectory() as path:
+        WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v")).save_pretrained(path)
+        step = bench_step(path, args.quick)
+        payloads = {"lora": step.pop("lora_payload"), "full": step.pop("full_payload")}
+        print(json.dumps({"step": step}, indent=2))
+        for row in bench_sync(path, payloads, args.quick):
+            row["ratio"] = row["sync_s"] / max(row["memcpy_s"], 1e-9)
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
