@@ -63,6 +63,10 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
     cond: the micro-batch's encoded conditions (rows aligned with mb).
     anchor_v, prev_v: velocities of the D_anchor anchor and the previous policy on mb.x, no grad.
     """
+    if lc.anchor is not None and anchor_v is None:
+        raise ValueError(f"kl.strategy={lc.strategy!r} needs the {lc.anchor!r} anchor's velocity (anchor_v)")
+    if lc.needs_prev and prev_v is None:
+        raise ValueError("kl.d_step='exact' needs the previous policy's velocity (prev_v)")
     m = mb.mask                                                            # [B] 0 on padding
     std = scheme.std(mb.sigma, mb.sigma_next).to(mb.x.device)              # [B]
 

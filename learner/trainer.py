@@ -27,7 +27,7 @@ from learner import checkpoint
 from learner.kl import KLController
 from learner.losses import LossConfig, compute_loss
 from learner.policy import Policy
-from learner.rows import Rows, build_rows, micro_batches
+from learner.rows import MicroBatch, Rows, build_rows, micro_batches
 from rollout_worker.models.base import Cond, VideoModel
 
 ReduceFn = Callable[[Tensor], Tensor]
@@ -71,6 +71,17 @@ class Trainer:
         with torch.no_grad():
             return self.model.encode([c.prompt for c in conds], images).to(self.device)
 
+    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's share of L_total (with grad) and its stats sums; see losses.compute_loss."""
+        lc, policy = self.loss_cfg, self.policy
+        mb = mb.to(self.device)
+        cond = cond_all.index(mb.cond_idx)
+        # anchors first: swapping weights after the grad forward would corrupt backward
+        anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond) if lc.anchor else None
+        prev_v = policy.anchor_velocity("prev", mb.x.float(), mb.sigma, cond) if lc.needs_prev else None
+        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align,
+                            anchor_v, prev_v)
+
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
         cfg, lc, policy = self.cfg, self.loss_cfg, self.policy
@@ -78,7 +89,6 @@ class Trainer:
 
         # 1. rows: advantages, equalizer weights, winner/loser rows
         rows = build_rows(batch, cfg)
-        n_rows, n_align = rows.n, rows.n_align
 
         # 2. conditions, encoded once
         cond_all = self.encode(rows)
@@ -90,13 +100,7 @@ class Trainer:
         sums = torch.zeros(len(keys), dtype=torch.float64)
         first_logratio = float("nan")
         for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
-            mb = mb.to(self.device)
-            cond = cond_all.index(mb.cond_idx)
-            # anchors first: swapping weights after the grad forward would corrupt backward
-            anchor_v = policy.anchor_velocity(lc.anchor, mb.x, mb.sigma, cond) if lc.anchor else None
-            prev_v = policy.anchor_velocity("prev", mb.x, mb.sigma, cond) if lc.needs_prev else None
-            loss, s = compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, n_rows, n_align,
-                                   anchor_v, prev_v)
+            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl)
             (loss * world_size).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0:

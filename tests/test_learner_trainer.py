@@ -1,0 +1,183 @@
+"""The reference Trainer on a tiny Wan transformer: ratio check, KL facts, J_align's sign,
+rank splitting, the weights payload round trip and checkpoint resume."""
+
+from __future__ import annotations
+
+import torch
+from helpers_tiny import TinyVideoModel, sample_group
+
+from common.config import RunConfig
+from common.sde import log_prob
+from common.types import Condition, TrainBatch
+from learner import checkpoint
+from learner.lora import inject_lora
+from learner.losses import LossConfig, compute_loss
+from learner.rows import build_rows, micro_batches
+from learner.trainer import Trainer
+
+
+def _cfg(**sections) -> RunConfig:
+    base = {"optim": {"micro_batch": 5, "lr": 1e-2, "lora_rank": 4}}
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    return RunConfig.model_validate(base)
+
+
+def _batch(model, seed: int, groups: int = 2, version: int = 0) -> TrainBatch:
+    fresh = []
+    for c in range(groups):
+        g = sample_group(model, Condition(f"c{c}", f"prompt {c}"), group_size=3, seed=seed + c,
+                         version=version)
+        g.composite = torch.stack([t.final_latents[0].mean() for t in g.members])  # [G]
+        fresh.append(g)
+    return TrainBatch(fresh)
+
+
+def _kl_terms(tr: Trainer, rows) -> tuple[float, float]:
+    mb = next(micro_batches(rows, rows.n))
+    cond = tr.encode(rows).index(mb.cond_idx)
+    av = tr.policy.anchor_velocity("moving", mb.x, mb.sigma, cond)
+    pv = tr.policy.anchor_velocity("prev", mb.x, mb.sigma, cond)
+    with torch.no_grad():
+        _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.loss_cfg, 1.0, rows.n,
+                            rows.n_align, av, pv)
+    return float(s["kl/d_anchor"]), float(s["kl/d_step"])
+
+
+def test_ratio_is_one_on_fresh_on_policy_data():
+    model = TinyVideoModel()
+    tr = Trainer(_cfg(), model).setup()
+    for step in range(3):  # also after updates: the batch comes from the current weights
+        st = tr.train_step(_batch(model, seed=10 * step, version=tr.version))
+        assert st["logratio_first_absmax"] < 1e-5
+        assert abs(st["ratio_mean"] - 1.0) < 1e-5 and st["clipfrac"] == 0.0
+        assert st["grad_norm"] > 0
+    assert tr.version == 3
+
+
+def test_kl_terms_zero_at_anchor_and_quadratic_in_perturbation():
+    model = TinyVideoModel()
+    tr = Trainer(_cfg(kl={"d_step": "exact", "strategy": "dual"}), model).setup()
+    rows = build_rows(_batch(model, seed=0), tr.cfg)
+    assert _kl_terms(tr, rows) == (0.0, 0.0)
+    base = tr.policy.snapshot()
+    gen = torch.Generator().manual_seed(1)
+    direction = {n: torch.randn(p.shape, generator=gen) for n, p in base.items()}
+
+    def at(delta):
+        with torch.no_grad():
+            for n, p in tr.policy.params.items():
+                p.copy_(base[n] + delta * direction[n])
+        return _kl_terms(tr, rows)
+
+    (a1, s1), (a2, s2) = at(1e-3), at(2e-3)
+    assert a1 > 0 and s1 > 0
+    assert abs(a2 / a1 - 4.0) < 0.1 and abs(s2 / s1 - 4.0) < 0.1
+
+
+def test_align_gradient_step_raises_winner_log_prob():
+    model = TinyVideoModel()
+    tr = Trainer(_cfg(), model).setup()
+    rows = build_rows(_batch(model, seed=3, groups=1), tr.cfg)
+    mb = next(micro_batches(rows, rows.n))
+    mb.adv.zero_()          # no policy-gradient term: the loss is γ·J_align alone
+    mb.a_neg.zero_()        # only the winner's term
+    cond = tr.encode(rows).index(mb.cond_idx)
+    lc = LossConfig(1e-4, "none", 1.0, 0.1, "k1", gamma=1.0)
+    std = rows.scheme.std(mb.sigma, mb.sigma_next)
+
+    def winner_logp():
+        with torch.no_grad():
+            mu = rows.scheme.mean(mb.x, tr.policy.velocity(mb.x, mb.sigma, cond), mb.sigma, mb.sigma_next)
+            return float(log_prob(mb.x_pos, mu, std).mean())
+
+    before = winner_logp()
+    loss, _ = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, lc, 0.0, rows.n, rows.n_align)
+    assert loss.item() != 0.0
+    loss.backward()
+    with torch.no_grad():
+        for p in tr.policy.trainable_parameters():
+            p -= 1e-1 * p.grad
+    assert winner_logp() > before
+
+
+def test_rank_shares_sum_to_the_full_batch_gradient():
+    model = TinyVideoModel()
+    tr = Trainer(_cfg(), model).setup()
+    tr.train_step(_batch(model, seed=0))  # make the LoRA B non-zero so every grad is informative
+    rows = build_rows(_batch(model, seed=5), tr.cfg)
+    cond_all = tr.encode(rows)
+    params = tr.policy.trainable_parameters()
+
+    def grads(size, world):
+        for p in params:
+            p.grad = None
+        for r in range(world):
+            for mb in micro_batches(rows, size, r, world):
+                loss, _ = tr.micro_loss(rows, mb, cond_all, lam_kl=1e-3)
+                loss.backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    full = grads(rows.n, 1)
+    assert full.abs().sum() > 0
+    assert torch.allclose(grads(4, 2), full, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(grads(1, 3), full, atol=1e-6, rtol=1e-4)
+
+
+def test_lora_payload_round_trip_onto_fresh_model():
+    model = TinyVideoModel(seed=0)
+    tr = Trainer(_cfg(), model).setup()
+    for s in range(2):
+        tr.train_step(_batch(model, seed=s))
+    payload = tr.weights_payload()
+    assert payload and all(".lora_" in k for k in payload)
+    fresh = TinyVideoModel(seed=0)
+    inject_lora(fresh.transformer, "wan", tr.cfg.optim)
+    x, sig = torch.randn(2, *model.latent_shape), torch.tensor([0.9, 0.4])
+    cond = model.encode(["a", "b"])
+    with torch.no_grad():
+        untrained = fresh.velocity(x, sig, cond)
+        fresh.load_weights(payload)
+        want = tr.policy.velocity(x, sig, cond)
+        assert not torch.allclose(untrained, want, atol=1e-5)
+        assert torch.allclose(fresh.velocity(x, sig, cond), want, atol=1e-6)
+
+
+def test_full_finetune_payload_round_trip():
+    model = TinyVideoModel(seed=0)
+    tr = Trainer(_cfg(optim={"finetune": "full", "lr": 1e-3}), model).setup()
+    tr.train_step(_batch(model, seed=0))
+    fresh = TinyVideoModel(seed=0)
+    fresh.load_weights(tr.weights_payload())
+    x, sig, cond = torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode(["a"])
+    with torch.no_grad():
+        assert torch.equal(fresh.velocity(x, sig, cond), tr.policy.velocity(x, sig, cond))
+
+
+def test_resume_from_checkpoint_gives_the_same_next_loss(tmp_path):
+    cfg = _cfg(kl={"schedule": "adaptive", "d_step": "exact", "anchor_period": 2, "lam": 1e-6,
+                   "lam_high": 1.0, "target": 1e-9},
+               train={"keep_checkpoints": 2})
+    data_model = TinyVideoModel(seed=7)
+    batches = [_batch(data_model, seed=s) for s in range(4)]
+
+    a = Trainer(cfg, TinyVideoModel(seed=0)).setup()
+    for b in batches[:3]:
+        a.train_step(b)
+    for i in range(3):  # retention: only the newest two survive
+        path = a.save_checkpoint(tmp_path, extra={"cursor": 3 + i, "bank_watermark": 17})
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000003"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    want = a.train_step(batches[3])
+    a.save_checkpoint(tmp_path, extra={})
+    assert len(checkpoint.list_checkpoints(tmp_path)) == 2
+
+    b = Trainer(cfg, TinyVideoModel(seed=0)).setup()
+    extra = b.load_checkpoint(path)
+    assert extra == {"cursor": 5, "bank_watermark": 17} and b.version == 3
+    got = b.train_step(batches[3])
+    assert want["kl/d_anchor"] > 0 and want["kl/lambda"] > 1e-6  # anchors and λ state matter here
+    for k in ("loss", "loss/policy", "loss/kl", "loss/align", "kl/d_anchor", "kl/d_step", "kl/lambda"):
+        assert got[k] == want[k], k
+    for n, p in a.policy.params.items():
+        assert torch.equal(p, b.policy.params[n]), n
