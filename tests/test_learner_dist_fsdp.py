@@ -14,6 +14,7 @@ from ray import cloudpickle
 from common.config import load_config
 from common.types import Condition, TrainBatch
 from learner.actor import LearnerGroup
+from learner.trainer import Trainer
 
 # tests/ is not a package the Ray workers can import: ship the tiny model by value.
 cloudpickle.register_pickle_by_value(helpers_tiny)
@@ -62,8 +63,10 @@ def _run(cfg, ranks: int, batches, tmp_path=None):
 def test_two_fsdp_ranks_match_one_rank(ray_session, tmp_path):
     cfg, batches = _cfg(), _batches()
     t0 = time.time()
-    ref_stats, ref_w, ref_v, _, g1 = _run(cfg, 1, batches)
-    g1.shutdown()
+    # the single-process reference path, in this process
+    ref = Trainer(cfg, TinyVideoModel(seed=0, layers=LAYERS), device="cpu").setup()
+    ref_stats = [ref.train_step(b).values for b in batches]
+    ref_w, ref_v = ref.weights_payload(), ref.version
     stats, w, v, ckpt, g2 = _run(cfg, 2, batches, tmp_path / "ckpt")
     try:
         assert v == ref_v == 2
@@ -88,5 +91,10 @@ def test_two_fsdp_ranks_match_one_rank(ray_session, tmp_path):
         assert sorted(p.name for p in ckpt.iterdir()) == [
             "extra.json", "meta.json", "rank00000.pt", "rank00001.pt"]
     finally:
+        ranks = list(g2.ranks)
         g2.shutdown()
+    # teardown: barrier, then the rank processes end without destroy_process_group
+    for r in ranks:
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(r.version.remote(), timeout=30)
     assert time.time() - t0 < 150
