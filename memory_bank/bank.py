@@ -71,23 +71,24 @@ class MemoryBank:
         eids = [uuid.uuid4().hex for _ in group.members]
         encoded = [codec.encode(eid, m, heads, group.scores.values[i], float(group.composite[i]))
                    for i, (eid, m) in enumerate(zip(eids, group.members, strict=True))]
-        # 3. Write entry keys; nobody sees them until step 4 queues the group.
+        # 3. Write entry keys, then queue the group atomically, in one round trip: nobody
+        #    sees the entries until the script has queued the group.
+        k = self.keys
         pipe = self.r.pipeline(transaction=False)
         info: list[str] = []
         total = 0
         for eid, m, (meta, blob) in zip(eids, group.members, encoded, strict=True):
-            pipe.hset(self.keys.meta(eid), mapping=meta)
-            pipe.set(self.keys.blob(eid), blob)
-            nbytes = len(blob) + sum(len(k) + len(v.encode()) for k, v in meta.items())
+            pipe.hset(k.meta(eid), mapping=meta)
+            pipe.set(k.blob(eid), blob)
+            nbytes = len(blob) + sum(len(f) + len(v.encode()) for f, v in meta.items())
             total += nbytes
             info += [eid, json.dumps({"b": nbytes, "c": float(meta["composite"]),
                                       "v": m.policy_version, "cond": group.condition.id})]
-        pipe.execute()
-        # 4. Queue atomically.
-        k = self.keys
-        res = self.scripts.push(
+        self.scripts.push(
             keys=[k.group(gid), k.fresh, k.einfo, k.bytes, k.counts],
-            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g, *info])
+            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g, *info],
+            client=pipe)
+        res = pipe.execute()[-1]
         if res == -1:
             self._delete_entries(eids)
             raise DuplicateGroup(f"group_id {gid!r} is already queued in bank {k.namespace!r}: "
@@ -117,26 +118,28 @@ class MemoryBank:
         """Up to n fresh groups (FIFO), each with its condition's banked entries whose
         policy version is within bank.max_staleness of `version`."""
         k = self.keys
-        # 1. Move up to n groups fresh → pending atomically.
-        gids = [_s(g) for g in self.scripts.pull(keys=[k.fresh, k.pending], args=[n])]
-        if not gids:
-            return TrainBatch(fresh=[], bank=[], version=version)
-        pipe = self.r.pipeline(transaction=False)
-        for gid in gids:
-            pipe.hgetall(k.group(gid))
-        records = pipe.execute()
-        # 2. Banked entry ids per condition, filtered by staleness.
-        conds = {_s(rec.get(b"cond", b"")) for rec in records if rec}
-        banked = self._fresh_enough(conds, version)
-        # 3. Decode each group and its bank entries; skip what is corrupt.
+        # 1. Move up to n groups fresh → pending and read their records and their
+        #    conditions' bank indexes, atomically, in one round trip.
+        groups, banks = self.scripts.pull(keys=[k.fresh, k.pending, k.einfo],
+                                          args=[n, k.group_prefix, k.cond_prefix])
         batch = TrainBatch(fresh=[], bank=[], version=version)
-        for gid, rec in zip(gids, records, strict=True):
-            group = self._load_group(gid, rec)
+        if not groups:
+            return batch
+        # 2. Banked entry ids per condition, filtered by staleness.
+        banked = {_s(row[0]): self._fresh_enough(_s(row[0]), row[1:], version) for row in banks}
+        # 3. Decode each group, and its condition's bank entries once per pull (one round
+        #    trip per group); skip what is corrupt.
+        cache: dict[str, list[Entry]] = {}
+        for gid, cid, ver, eids in ([_s(v) for v in row] for row in groups):
+            group, entries = self._load_group(gid, cid, ver, eids.split(),
+                                              [] if cid in cache else banked.get(cid, []))
+            cache.setdefault(cid, entries)
             if group is None:
                 self._drop_group(gid)
                 continue
+            cache[cid], usable = self._match_bank(group, cache[cid])
             batch.fresh.append(group)
-            batch.bank.append(self._load_bank(group, banked.get(group.condition.id, [])))
+            batch.bank.append(usable)
         return batch
 
     def commit(self, batch: TrainBatch, step: int) -> None:
@@ -145,39 +148,40 @@ class MemoryBank:
         k, cfg = self.keys, self.cfg
         mode = {"fifo": "fifo", "sdu": "sdu",
                 "fifo_s2": "fifo" if step % 2 == 0 else "skip"}[cfg.strategy]
-        # 1. Trained counts first, while every used entry still exists.
+        # 1. Trained counts first, while every used entry still exists; then move each group
+        #    out of pending and bank its members, atomically per group (one round trip).
         used = [t.bank_id for grp in batch.fresh for t in grp.members]
         used += [t.bank_id for entries in batch.bank for t, _, _ in entries]
         pipe = self.r.pipeline(transaction=False)
         for eid in filter(None, used):
             self.scripts.touch(keys=[k.meta(eid)], args=[1, ""], client=pipe)
-        pipe.execute()
-        # 2. Move each group out of pending and bank its members, atomically per group.
         low = int(cfg.max_bytes * LOW_WATERMARK)
-        evicted: list[str] = []
-        banked: list[str] = []
-        for grp in batch.fresh:
-            keep = [t.bank_id for t in grp.members if t.bank_id]
-            out = self.scripts.commit(
+        keeps = [[t.bank_id for t in grp.members if t.bank_id] for grp in batch.fresh]
+        for grp, keep in zip(batch.fresh, keeps, strict=True):
+            self.scripts.commit(
                 keys=[k.pending, k.group(grp.group_id), k.cond(grp.condition.id), k.einfo,
                       k.bytes, k.counts, k.done, k.conds, k.bankz],
                 args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
-                      DONE_CAP, "committed", *keep])
+                      DONE_CAP, "committed", *keep], client=pipe)
+        results = pipe.execute()
+        outs = results[len(results) - len(batch.fresh):]
+        # 2. Delete evicted entries; mark the banked ones (one round trip).
+        evicted: list[str] = []
+        banked: list[str] = []
+        for grp, keep, out in zip(batch.fresh, keeps, outs, strict=True):
             if out is None:
                 log.warning("bank: group %r was not pending (committed twice?); ignored",
                             grp.group_id)
                 continue
-            gone = [_s(e) for e in out]
+            gone = {_s(e) for e in out}
             evicted += gone
-            banked += [e for e in keep if e not in set(gone)]
-        # 3. Delete evicted entries; mark the banked ones.
-        evicted_set = set(evicted)
+            banked += [e for e in keep if e not in gone]
+        gone = set(evicted)
         pipe = self.r.pipeline(transaction=False)
         for eid in banked:
-            if eid not in evicted_set:
+            if eid not in gone:
                 self.scripts.touch(keys=[k.meta(eid)], args=[0, "banked"], client=pipe)
-        pipe.execute()
-        self._delete_entries(evicted)
+        self._delete_entries(evicted, pipe)
 
     def requeue_pending(self) -> int:
         """Put groups pulled but never committed back at the head of the fresh queue (resume)."""
@@ -269,42 +273,36 @@ class MemoryBank:
         return n
 
     # ------------------------------------------------------------------ internals
-    def _fresh_enough(self, conds: set[str], version: int) -> dict[str, list[str]]:
-        """Condition id → banked entry ids (oldest first) within the staleness bound."""
-        k = self.keys
-        conds_l = sorted(conds)
-        pipe = self.r.pipeline(transaction=False)
-        for cid in conds_l:
-            pipe.lrange(k.cond(cid), 0, -1)
-        out: dict[str, list[str]] = {}
-        for cid, ix in zip(conds_l, pipe.execute(), strict=True):
-            eids = [_s(e) for e in ix]
-            infos = self.r.hmget(k.einfo, eids) if eids else []
-            keep = []
-            for eid, info in zip(eids, infos, strict=True):
-                try:
-                    v = int(json.loads(info)["v"])
-                except (TypeError, ValueError, KeyError):
-                    self._corrupt(f"bank entry {eid!r} of condition {cid!r}: bad index info")
-                    self._evict_banked(cid, [eid])
-                    continue
-                if version - v <= self.cfg.max_staleness:
-                    keep.append(eid)
-            out[cid] = keep
-        return out
+    def _fresh_enough(self, cid: str, flat: list, version: int) -> list[str]:
+        """A condition's banked entry ids (oldest first) within the staleness bound;
+        `flat` alternates entry id and its einfo JSON."""
+        keep, bad = [], []
+        for eid, info in zip(flat[::2], flat[1::2], strict=True):
+            eid = _s(eid)
+            try:
+                v = int(json.loads(info)["v"])
+            except (TypeError, ValueError, KeyError):
+                self._corrupt(f"bank entry {eid[:80]!r} of condition {cid!r}: bad index info")
+                bad.append(eid)
+                continue
+            if version - v <= self.cfg.max_staleness:
+                keep.append(eid)
+        if bad:
+            self._evict_banked(cid, bad)
+        return keep
 
-    def _load_group(self, gid: str, rec: dict) -> Group | None:
-        """Decode a pulled group; None when nothing usable is left."""
-        if not rec or b"eids" not in rec:
-            self._corrupt(f"group {gid!r}: record missing or incomplete")
-            return None
-        cid = _s(rec.get(b"cond", b""))
+    def _load_group(self, gid: str, cid: str, version: str, eids: list[str], bank_eids: list[str]
+                    ) -> tuple[Group | None, list[Entry]]:
+        """Decode a pulled group (None when no member is usable) and the given bank entries."""
         try:
-            version = int(rec.get(b"version", b""))
+            v = int(version)
         except ValueError:
-            self._corrupt(f"group {gid!r}: bad version field")
-            return None
-        members = [e for _, e in self._fetch(_s(rec[b"eids"]).split(), cid)]
+            self._corrupt(f"group {gid!r}: record missing or incomplete")
+            return None, []
+        fetched = self._fetch(eids + bank_eids, cid)
+        own = set(eids)
+        members = [e for eid, e in fetched if eid in own]
+        bank = [e for eid, e in fetched if eid not in own]
         if members:  # foreign members with another latent shape or other heads are dropped
             shape = Counter(tuple(e.trajectory.x.shape[1:]) for e in members).most_common(1)[0][0]
             heads = members[0].heads
@@ -314,35 +312,38 @@ class MemoryBank:
             members = [e for e in members if e not in bad]
         if not members:
             self._corrupt(f"group {gid!r}: no decodable member")
-            return None
+            return None, bank
         members.sort(key=lambda e: e.trajectory.member)
         cond = members[0].trajectory.condition
         for e in members:  # one Condition object per group
             e.trajectory.condition = cond
-        return Group(
-            condition=cond, group_id=gid, policy_version=version,
+        group = Group(
+            condition=cond, group_id=gid, policy_version=v,
             members=[e.trajectory for e in members],
             scores=Scores(list(members[0].heads), torch.stack([e.scores for e in members])),  # [G, H]
             composite=torch.tensor([e.composite for e in members], dtype=torch.float32),  # [G]
         )
+        return group, bank
 
-    def _load_bank(self, group: Group, eids: list[str]) -> list[tuple[Trajectory, torch.Tensor, float]]:
+    def _match_bank(self, group: Group, bank: list[Entry]
+                    ) -> tuple[list[Entry], list[tuple[Trajectory, torch.Tensor, float]]]:
+        """(entries still valid, those usable with this group: same latent shape and heads)."""
         cid, heads = group.condition.id, group.scores.heads
         shape = tuple(group.members[0].x.shape[1:])
         out, bad = [], []
-        for eid, e in self._fetch(eids, cid):
+        for e in bank:
             if tuple(e.trajectory.x.shape[1:]) != shape or sorted(e.heads) != sorted(heads):
-                self._corrupt(f"bank entry {eid} of condition {cid!r}: shape "
+                self._corrupt(f"bank entry {e.id} of condition {cid!r}: shape "
                               f"{tuple(e.trajectory.x.shape[1:])}/heads {e.heads} differ from "
                               f"the fresh group's {shape}/{heads}")
-                bad.append(eid)
+                bad.append(e.id)
                 continue
             scores = e.scores[[e.heads.index(h) for h in heads]]  # [H] in the group's head order
             e.trajectory.condition = group.condition
             out.append((e.trajectory, scores, e.composite))
         if bad:
             self._evict_banked(cid, bad)
-        return out
+        return [e for e in bank if e.id not in bad], out
 
     def _fetch(self, eids: list[str], cid: str) -> list[tuple[str, Entry]]:
         """Decode entries (one round trip); corrupt ones are logged, counted and evicted."""
@@ -391,18 +392,15 @@ class MemoryBank:
                   k.cond_prefix, DEAD_CAP, "dropped"])
         self._delete_entries([_s(e) for e in out or []])
 
-    def _delete_entries(self, eids: list[str]) -> None:
-        keys = []
+    def _delete_entries(self, eids: list[str], pipe=None) -> None:
+        """Delete entries' keys (distinct slots, so not atomic); runs `pipe` if given."""
+        pipe = pipe if pipe is not None else self.r.pipeline(transaction=False)
         for eid in eids:
             try:
-                keys += [self.keys.meta(eid), self.keys.blob(eid)]
+                pipe.delete(self.keys.meta(eid), self.keys.blob(eid))
             except ValueError:
                 pass  # a foreign id never had keys of ours
-        for i in range(0, len(keys), 512):  # non-atomic DEL of distinct slots, in chunks
-            pipe = self.r.pipeline(transaction=False)
-            for key in keys[i:i + 512]:
-                pipe.delete(key)
-            pipe.execute()
+        pipe.execute()
 
     def _corrupt(self, what: str) -> None:
         log.error("bank: skipped %s", what)

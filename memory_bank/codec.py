@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
 
-import safetensors.torch
 import torch
 from torch import Tensor
 
@@ -22,6 +21,7 @@ from common.config import SchemeName
 from common.types import Condition, Trajectory
 from memory_bank.errors import CorruptEntry
 from memory_bank.keys import check_eid
+from memory_bank.tensorfile import dumps, loads
 
 FORMAT = "1"
 SCHEMES = frozenset(get_args(SchemeName))
@@ -61,7 +61,7 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
                "final_latents": traj.final_latents}
     if traj.condition.image is not None:
         tensors["image"] = traj.condition.image
-    blob = safetensors.torch.save({k: t.detach().cpu().contiguous() for k, t in tensors.items()})
+    blob = dumps(tensors)
     meta = {
         "format": FORMAT,
         "id": eid,
@@ -133,8 +133,8 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptEntry("blob missing")
     try:
-        t = safetensors.torch.load(bytes(blob))
-    except Exception as e:  # noqa: BLE001 — SafetensorError and friends
+        t = loads(blob)
+    except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
     extra, absent = set(t) - {*TENSORS, "image"}, set(TENSORS) - set(t)
     if extra or absent:

@@ -81,8 +81,12 @@ class Keys:
     def cond_prefix(self) -> str:
         return f"{self._g}:c:"
 
+    @property
+    def group_prefix(self) -> str:
+        return f"{self._g}:g:"
+
     def group(self, gid: str) -> str:
-        return f"{self._g}:g:{gid}"
+        return f"{self.group_prefix}{gid}"
 
     def cond(self, cid: str) -> str:
         return f"{self.cond_prefix}{cid}"

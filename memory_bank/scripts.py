@@ -30,16 +30,33 @@ redis.call('RPUSH', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: fresh, pending. ARGV: n. Reliable queue: a pulled group stays in `pending` until
-# commit, so a learner crash loses nothing (requeue puts it back).
+# KEYS: fresh, pending, einfo. ARGV: n, group_prefix, cond_prefix.
+# Reliable queue: a pulled group stays in `pending` until commit, so a learner crash loses
+# nothing (requeue puts it back). Returns, in one round trip, {groups, banks}:
+# groups[i] = {gid, cond, version, eids}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
+# Group and condition keys are built here; they share the {ns} slot with KEYS.
 PULL = """
-local out = {}
+local groups, conds, banks = {}, {}, {}
 for _ = 1, tonumber(ARGV[1]) do
   local g = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not g then break end
-  out[#out + 1] = g
+  local rec = redis.call('HMGET', ARGV[2] .. g, 'cond', 'version', 'eids')
+  groups[#groups + 1] = {g, rec[1] or '', rec[2] or '', rec[3] or ''}
+  if rec[1] then conds[rec[1]] = true end
 end
-return out
+for cid, _ in pairs(conds) do
+  local row = {cid}
+  local ix = redis.call('LRANGE', ARGV[3] .. cid, 0, -1)
+  if #ix > 0 then
+    local infos = redis.call('HMGET', KEYS[3], unpack(ix))
+    for i, eid in ipairs(ix) do
+      row[#row + 1] = eid
+      row[#row + 1] = infos[i] or ''
+    end
+  end
+  banks[#banks + 1] = row
+end
+return {groups, banks}
 """
 
 # KEYS: pending, fresh. Oldest pending group ends up first in fresh, in its old order.
@@ -188,14 +205,25 @@ return 1
 """
 
 
+class Script:
+    """A script sent as EVAL: Redis caches it by SHA1, and unlike EVALSHA it can join any
+    pipeline and never fails with NOSCRIPT after a server restart (the bodies are small)."""
+
+    def __init__(self, client: redis.Redis, source: str):
+        self.r, self.source = client, source
+
+    def __call__(self, keys: list, args: list = (), client=None):
+        return (client if client is not None else self.r).eval(self.source, len(keys), *keys, *args)
+
+
 class Scripts:
-    """The scripts registered on one client (EVALSHA, reloaded after a server restart)."""
+    """The bank's scripts bound to one client; pass `client=pipe` to queue on a pipeline."""
 
     def __init__(self, client: redis.Redis):
-        self.push = client.register_script(PUSH)
-        self.pull = client.register_script(PULL)
-        self.requeue = client.register_script(REQUEUE)
-        self.commit = client.register_script(COMMIT)
-        self.evict = client.register_script(EVICT)
-        self.restore = client.register_script(RESTORE)
-        self.touch = client.register_script(TOUCH)
+        self.push = Script(client, PUSH)
+        self.pull = Script(client, PULL)
+        self.requeue = Script(client, REQUEUE)
+        self.commit = Script(client, COMMIT)
+        self.evict = Script(client, EVICT)
+        self.restore = Script(client, RESTORE)
+        self.touch = Script(client, TOUCH)

@@ -155,3 +155,38 @@ def test_fuzz_random_metadata(overrides, drop):
                        _text_or_bytes, max_size=30), st.binary(max_size=256))
 def test_fuzz_random_everything(meta, blob):
     _decode_or_corrupt(meta, blob)
+
+
+def test_blob_format_is_safetensors_both_ways():
+    from memory_bank.tensorfile import dumps, loads
+
+    t = {"a": torch.randn(2, 3), "b": torch.randn(4).to(torch.bfloat16),
+         "c": torch.arange(6, dtype=torch.uint8).reshape(2, 3), "d": torch.zeros(0, 5)}
+    ours = dumps(t)
+    for name, v in safetensors.torch.load(ours).items():     # the library reads ours
+        assert torch.equal(v, t[name]) and v.dtype == t[name].dtype
+    for name, v in loads(safetensors.torch.save(t)).items():  # we read the library's
+        assert torch.equal(v, t[name]) and v.dtype == t[name].dtype
+    got = loads(ours)
+    got["a"].add_(1)                                          # writable, own memory
+    assert torch.equal(got["a"], t["a"] + 1)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda h: h.update(x={"dtype": "F32", "shape": [10**9], "data_offsets": [0, 4]}), "bytes for shape"),
+    (lambda h: h["x"].update(dtype="Q8"), "unknown dtype"),
+    (lambda h: h["x"].update(data_offsets=[8, h["x"]["data_offsets"][1] + 8]), "data starts at"),
+    (lambda h: h["x"].update(shape=[-1]), "bad shape"),
+])
+def test_tensorfile_rejects_inconsistent_headers(mutate, match):
+    import json
+
+    from memory_bank.tensorfile import loads
+
+    blob = safetensors.torch.save({"x": torch.zeros(3, 4)})
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    mutate(header)
+    h = json.dumps(header).encode()
+    with pytest.raises(ValueError, match=match):
+        loads(len(h).to_bytes(8, "little") + h + blob[8 + n:])

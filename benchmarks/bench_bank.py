@@ -1,0 +1,148 @@
+"""Memory-bank throughput: push+pull of realistic entries against raw SET/GET of the same
+bytes on the same server, in the same run (goal: ratio >= 0.8).
+
+    python -m benchmarks.bench_bank [--quick] [--json OUT.json]
+
+Uses $REDIS_URL when set, else an embedded redis-server. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+
+import torch
+
+from common.config import BankConfig
+from common.types import Condition, Group, Scores, Trajectory
+from memory_bank.bank import MemoryBank
+from memory_bank.codec import encode
+from memory_bank.embedded import EmbeddedRedis
+
+K, C, F, H = 2, 16, 4, 32
+
+
+def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator) -> Group:
+    """G members whose stored tensors (x, x_next, final_latents) total about entry_mb each."""
+    w = max(1, round(entry_mb * 2**20 / (4 * (2 * K + 1) * C * F * H)))
+    cond = Condition(id="bench", prompt="a benchmark prompt")
+    gid = uuid.uuid4().hex
+    members = [Trajectory(
+        condition=cond, group_id=gid, member=i, seed=i, scheme="sage", eta=0.5,
+        guidance_scale=1.0, policy_version=version, sigmas=torch.linspace(1, 0, 21).tolist(),
+        step_indices=[0, 1],
+        x=torch.randn(K, C, F, H, w, generator=gen),        # [K, C, F, H, W]
+        x_next=torch.randn(K, C, F, H, w, generator=gen),   # [K, C, F, H, W]
+        logp_old=torch.randn(K, generator=gen),             # [K]
+        final_latents=torch.randn(C, F, H, w, generator=gen),
+    ) for i in range(g)]
+    values = torch.rand(g, 3, generator=gen)                 # [G, H]
+    return Group(cond, gid, version, members, Scores(["vq", "mq", "ta"], values), values.sum(1))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    ns = f"bench{uuid.uuid4().hex[:8]}"
+    # one condition, capacity G, staleness 0: each pull reads exactly the fresh group
+    bank = MemoryBank(client, BankConfig(namespace=ns, capacity=g, max_staleness=0,
+                                         max_bytes=1 << 40))
+    groups = [make_group(entry_mb, g, v, gen) for v in range(min(iters, 3))]
+    blobs = [[encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0)[1]
+              for i, m in enumerate(grp.members)] for grp in groups]
+    nbytes = sum(len(b) for b in blobs[0])       # bytes per group, as stored
+    t = {"push": [], "pull": [], "commit": [], "set": [], "get": []}
+    try:
+        for it in range(iters + 1):             # iteration 0 warms up
+            grp = groups[it % len(groups)]
+            grp.group_id = grp.members[0].group_id = uuid.uuid4().hex
+            grp.policy_version = it
+            for m in grp.members:
+                m.policy_version = it
+            t0 = time.perf_counter()
+            bank.push_group(grp)
+            t1 = time.perf_counter()
+            batch = bank.pull(1, version=it)
+            t2 = time.perf_counter()
+            bank.commit(batch, step=it)
+            t3 = time.perf_counter()
+            assert len(batch.fresh) == 1 and batch.bank == [[]]
+            # raw baseline: the same bytes, pipelined per group like the bank does
+            keys = [f"{ns}:raw:{i}" for i in range(g)]
+            pipe = client.pipeline(transaction=False)
+            for k, b in zip(keys, blobs[it % len(groups)], strict=True):
+                pipe.set(k, b)
+            t4 = time.perf_counter()
+            pipe.execute()
+            t5 = time.perf_counter()
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            got = pipe.execute()
+            t6 = time.perf_counter()
+            assert sum(len(b) for b in got) == nbytes
+            del got, batch
+            if it:
+                for name, dt in (("push", t1 - t0), ("pull", t2 - t1), ("commit", t3 - t2),
+                                 ("set", t5 - t4), ("get", t6 - t5)):
+                    t[name].append(dt)
+    finally:
+        bank.clear()
+    mb = nbytes / 2**20
+    bank_mbs = 2 * mb * iters / (sum(t["push"]) + sum(t["pull"]))
+    raw_mbs = 2 * mb * iters / (sum(t["set"]) + sum(t["get"]))
+    return {
+        "entry_mb": round(mb / g, 3), "group_mb": round(mb, 3), "members": g, "iters": iters,
+        "bank_push_pull_mb_s": round(bank_mbs, 1), "raw_set_get_mb_s": round(raw_mbs, 1),
+        "ratio": round(bank_mbs / raw_mbs, 3),
+        **{f"{k}_ms_p{int(q * 100)}": round(1e3 * _pct(v, q), 2)
+           for k, v in t.items() for q in (0.5, 0.99)},
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few iterations (about 10 s)")
+    ap.add_argument("--members", type=int, default=4, help="trajectories per group")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    plan = [(1.0, 8 if args.quick else 50), (16.0, 3 if args.quick else 12)]
+    server = None
+    url = os.environ.get("REDIS_URL")
+    if url:
+        import redis
+        client = redis.Redis.from_url(url)
+    else:
+        server = EmbeddedRedis().start()
+        client = server.client()
+    try:
+        rows = [bench_size(client, mb, iters, args.members) for mb, iters in plan]
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"{'entry':>8} {'bank MB/s':>10} {'raw MB/s':>10} {'ratio':>6} "
+          f"{'push p50/p99 ms':>16} {'pull p50/p99 ms':>16} {'set p50/p99':>12} "
+          f"{'get p50/p99':>12} {'commit p50':>10}")
+    for r in rows:
+        print(f"{r['entry_mb']:>6.2f}MB {r['bank_push_pull_mb_s']:>10.1f} "
+              f"{r['raw_set_get_mb_s']:>10.1f} {r['ratio']:>6.2f} "
+              f"{r['push_ms_p50']:>7.1f}/{r['push_ms_p99']:<8.1f} "
+              f"{r['pull_ms_p50']:>7.1f}/{r['pull_ms_p99']:<8.1f} "
+              f"{r['set_ms_p50']:>5.1f}/{r['set_ms_p99']:<6.1f} "
+              f"{r['get_ms_p50']:>5.1f}/{r['get_ms_p99']:<6.1f} {r['commit_ms_p50']:>10.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
