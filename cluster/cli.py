@@ -16,6 +16,7 @@ from common.config import ConfigError
 COMMANDS = [
     "cluster.cmd_config",
     "cluster.sde_report",
+    "cluster.toy_cmd",
 ]
 
 

@@ -1,0 +1,153 @@
+"""`vgrpo toy pretrain|sample|grid`: make, watch and compare toy video models."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("toy", help="the toy world: pretrain, sample, grid",
+                       description="The toy world: a coloured square moving across a 16×16 frame. "
+                       "Pretrain its tiny Wan model, sample a prompt, or draw the eval set as a grid.")
+    tsub = p.add_subparsers(dest="toy_command", metavar="ACTION", required=True)
+
+    pre = tsub.add_parser("pretrain", help="flow-matching pretraining of the toy model",
+                          description="Train the toy model from scratch on rendered videos. Every "
+                          "--eval-every steps it scores the fixed eval set (16-step ODE) and, with "
+                          "--snapshots, saves a checkpoint there; --steps K reproduces the snapshot "
+                          "at step K (the lr is constant after warm-up).")
+    pre.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    pre.add_argument("--batch", type=int, default=64, help="videos per step (default 64)")
+    pre.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    pre.add_argument("--seed", type=int, default=0, help="seed of data, noise and init (default 0)")
+    pre.add_argument("--out", required=True, help="output NAME.safetensors (NAME.json is written beside it)")
+    pre.add_argument("--snapshots", default=None, help="directory for per-eval snapshots (default: none)")
+    pre.add_argument("--eval-every", type=int, default=200, help="steps between evals (default 200)")
+    pre.add_argument("--eval-seeds", type=int, default=16, help="seeds per eval prompt (default 16)")
+    pre.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    pre.set_defaults(func=cmd_pretrain)
+
+    smp = tsub.add_parser("sample", help="sample one prompt to a GIF and print its reward heads",
+                          description="Sample PROMPT with the toy model and write a GIF (an MP4 too "
+                          "when imageio-ffmpeg is installed); print the VQ/MQ/TA heads.")
+    smp.add_argument("--prompt", required=True, help='e.g. "a blue square moving up"')
+    _common(smp)
+    smp.add_argument("--seed", type=int, default=0, help="initial-noise seed (default 0)")
+    smp.add_argument("--i2v", action="store_true", help="condition on the first frame of a rendered video (seeded)")
+    smp.add_argument("--out", default="toy_sample.gif", help="output GIF (default toy_sample.gif)")
+    smp.set_defaults(func=cmd_sample)
+
+    grd = tsub.add_parser("grid", help="one PNG: a row per eval prompt, frames side by side",
+                          description="Sample every eval prompt (toy-eval) with --seeds seeds and write "
+                          "one upscaled PNG: a row per prompt, each seed's frames side by side.")
+    _common(grd)
+    grd.add_argument("--seeds", type=int, default=2, help="seeds per prompt, side by side (default 2)")
+    grd.add_argument("--scale", type=int, default=8, help="pixel upscaling (default 8)")
+    grd.add_argument("--out", default="toy_grid.png", help="output PNG (default toy_grid.png)")
+    grd.set_defaults(func=cmd_grid)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", default=None, help="NAME.safetensors or a directory (default: the committed base)")
+    p.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"],
+                   help="sampling scheme (default ode)")
+    p.add_argument("--steps", type=int, default=16, help="sampling steps (default 16)")
+    p.add_argument("--shift", type=float, default=3.0, help="schedule shift (default 3)")
+    p.add_argument("--guidance", type=float, default=1.0, help="CFG scale; 1 = single pass (default 1)")
+
+
+def cmd_pretrain(args) -> int:
+    import torch
+
+    from rollout_worker.models.toy_pretrain import pretrain
+
+    torch.set_num_threads(args.threads)
+    command = shlex.join(["vgrpo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "vgrpo" else shlex.join(sys.argv)
+    _, history = pretrain(args.steps, args.batch, args.lr, args.seed, args.out, eval_every=args.eval_every,
+                          eval_seeds=args.eval_seeds, snapshot_dir=args.snapshots, command=command)
+    ev = history[-1]["eval"]
+    print(f"wrote {args.out}: " + "  ".join(f"{k} {ev[k]['mean']:.3f}±{ev[k]['stderr']:.3f}"
+                                           for k in ("VQ", "MQ", "TA", "colour", "direction_correct")))
+    return 0
+
+
+def _sample(model, prompts, seeds, args, images=None):
+    """Videos uint8 [B, F, H, W, 3] from the rollout sampler (one per (prompt, seed))."""
+    from common.sde import Schedule
+    from rollout_worker.sampler import sample_videos
+
+    return sample_videos(model, prompts, seeds, Schedule.linear(args.steps, args.shift),
+                         scheme_name=args.scheme, images=images)
+
+
+def _load(args):
+    import torch
+
+    from rollout_worker.models.toy import ToyVideoModel
+
+    torch.set_num_threads(1)
+    return ToyVideoModel.from_pretrained(args.checkpoint, guidance_scale=args.guidance)
+
+
+def cmd_sample(args) -> int:
+    import imageio.v3 as iio
+    import numpy as np
+    import torch
+
+    from common import toyscore
+    from common import toyworld as tw
+
+    try:
+        tw.parse_prompt(args.prompt)
+    except ValueError as e:
+        raise SystemExit(f"error: --prompt: {e}") from None
+    model = _load(args)
+    images = None
+    if args.i2v:
+        images = torch.from_numpy(tw.i2v_condition(args.prompt, args.seed))[None]
+    frames = _sample(model, [args.prompt], [args.seed], args, images)[0].numpy()   # [F, H, W, 3]
+    big = frames.repeat(8, axis=1).repeat(8, axis=2)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(out, big, duration=250, loop=0)
+    written = [str(out)]
+    try:
+        import imageio_ffmpeg  # noqa: F401
+
+        iio.imwrite(out.with_suffix(".mp4"), np.ascontiguousarray(big), fps=4)
+        written.append(str(out.with_suffix(".mp4")))
+    except ImportError:
+        pass
+    heads = toyscore.score_video(frames, args.prompt)
+    print(f"wrote {', '.join(written)}")
+    print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.HEADS, "colour", "direction")))
+    return 0
+
+
+def cmd_grid(args) -> int:
+    import imageio.v3 as iio
+    import numpy as np
+
+    from common import toyworld as tw
+
+    model = _load(args)
+    pairs = tw.eval_pairs(args.seeds)
+    frames = _sample(model, [p for p, _ in pairs], [s for _, s in pairs], args).numpy()  # [P·S, F, H, W, 3]
+    n, F, H, W, _ = frames.shape
+    gap = 2
+    rows = []
+    for i in range(0, n, args.seeds):
+        cells = [np.concatenate(list(frames[j]), axis=1) for j in range(i, i + args.seeds)]  # [H, F·W, 3]
+        pad = np.full((H, gap, 3), 128, np.uint8)
+        rows.append(np.concatenate([c for cell in cells for c in (cell, pad)][:-1], axis=1))
+    sep = np.full((gap, rows[0].shape[1], 3), 128, np.uint8)
+    grid = np.concatenate([r for row in rows for r in (row, sep)][:-1], axis=0)
+    grid = grid.repeat(args.scale, axis=0).repeat(args.scale, axis=1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(out, grid)
+    print(f"wrote {out}: rows = {', '.join(tw.EVAL_PROMPTS)}; {args.seeds} seed(s) per row")
+    return 0
