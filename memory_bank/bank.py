@@ -8,12 +8,14 @@ learner crash between them leaves the group in `pending`, and `requeue_pending` 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import redis
 import torch
@@ -22,7 +24,7 @@ from common.config import BankConfig
 from common.types import Group, Scores, TrainBatch, Trajectory
 from memory_bank import codec
 from memory_bank.codec import Entry
-from memory_bank.errors import CorruptEntry, DuplicateGroup, UnscoredGroup
+from memory_bank.errors import BankUnavailable, CorruptEntry, DuplicateGroup, UnscoredGroup
 from memory_bank.keys import DEAD_CAP, DONE_CAP, Keys, check_eid
 from memory_bank.scripts import Scripts
 
@@ -31,6 +33,20 @@ log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9
 """Over max_bytes, commit evicts the oldest banked entries down to this share of it."""
 SNAPSHOT_FORMAT = 1
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
+    """Redis connection failures (after the client's bounded retries) become BankUnavailable."""
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kw: P.kwargs) -> R:
+        try:
+            return fn(*args, **kw)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise BankUnavailable(f"memory bank: Redis unreachable during {fn.__name__}: "
+                                  f"{type(e).__name__}") from None
+    return wrapper
 
 
 class MemoryBank:
@@ -48,6 +64,7 @@ class MemoryBank:
                 f"capacity={c.capacity}, max_staleness={c.max_staleness}, max_bytes={c.max_bytes})")
 
     # ------------------------------------------------------------------ producers
+    @_reachable
     def push_group(self, group: Group) -> str:
         """Store a scored group and queue it as fresh; returns its group id."""
         # 1. Validate: scored, one condition, shapes agree.
@@ -95,6 +112,7 @@ class MemoryBank:
                                  "producers must use unique group ids")
         return gid
 
+    @_reachable
     def bytes_used(self) -> int:
         return int(self.r.get(self.keys.bytes) or 0)
 
@@ -114,6 +132,7 @@ class MemoryBank:
         return True
 
     # ------------------------------------------------------------------ the learner
+    @_reachable
     def pull(self, n: int, version: int) -> TrainBatch:
         """Up to n fresh groups (FIFO), each with its condition's banked entries whose
         policy version is within bank.max_staleness of `version`."""
@@ -142,47 +161,44 @@ class MemoryBank:
             batch.bank.append(usable)
         return batch
 
+    @_reachable
     def commit(self, batch: TrainBatch, step: int) -> None:
         """After the optimizer step: pending → done, fresh members enter the bank per
         bank.strategy, trained counts go up, evicted entries are deleted."""
         k, cfg = self.keys, self.cfg
         mode = {"fifo": "fifo", "sdu": "sdu",
                 "fifo_s2": "fifo" if step % 2 == 0 else "skip"}[cfg.strategy]
-        # 1. Trained counts first, while every used entry still exists; then move each group
-        #    out of pending and bank its members, atomically per group (one round trip).
-        used = [t.bank_id for grp in batch.fresh for t in grp.members]
-        used += [t.bank_id for entries in batch.bank for t, _, _ in entries]
-        pipe = self.r.pipeline(transaction=False)
-        for eid in filter(None, used):
-            self.scripts.touch(keys=[k.meta(eid)], args=[1, ""], client=pipe)
+        # 1. Move each group out of pending and bank its members, atomically per group.
         low = int(cfg.max_bytes * LOW_WATERMARK)
         keeps = [[t.bank_id for t in grp.members if t.bank_id] for grp in batch.fresh]
+        pipe = self.r.pipeline(transaction=False)
         for grp, keep in zip(batch.fresh, keeps, strict=True):
             self.scripts.commit(
                 keys=[k.pending, k.group(grp.group_id), k.cond(grp.condition.id), k.einfo,
                       k.bytes, k.counts, k.done, k.conds, k.bankz],
                 args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
                       DONE_CAP, "committed", *keep], client=pipe)
-        results = pipe.execute()
-        outs = results[len(results) - len(batch.fresh):]
-        # 2. Delete evicted entries; mark the banked ones (one round trip).
-        evicted: list[str] = []
-        banked: list[str] = []
-        for grp, keep, out in zip(batch.fresh, keeps, outs, strict=True):
+        outs = pipe.execute()
+        # 2. For the groups just committed: trained counts up on what survived (the bank
+        #    entries used and the members now banked), evicted entries deleted.
+        evicted: set[str] = set()
+        touch: dict[str, str] = {}     # eid -> new status ('' keeps it)
+        bank_used = batch.bank or [[] for _ in batch.fresh]
+        for grp, keep, out, entries in zip(batch.fresh, keeps, outs, bank_used, strict=True):
             if out is None:
                 log.warning("bank: group %r was not pending (committed twice?); ignored",
                             grp.group_id)
                 continue
-            gone = {_s(e) for e in out}
-            evicted += gone
-            banked += [e for e in keep if e not in gone]
-        gone = set(evicted)
+            evicted |= {_s(e) for e in out}
+            touch.update({t.bank_id: "" for t, _, _ in entries if t.bank_id})
+            touch.update({eid: "banked" for eid in keep})
         pipe = self.r.pipeline(transaction=False)
-        for eid in banked:
-            if eid not in gone:
-                self.scripts.touch(keys=[k.meta(eid)], args=[0, "banked"], client=pipe)
-        self._delete_entries(evicted, pipe)
+        for eid, status in touch.items():
+            if eid not in evicted:   # the script never recreates a deleted entry either
+                self.scripts.touch(keys=[k.meta(eid)], args=[1, status], client=pipe)
+        self._delete_entries(sorted(evicted), pipe)
 
+    @_reachable
     def requeue_pending(self) -> int:
         """Put groups pulled but never committed back at the head of the fresh queue (resume)."""
         n = int(self.scripts.requeue(keys=[self.keys.pending, self.keys.fresh]))
@@ -191,11 +207,13 @@ class MemoryBank:
         return n
 
     # ------------------------------------------------------------------ inspection
+    @_reachable
     def entries(self, condition_id: str) -> list[Entry]:
         """A condition's banked entries, oldest first, whatever their version."""
         eids = [_s(e) for e in self.r.lrange(self.keys.cond(condition_id), 0, -1)]
         return [e for _, e in self._fetch(eids, condition_id)]
 
+    @_reachable
     def stats(self) -> dict[str, Any]:
         """Counts by status, bytes, queue depths, corrupt count and Redis round-trip latency."""
         k = self.keys
@@ -215,6 +233,7 @@ class MemoryBank:
             "redis_latency_ms": latency_ms,
         }
 
+    @_reachable
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able watermark for a checkpoint: pending groups and each condition's bank."""
         k = self.keys
@@ -230,6 +249,7 @@ class MemoryBank:
             "counts": {_s(a): int(b) for a, b in self.r.hgetall(k.counts).items()},
         }
 
+    @_reachable
     def restore(self, snap: dict[str, Any]) -> dict[str, int]:
         """Resume from a snapshot: requeue pending groups and set each condition's bank to
         the snapshot's entries that still exist (entries banked since are evicted; entries
@@ -259,6 +279,7 @@ class MemoryBank:
         log.info("bank: restored snapshot %s", out)
         return out
 
+    @_reachable
     def clear(self) -> int:
         """Delete every key of this namespace (tests, or starting a run afresh)."""
         n = 0

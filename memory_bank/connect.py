@@ -11,12 +11,12 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
-from memory_bank.embedded import EmbeddedRedis
+from memory_bank.embedded import EmbeddedRedis, client_kwargs
 from memory_bank.errors import BankUnavailable, InsecureRedisUrl
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,7 @@ def client_from_url(url: str, allow_no_password: bool = False) -> redis.Redis:
             f"bank.redis_url {safe} has no password: use redis://:PASSWORD@host:port/0 (e.g. from "
             "the environment variable named by bank.redis_url_env), or set "
             "bank.allow_no_password=true to accept an unauthenticated Redis")
-    # Bounded backoff: a few quick retries on a dropped connection, then a clear error.
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=3)
-    return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=60, retry=retry,
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-                                health_check_interval=30)
+    return redis.Redis.from_url(url, **client_kwargs())
 
 
 def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None

@@ -22,10 +22,21 @@ from typing import Literal
 
 import redis
 from pydantic import SecretStr
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
 
 from memory_bank.errors import BankUnavailable, RedisBinaryNotFound
 
 log = logging.getLogger(__name__)
+_NO_RETRY = Retry(NoBackoff(), 0)
+
+
+def client_kwargs() -> dict:
+    """Client options shared by every bank connection: bounded retries with backoff on a
+    dropped connection (about 1.5 s in all), then the error surfaces."""
+    return {"socket_connect_timeout": 5, "socket_timeout": 60, "health_check_interval": 30,
+            "retry": Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=3),
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
 def find_redis_server() -> str:
@@ -83,7 +94,8 @@ class EmbeddedRedis:
         return SecretStr(f"redis://:{self._password}@{self.host}:{self.port}/0")
 
     def client(self, **kw) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, password=self._password, **kw)
+        return redis.Redis(host=self.host, port=self.port, password=self._password,
+                           **{**client_kwargs(), **kw})
 
     def start(self, attempts: int = 3) -> EmbeddedRedis:
         if self.running:
@@ -126,32 +138,33 @@ class EmbeddedRedis:
                     self._proc = None
                     return (err + tail).strip() or "exited at start"
                 try:
-                    with self.client(socket_connect_timeout=0.5) as c:
+                    with self.client(socket_connect_timeout=0.5, retry=_NO_RETRY) as c:
                         c.ping()
                     return ""
                 except redis.ConnectionError:
                     time.sleep(0.02)
-            self._kill()
+            self.terminate()
             return f"no answer within {self.startup_timeout_s}s"
         finally:
             conf.unlink(missing_ok=True)   # the password lives only in the server's memory now
 
     def restart(self) -> EmbeddedRedis:
         """Stop and start again on the same port, password and data dir (clients reconnect)."""
-        self._kill()
+        self.terminate()
         last = self._launch()
         if not self.running:
             raise BankUnavailable(f"embedded redis-server failed to restart on port {self.port}: {last}")
         return self
 
     def stop(self) -> None:
-        self._kill()
+        self.terminate()
         atexit.unregister(self.stop)
         if self._own_dir and self.data_dir.exists():
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def _kill(self) -> None:
-        """SIGTERM lets redis-server flush the AOF before it exits."""
+    def terminate(self) -> None:
+        """Stop the process, keeping port, password and data dir for restart(). SIGTERM lets
+        redis-server flush the AOF before it exits."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -68,6 +68,12 @@ def test_fifo_order_and_exactly_once(bank):
     bank.commit(b1, 1)
     bank.commit(b1, 1)   # a repeated commit must not bank or count anything twice
     assert bank.stats()["committed"] == 2 and len(bank.entries("c0")) == 4
+    assert [e.trajectory.trained_times for e in bank.entries("c0")] == [1] * 4
+    bank.push_group(make_group("c0", "g5", seed=5))
+    b3 = bank.pull(1, version=0)                 # g5 trains with g0's members from the bank
+    assert {t.group_id for t, _, _ in b3.bank[0]} == {"g0"}
+    bank.commit(b3, 2)
+    assert sorted(e.trajectory.trained_times for e in bank.entries("c0")) == [1] * 4 + [2] * 4
 
 
 def test_requeue_after_consumer_crash(bank, redis_server):

@@ -93,8 +93,10 @@ def test_connect_bank_embedded_then_url_from_env(monkeypatch, caplog):
             worker, none = connect.connect_bank(cfg)
             assert none is None and worker.stats()["fresh"] == 1
             # and through the config field
-            worker2, _ = connect.connect_bank(cfg.model_copy(update={"redis_url": server.url}))
+            cfg2 = cfg.model_copy(update={"redis_url": server.url})
+            worker2, _ = connect.connect_bank(cfg2)
             assert worker2.stats()["fresh"] == 1
+            assert password not in cfg2.model_dump_json() and password not in repr(cfg2)
             for obj in (bank, worker, worker2, server, worker.r, cfg, server.url):
                 assert password not in repr(obj) and password not in str(obj)
             assert password not in cfg.model_dump_json()
@@ -128,3 +130,20 @@ def test_wrong_password_and_unreachable_errors_hide_the_secret(redis_server):
         connect.connect_bank(BankConfig(redis_url=SecretStr(f"redis://:{secret}@127.0.0.1:1/0")))
     assert secret not in str(e.value) and "***@127.0.0.1:1" in str(e.value)
     assert connect.redact_url(f"redis://user:{secret}@h:6379/2") == "redis://***@h:6379/2"
+
+
+def test_redis_down_is_a_bounded_clear_error_then_recovers(tmp_path):
+    import time
+
+    from memory_bank.errors import BankUnavailable
+
+    with EmbeddedRedis(data_dir=tmp_path, aof=True, fsync="always") as server:
+        bank = MemoryBank(server.client(), BankConfig(namespace="down"))
+        bank.push_group(make_group())
+        server.terminate()
+        t0 = time.monotonic()
+        with pytest.raises(BankUnavailable, match="unreachable during pull"):
+            bank.pull(1, 0)
+        assert time.monotonic() - t0 < 10
+        server.restart()
+        assert [g.group_id for g in bank.pull(1, 0).fresh] == ["g0"]
