@@ -85,7 +85,6 @@ def bench_sync(path: str, payloads: dict, quick: bool) -> list[dict]:
     import ray
 
     from common.config import WeightSyncConfig
-    from learner.lora import inject_lora
     from learner.weight_sync import WeightPublisher
     from rollout_worker.actor import create_rollout_actors
 
@@ -93,9 +92,7 @@ def bench_sync(path: str, payloads: dict, quick: bool) -> list[dict]:
     ray.init(num_cpus=2, resources={"rollout": 2}, include_dashboard=False, log_to_driver=False)
     try:
         actors = create_rollout_actors(cfg, count=2)
-        # the adapter payload needs the same LoRA injected on the rollout side
-        ray.get([a.__ray_call__.remote(lambda self, o=cfg.optim: inject_lora(
-            self.model.trainable_module(), self.model.family, o) and None) for a in actors])
+        # with optim.finetune=lora the rollout actors inject the same adapter themselves
         repeats, out, version = (2 if quick else 5), [], 0
         for kind in ("full", "lora"):
             state = payloads[kind]

@@ -12,10 +12,14 @@ import sys
 
 from common.config import ConfigError
 
+# Errors that mean the user's input or environment is wrong: one line, no traceback.
+USER_ERRORS = {"ConfigError", "ModelLoadError", "BankUnavailable", "RewardLoadError", "InsecureRedisUrl", "RedisBinaryNotFound"}
+
 # Command modules, in the order `vgrpo --help` lists them.
 COMMANDS = [
     "cluster.cmd_config",
     "cluster.sde_report",
+    "cluster.train_cmd",
     "cluster.toy_cmd",
 ]
 
@@ -43,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except ConfigError as e:
         # A user error: one clear line, no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if type(e).__name__ not in USER_ERRORS:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

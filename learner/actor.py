@@ -184,6 +184,11 @@ class LearnerGroup:
     def weights_payload(self) -> dict[str, Tensor]:
         return self._all("weights_payload")[0]
 
+    def weights_payload_ref(self) -> ray.ObjectRef:
+        """Rank 0's payload as an object ref: rollout actors read it without a copy through the driver."""
+        refs = [r.weights_payload.remote() for r in self.ranks]  # every rank joins the gather
+        return refs[0]
+
     def publish(self, actors: list, names: list[str] | None = None) -> PublishReport:
         """Push the current version to rollout actors (cfg.weight_sync.transport) from rank 0."""
         return self._all("publish", list(actors), names)[0]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from common.config import OptimConfig
-from learner.lora import inject_lora, is_lora_key
+from rollout_worker.models.lora import inject_lora, is_lora_key
 from rollout_worker.models.base import Cond, VideoModel
 
 AnchorName = Literal["pi0", "moving", "prev"]
@@ -98,7 +98,7 @@ class Policy:
 
         LoRA: only the adapter, keyed as the injected module's state dict
         (`blocks.0.attn1.to_q.lora_A.default.weight`); the receiver injects the same adapter
-        first (learner.lora.inject_lora). Full: the module's whole state dict.
+        first (rollout_worker.models.lora.inject_lora). Full: the module's whole state dict.
         """
         sd = self.module.state_dict()
         if self.finetune == "lora":

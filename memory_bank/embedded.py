@@ -74,7 +74,7 @@ class EmbeddedRedis:
         self.binary = binary or find_redis_server()
         self.aof, self.fsync = aof, fsync
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="vgrpo-redis-"))
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="vgrpo-redis-")).resolve()
         self.host, self.port = "127.0.0.1", 0
         self._password = secrets.token_urlsafe(32)
         self._proc: subprocess.Popen | None = None

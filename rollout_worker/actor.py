@@ -26,8 +26,10 @@ from torch import Tensor
 from common.config import RunConfig, validate
 from common.types import Condition, Group
 from common.weights import verify
+from common.sde import Schedule
 from rollout_worker.models import build_model
-from rollout_worker.sampler import sample_group
+from rollout_worker.models.lora import inject_lora
+from rollout_worker.sampler import sample_group, sample_videos
 from rollout_worker.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ class RolloutWorker:
         torch.set_num_threads(self.cfg.pools.rollout.torch_threads)
         self.actor_index = actor_index
         self.model = build_model(self.cfg)
+        if self.cfg.optim.finetune == "lora":
+            # the learner publishes only the adapter: hold the same (zero-effect) adapter to load it
+            inject_lora(self.model.trainable_module(), self.cfg.model.family, self.cfg.optim)
         self._version = 0
         for record in (_resolve(weights_ref), _fetch_latest(latest_weights)):
             if record is not None:
@@ -70,6 +75,10 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self._version
+
+    def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode") -> Tensor:
+        """Evaluation videos with the current weights, one per (prompt, seed). uint8 [B, F, H, W, 3]"""
+        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme)
 
     # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
 

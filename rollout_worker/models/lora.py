@@ -1,9 +1,8 @@
 """LoRA injection with per-family default target modules.
 
-The rollout side must inject the same adapter (same family, rank, alpha, targets) before it
-loads an adapter-only weights payload: the payload's keys are the injected module's keys,
-e.g. `blocks.0.attn1.to_q.lora_A.default.weight`. Nothing here imports learner state, so the
-function can move to a shared place unchanged.
+The learner trains the adapter; the rollout side injects the same adapter (same family,
+rank, alpha, targets) before it loads an adapter-only weights payload, whose keys are the
+injected module's keys, e.g. `blocks.0.attn1.to_q.lora_A.default.weight`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""Pools: where each role's actors run, and joining or starting the Ray cluster.
+
+Each role asks for its Ray custom resource (`rollout`, `reward`, `learner`) plus the CPUs and
+GPUs its pool config gives. A local run declares all three resources on the local node; on a
+cluster, each KubeRay worker group provides one. A placement group per pool keeps that pool's
+actors together (PACK), so a pool scales by adding bundles, not by scattering.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import PoolConfig, RunConfig
+
+log = logging.getLogger("vgrpo.pools")
+
+ROLES = ("rollout", "reward", "learner")
+
+
+@dataclass
+class RayHandle:
+    started_here: bool
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.started_here and ray.is_initialized():
+            ray.shutdown()
+
+
+def pool_sizes(cfg: RunConfig) -> dict[str, PoolConfig]:
+    pools = {"rollout": cfg.pools.rollout, "reward": cfg.pools.reward, "learner": cfg.pools.learner}
+    return pools
+
+
+def reward_actor_count(cfg: RunConfig) -> int:
+    """One reward actor per reward model per reward-pool replica."""
+    return max(1, cfg.pools.reward.num_actors) * len(cfg.rewards.models)
+
+
+def local_resources(cfg: RunConfig) -> dict[str, float]:
+    """Role resources a local node declares: enough for every actor the config asks for."""
+    return {"rollout": float(max(1, cfg.pools.rollout.num_actors)),
+            "reward": float(reward_actor_count(cfg)),
+            "learner": float(max(1, cfg.pools.learner.num_actors))}
+
+
+def local_cpus(cfg: RunConfig) -> int:
+    need = (cfg.pools.rollout.num_cpus * cfg.pools.rollout.num_actors
+            + cfg.pools.reward.num_cpus * reward_actor_count(cfg)
+            + cfg.pools.learner.num_cpus * cfg.pools.learner.num_actors)
+    return max(math.ceil(need), 1)
+
+
+def init_ray(cfg: RunConfig, address: str | None = None) -> RayHandle:
+    """Join RAY_ADDRESS (as under `ray job submit`) or start a local cluster sized for the config."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return RayHandle(started_here=False)
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        missing = [r for r in ROLES if ray.cluster_resources().get(r, 0) <= 0]
+        if missing:
+            log.warning("the cluster declares no %s resource yet; actors will wait for autoscaling",
+                        ", ".join(missing))
+        return RayHandle(started_here=False)
+    ray.init(num_cpus=local_cpus(cfg), resources=local_resources(cfg), include_dashboard=False,
+             runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
+    return RayHandle(started_here=True)
+
+
+def actor_options(pool: PoolConfig, role: str, **extra: Any) -> dict[str, Any]:
+    """Ray options for one actor of a pool: its role resource, CPUs, GPUs and restarts."""
+    opts: dict[str, Any] = {
+        "resources": {role: 1},
+        "num_cpus": pool.num_cpus,
+        "num_gpus": pool.num_gpus,
+        "max_restarts": pool.max_restarts,
+        "max_task_retries": 0,
+    }
+    opts.update(extra)
+    return opts
+
+
+def placement_group_for(pool: PoolConfig, role: str, count: int):
+    """A PACK placement group with one bundle per actor of the pool; None for an empty pool."""
+    from ray.util.placement_group import placement_group
+
+    if count <= 0:
+        return None
+    bundle = {"CPU": pool.num_cpus, role: 1.0}
+    if pool.num_gpus:
+        bundle["GPU"] = pool.num_gpus
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    return placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=f"vgrpo-{role}")
+
+
+def in_group(pg, index: int) -> dict[str, Any]:
+    """Options that put an actor in bundle `index` of a placement group."""
+    if pg is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=index)}
