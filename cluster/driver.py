@@ -71,6 +71,8 @@ class Driver:
         self.latest: tuple[int, Any] | None = None   # (version, payload ref) not yet published
         self.actor_version: list[int] = []
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
+        self.role_metrics: dict[str, Metrics] = {}
+        self.exported: dict[str, int] = {}
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class Driver:
         # 1. Ray: join RAY_ADDRESS or start a local cluster that declares the role resources
         self.ray_handle = init_ray(cfg)
         self.metrics = Metrics.auto(role="driver", pool="driver")
+        self.role_metrics = {r: Metrics.auto(role=r, pool=r) for r in ("rollout", "reward", "learner")}
         # 2. the memory bank: a configured Redis, or an embedded redis-server for this run
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
         # 3. pools: a placement group keeps the rollout pool's actors together
@@ -183,6 +186,7 @@ class Driver:
         if not bool(scores.valid.all()):
             self.counts["groups_refilled"] += 1
             self.counts["invalid_members"] += int((~scores.valid).sum())
+            self.metrics.inc("vgrpo_invalid_rewards_total", int((~scores.valid).sum()), head="any")
             return False  # a group with an invalid member is refilled, never half-trained
         group.scores = scores
         group.composite = self.rewards.composite(scores)
@@ -341,17 +345,42 @@ class Driver:
         record["videos_per_s"] = (self.counts["videos"] - self.videos_at_start) / max(elapsed, 1e-9)
         for k in ("generate", "score", "train", "publish"):
             record[f"time/{k}"] = round(self.timers[k], 3)
-        record["groups_produced"] = self.counts["groups_produced"]
-        record["groups_trained"] = self.counts["groups_trained"]
-        record["groups_refilled"] = self.counts["groups_refilled"]
+        # idle ratio per role: the share of wall time it was not working for the loop
+        busy = {"rollout": self.timers["generate"], "reward": self.timers["score"], "learner": self.timers["train"]}
+        for role, t in busy.items():
+            record[f"idle/{role}"] = max(0.0, 1.0 - t / max(elapsed, 1e-9))
+        for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts"):
+            record[k] = self.counts[k]
+        bank = self.bank.stats()
+        record.update({"bank/entries": bank["entries"], "bank/bytes": bank["bytes"], "bank/fresh": bank["fresh"],
+                       "bank/corrupt": bank["corrupt"], "bank/redis_latency_ms": bank["redis_latency_ms"]})
         self.run_dir.log(record)
-        self.metrics.record_stats(record)
+        self._export(record)
         if progress is not None:
             progress.update(record)
         if self.step % 5 == 0 or self.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
+
+    def _export(self, record: dict[str, Any]) -> None:
+        """Prometheus gauges and counters for this step (see docs/metrics.md)."""
+        m = self.metrics
+        m.record_stats(record)
+        m.inc("vgrpo_train_steps_total", 1)
+        for name, key in (("vgrpo_groups_trained_total", "groups_trained"), ("vgrpo_rollouts_total", "groups_produced"),
+                          ("vgrpo_videos_total", "videos"), ("vgrpo_actor_restarts_total", "actor_restarts")):
+            delta = self.counts[key] - self.exported.get(key, 0)
+            if delta:
+                m.inc(name, delta)
+            self.exported[key] = self.counts[key]
+        m.set("vgrpo_queue_depth", record["bank/fresh"], queue="fresh")
+        m.set("vgrpo_bank_entries", record["bank/entries"])
+        m.set("vgrpo_bank_bytes", record["bank/bytes"])
+        m.observe("vgrpo_redis_latency_seconds", record["bank/redis_latency_ms"] / 1000, op="stats")
+        m.observe("vgrpo_entry_staleness", record["staleness_max"])
+        for role in ("rollout", "reward", "learner"):
+            self.role_metrics[role].set("vgrpo_idle_ratio", record[f"idle/{role}"])
 
     def heads(self) -> list[str]:
         return [h for hs in self.rewards.head_names.values() for h in hs]

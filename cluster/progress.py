@@ -20,7 +20,7 @@ def _fmt(v: Any) -> str:
 class TrainProgress:
     """Step, version, reward per head, KL terms, λ_KL, videos/s, staleness and time left."""
 
-    KEYS = ("loss", "clipfrac", "ratio_mean", "d_anchor", "d_step", "j_align", "lambda_kl", "grad_norm")
+    KEYS = ("loss", "clipfrac", "ratio_mean", "kl/d_anchor", "kl/d_step", "loss/align", "kl/lambda", "grad_norm")
 
     def __init__(self, total_steps: int, heads: list[str], console: Console | None = None,
                  start_step: int = 0):
@@ -37,14 +37,17 @@ class TrainProgress:
 
     def _render(self):
         t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold")
+        t.add_column(overflow="fold")
         r = self.last
         if r:
-            t.add_row("step", _fmt(r.get("step")), "version", _fmt(r.get("version")),
-                      "staleness", _fmt(r.get("staleness_mean", 0.0)))
+            t.add_row("step", f"{r.get('step')}   version {r.get('version')}   "
+                      f"staleness {_fmt(r.get('staleness_mean', 0.0))}   "
+                      f"groups produced {r.get('groups_produced')} trained {r.get('groups_trained')}")
             heads = "  ".join(f"{h} {_fmt(r.get(f'reward/{h}', float('nan')))}" for h in self.heads)
-            t.add_row("reward", _fmt(r.get("reward_mean")), "heads", heads, "", "")
+            t.add_row("reward", f"{_fmt(r.get('reward_mean'))}   {heads}")
             kl = "  ".join(f"{k} {_fmt(r[k])}" for k in self.KEYS if k in r)
-            t.add_row("learner", kl, "", "", "", "")
+            t.add_row("learner", kl)
         return Group(self.bar, t)
 
     def __enter__(self) -> TrainProgress:

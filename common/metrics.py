@@ -108,18 +108,18 @@ STAT_KEYS: dict[str, tuple[str, dict[str, str]]] = {
     "ratio_mean": ("vgrpo_ratio_mean", {}),
     "approx_kl": ("vgrpo_approx_kl", {}),
     "grad_norm": ("vgrpo_grad_norm", {}),
-    "lambda_kl": ("vgrpo_lambda_kl", {}),
-    "d_anchor": ("vgrpo_kl", {"term": "anchor"}),
-    "d_step": ("vgrpo_kl", {"term": "step"}),
-    "j_align": ("vgrpo_align_loss", {}),
+    "kl/lambda": ("vgrpo_lambda_kl", {}),
+    "kl/d_anchor": ("vgrpo_kl", {"term": "anchor"}),
+    "kl/d_step": ("vgrpo_kl", {"term": "step"}),
+    "loss/align": ("vgrpo_align_loss", {}),
     "adv_std": ("vgrpo_advantage_std", {}),
-    "zero_std_ratio": ("vgrpo_zero_std_group_ratio", {}),
+    "zero_std_frac": ("vgrpo_zero_std_group_ratio", {}),
     "reward_mean": ("vgrpo_reward", {"head": "composite"}),
-    "policy_version": ("vgrpo_policy_version", {}),
-    "version_lag": ("vgrpo_version_lag", {}),
+    "version": ("vgrpo_policy_version", {}),
+    "staleness_mean": ("vgrpo_version_lag", {}),
     "idle_ratio": ("vgrpo_idle_ratio", {}),
 }
-_REWARD_HEAD_PREFIX = "reward_mean/"
+_REWARD_HEAD_PREFIX = "reward/"
 
 
 def spec(name: str) -> MetricSpec:

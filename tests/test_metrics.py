@@ -68,8 +68,8 @@ def test_memory_backend_records():
 def test_record_stats_maps_trainstats_keys():
     m = Metrics(backend="memory", role="learner")
     skipped = m.record_stats({"loss": 1.5, "clipfrac": 0.1, "ratio_mean": 1.01, "grad_norm": 3.0,
-                              "lambda_kl": 0.2, "d_anchor": 0.03, "d_step": 0.004,
-                              "j_align": 0.5, "reward_mean/mq": 0.6, "lr": 1e-4})
+                              "kl/lambda": 0.2, "kl/d_anchor": 0.03, "kl/d_step": 0.004,
+                              "loss/align": 0.5, "reward/mq": 0.6, "lr": 1e-4})
     assert skipped == ["lr"]
     assert m.value("vgrpo_loss") == 1.5
     assert m.value("vgrpo_clip_fraction") == 0.1

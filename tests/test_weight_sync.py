@@ -26,6 +26,7 @@ def rollout(ray_session, tmp_path_factory):
     cfg = RunConfig.model_validate({
         "model": {"family": "wan", "path": str(path), "num_frames": 5, "height": 16, "width": 16,
                   "max_sequence_length": 16},
+        "optim": {"finetune": "full"},  # full weights travel here (LoRA runs send only the adapter)
         "pools": {"rollout": {"num_actors": 2, "num_cpus": 0.5, "torch_threads": 1, "max_restarts": 0}}})
     actors = create_rollout_actors(cfg, count=2)
     state = {k: v.clone() for k, v in comps["transformer"].state_dict().items()}

@@ -86,13 +86,28 @@ class VideoModel(ABC):
                            dtype=torch.float32).to(self.device)
 
     def load_weights(self, payload: dict[str, Tensor], strict: bool = True) -> None:
-        """Load a state dict (full, or only the adapter weights) into the trainable module."""
+        """Load a state dict (full, or only the adapter weights) into the trainable module.
+
+        A full payload also loads into a module that holds a LoRA adapter: peft keeps the
+        base weights under `….base_layer.…`, so plain keys are mapped there.
+        """
         module = self.trainable_module()
+        own = module.state_dict().keys()
+        payload = {_peft_base_key(k, own): v for k, v in payload.items()}
         missing, unexpected = module.load_state_dict(payload, strict=False)
         if strict and unexpected:
             raise KeyError(f"weights payload has keys the model lacks: {unexpected[:5]}")
-        if strict and len(payload) == len(module.state_dict()) and missing:
+        if strict and len(payload) == len(own) and missing:
             raise KeyError(f"weights payload misses keys: {missing[:5]}")
+
+
+def _peft_base_key(key: str, own) -> str:
+    """`a.b.weight` → `a.b.base_layer.weight` when only the latter exists (a LoRA-wrapped layer)."""
+    if key in own:
+        return key
+    head, _, leaf = key.rpartition(".")
+    wrapped = f"{head}.base_layer.{leaf}"
+    return wrapped if wrapped in own else key
 
 
 def frames_to_uint8(video: Tensor) -> Tensor:
