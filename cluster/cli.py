@@ -20,6 +20,7 @@ COMMANDS = [
     "cluster.cmd_config",
     "cluster.sde_report",
     "cluster.train_cmd",
+    "cluster.eval_cmd",
     "cluster.toy_cmd",
 ]
 
@@ -50,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if type(e).__name__ not in USER_ERRORS:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        cause = getattr(e, "cause", None)  # a Ray actor's error wraps the user error it raised
+        for err in (e, cause):
+            if err is not None and type(err).__name__ in USER_ERRORS:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+        raise
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

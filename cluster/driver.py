@@ -426,8 +426,13 @@ class Driver:
     # --- 5. checkpoints and teardown ---------------------------------------------------------
 
     def checkpoint(self) -> Path:
+        from safetensors.torch import save_file
+
         extra = {"step": self.step, "cursor": self.cursor, "bank": self.bank.snapshot()}
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
+        # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
+        payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
+        save_file(payload, str(path / "policy.safetensors"))
         self.note(f"checkpoint written: {path}")
         return path
 

@@ -168,6 +168,8 @@ class MemoryBank:
         k, cfg = self.keys, self.cfg
         mode = {"fifo": "fifo", "sdu": "sdu",
                 "fifo_s2": "fifo" if step % 2 == 0 else "skip"}[cfg.strategy]
+        if not cfg.enabled:
+            mode = "skip"  # bank.enabled=false: a plain exactly-once queue, nothing is banked
         # 1. Move each group out of pending and bank its members, atomically per group.
         low = int(cfg.max_bytes * LOW_WATERMARK)
         keeps = [[t.bank_id for t in grp.members if t.bank_id] for grp in batch.fresh]

@@ -106,3 +106,11 @@ def test_backpressure_and_fresh_never_evicted(bank):
     assert len(trained) == pushed + 1
     assert bank.has_space() and bank.wait_for_space(0.1)
     assert bank.stats()["bytes"] <= bank.cfg.max_bytes
+
+
+@pytest.mark.parametrize("bank", [{"capacity": 4, "enabled": False}], indirect=True)
+def test_disabled_bank_is_a_plain_queue(bank):
+    for step in range(1, 4):
+        batch = _round(bank, "c", step)
+        assert len(batch.fresh) == 1 and batch.bank[0] == []
+    assert bank.entries("c") == [] and bank.stats()["entries"] == 0

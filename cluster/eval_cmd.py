@@ -1,0 +1,135 @@
+"""`vgrpo eval` and `vgrpo sample`: a trained policy from a run directory, in this process (no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+POLICY_FILE = "policy.safetensors"
+
+
+def register(sub) -> None:
+    e = sub.add_parser(
+        "eval", help="evaluate a run's policy on fixed (prompt, seed) pairs",
+        description="ODE-sample the evaluation pairs with a run's newest (or a given) checkpoint, "
+        "score them with the run's reward models, print mean ± standard error per head and the "
+        "composite, and write a grid image and sample GIFs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("target", help="a run directory, or one of its checkpoints/step_NNNNNNNN dirs; "
+                   "'base' evaluates the untrained model of -c CONFIG")
+    e.add_argument("-c", "--config", default=None, help="config for 'base' (a run uses its own)")
+    e.add_argument("--prompts", default=None, help="a prompts file or a built-in set (default: the run's eval set)")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per prompt (default: the run's train.eval_seeds)")
+    e.add_argument("--out", default=None, help="where to write grid.png and GIFs (default: TARGET/eval)")
+    e.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser(
+        "sample", help="sample one prompt with a run's policy to a GIF",
+        description="Sample PROMPT with a run's newest checkpoint (or the base model of -c CONFIG) and "
+        "write a GIF; print the reward heads.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("target", help="a run directory, a checkpoint dir, or 'base'")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("-c", "--config", default=None, help="config for 'base'")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"])
+    s.add_argument("--out", default="sample.gif")
+    s.set_defaults(func=cmd_sample)
+
+
+def resolve_target(target: str, config: str | None):
+    """(config, checkpoint dir or None) for a run dir, a checkpoint dir, or 'base'."""
+    from common.config import ConfigError, load_config
+
+    if target == "base":
+        return load_config(config), None
+    p = Path(target)
+    if (p / "config.yaml").is_file():
+        ckpts = sorted(d for d in (p / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
+        if not ckpts:
+            raise ConfigError(f"{p}: no checkpoint with {POLICY_FILE} under {p / 'checkpoints'}")
+        return load_config(p / "config.yaml"), ckpts[-1]
+    if (p / POLICY_FILE).is_file() and (p.parent.parent / "config.yaml").is_file():
+        return load_config(p.parent.parent / "config.yaml"), p
+    raise ConfigError(f"{p}: not a run directory (config.yaml) or a checkpoint dir ({POLICY_FILE})")
+
+
+def load_policy(cfg, ckpt: Path | None):
+    """The rollout model with the checkpoint's published weights loaded (adapter or full)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rollout_worker.models import build_model
+    from rollout_worker.models.lora import inject_lora
+
+    torch.set_num_threads(cfg.pools.rollout.torch_threads)
+    model = build_model(cfg)
+    if ckpt is not None:
+        if cfg.optim.finetune == "lora":
+            inject_lora(model.trainable_module(), cfg.model.family, cfg.optim)
+        model.load_weights(load_file(str(ckpt / POLICY_FILE)))
+    return model
+
+
+def score(cfg, frames, prompts):
+    """Scores from every reward model of the config, merged; composite with the configured weights."""
+    from common.types import Scores
+    from reward_worker.registry import build_reward_model
+
+    parts, weights = [], {}
+    for m in cfg.rewards.models:
+        rm = build_reward_model(m)
+        parts.append(Scores(list(rm.heads), rm.score(frames, prompts)))
+        weights.update(m.weights)
+    scores = Scores.merge(parts)
+    return scores, scores.composite(weights)
+
+
+def cmd_eval(args) -> int:
+    import imageio.v3 as iio
+    from rich.console import Console
+    from rich.table import Table
+
+    from cluster.evaluate import EvalResult
+    from cluster.media import grid_image, write_gif
+    from cluster.prompts import load_prompts
+    from common.sde import Schedule
+    from common.toyworld import eval_seeds
+    from rollout_worker.sampler import sample_videos
+
+    cfg, ckpt = resolve_target(args.target, args.config)
+    prompts = [c.prompt for c in load_prompts(args.prompts or cfg.train.eval_prompts)]
+    seeds = eval_seeds(args.seeds or cfg.train.eval_seeds)
+    pairs = [(p, s) for p in prompts for s in seeds]
+    model = load_policy(cfg, ckpt)
+    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule))
+    scores, composite = score(cfg, frames, [p for p, _ in pairs])
+    result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
+    out = Path(args.out) if args.out else (Path(args.target) / "eval" if args.target != "base" else Path("eval"))
+    out.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(out / "grid.png", grid_image(frames.numpy(), per_row=len(seeds)))
+    for i, p in enumerate(prompts):
+        write_gif(frames[i * len(seeds)].numpy(), out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
+    t = Table(title=f"{args.target}{'' if ckpt is None else ' @ ' + ckpt.name}: {len(pairs)} (prompt, seed) pairs, ODE")
+    t.add_column("reward")
+    t.add_column("mean ± stderr", justify="right")
+    for key in ["composite", *scores.heads]:
+        m, se = result.mean_se(key)
+        t.add_row(key, f"{m:.3f} ± {se:.3f}")
+    Console().print(t)
+    print(f"wrote {out / 'grid.png'} and {len(prompts)} GIFs")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from cluster.media import write_gif
+    from common.sde import Schedule
+    from rollout_worker.sampler import sample_videos
+
+    cfg, ckpt = resolve_target(args.target, args.config)
+    model = load_policy(cfg, ckpt)
+    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme)
+    path = write_gif(frames[0].numpy(), Path(args.out))
+    scores, composite = score(cfg, frames, [args.prompt])
+    heads = "  ".join(f"{h} {v:.3f}" for h, v in zip(scores.heads, scores.values[0].tolist(), strict=True))
+    print(f"wrote {path}\ncomposite {float(composite[0]):.3f}  {heads}")
+    return 0

@@ -1,0 +1,73 @@
+"""`ray job submit --working-dir . -- vgrpo train …` against a `ray start --head` cluster.
+
+The head runs in its own process group with its own temp dir, and is ended by signalling that
+group (never `ray stop`, which would also end the test session's shared Ray instance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def ray_head(tmp_path):
+    port, dash = _free_port(), _free_port()
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    temp = tempfile.mkdtemp(prefix="vrj", dir="/tmp")  # short: Ray's socket paths have a length limit
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp}",
+         '--resources={"rollout": 1, "reward": 1, "learner": 1}'],
+        env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address], env=env,
+                               capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            break
+        if head.poll() is not None:
+            pytest.fail(f"ray start --head exited: {(tmp_path / 'head.log').read_text()[-2000:]}")
+        time.sleep(2)
+    else:
+        pytest.fail("the Ray head's job server did not come up in 120 s")
+    yield address, env
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_ray_job_submit_trains_two_steps(ray_head, tmp_path):
+    address, env = ray_head
+    runs = tmp_path / "runs"
+    res = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+         "vgrpo", "train", "-c", "configs/quickstart.yaml", "train.steps=2", "train.eval_seeds=2",
+         f"run.root={runs}", "run.name=job"],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "succeeded" in (res.stdout + res.stderr)
+    rows = [json.loads(x) for x in (runs / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (runs / "job" / "summary.json").is_file()
