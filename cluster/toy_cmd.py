@@ -116,11 +116,14 @@ def cmd_sample(args) -> int:
     written = [str(out)]
     try:
         import imageio_ffmpeg  # noqa: F401
-
-        iio.imwrite(out.with_suffix(".mp4"), np.ascontiguousarray(big), fps=4)
-        written.append(str(out.with_suffix(".mp4")))
     except ImportError:
-        pass
+        pass                                            # GIF only: MP4 needs imageio-ffmpeg
+    else:
+        try:
+            iio.imwrite(out.with_suffix(".mp4"), np.ascontiguousarray(big), fps=4)
+            written.append(str(out.with_suffix(".mp4")))
+        except (OSError, ValueError, RuntimeError) as e:
+            print(f"mp4 skipped: {e}")
     heads = toyscore.score_video(frames, args.prompt)
     print(f"wrote {', '.join(written)}")
     print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.HEADS, "colour", "direction")))
