@@ -444,8 +444,15 @@ class Driver:
                 self.learner.shutdown()
             except Exception as e:  # teardown goes on; the next step frees what is left
                 log.warning("teardown: %s", e)
-        for a in [*getattr(self, "rollouts", []), *getattr(getattr(self, "rewards", None), "actors", {}).values()]:
+        actors = [*getattr(self, "rollouts", []), *getattr(getattr(self, "rewards", None), "actors", {}).values()]
+        if getattr(self, "registry", None) is not None:
+            actors.append(self.registry)
+        for a in actors:
             ray.kill(a, no_restart=True)
+        if getattr(self, "rollout_pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.rollout_pg)
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
         if getattr(self, "ray_handle", None) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 POLICY_FILE = "policy.safetensors"
@@ -116,7 +117,9 @@ def cmd_eval(args) -> int:
         m, se = result.mean_se(key)
         t.add_row(key, f"{m:.3f} ± {se:.3f}")
     Console().print(t)
-    print(f"wrote {out / 'grid.png'} and {len(prompts)} GIFs")
+    (out / "eval.json").write_text(json.dumps({"target": str(args.target), "checkpoint": str(ckpt),
+                                               "pairs": len(pairs), **result.to_dict()}, indent=2))
+    print(f"wrote {out / 'grid.png'}, eval.json and {len(prompts)} GIFs")
     return 0
 
 

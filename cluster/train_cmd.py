@@ -72,6 +72,9 @@ def _run(cfg, run_dir, resume, evaluate: bool) -> int:
         with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
             driver.run(progress)
         driver.checkpoint()
+        if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
+            console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+            return 130
         if evaluate:
             after = driver.evaluate("after")
             summary = {"steps": driver.step, "after": after.to_dict()}

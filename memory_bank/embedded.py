@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -37,6 +38,12 @@ def client_kwargs() -> dict:
     return {"socket_connect_timeout": 5, "socket_timeout": 60, "health_check_interval": 30,
             "retry": Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=3),
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
+
+
+def _ignore_ctrl_c() -> None:
+    """In the child: a terminal's Ctrl-C reaches the whole process group, but the run must still
+    write its checkpoint, so the server ignores it and is stopped by `stop()` (as Ray does)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def find_redis_server() -> str:
@@ -128,7 +135,8 @@ class EmbeddedRedis:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
         self._proc = subprocess.Popen([self.binary, str(conf)], stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      preexec_fn=_ignore_ctrl_c)
         try:
             deadline = time.monotonic() + self.startup_timeout_s
             while time.monotonic() < deadline:

@@ -1,0 +1,71 @@
+"""End-to-end throughput, async vs sync on the same cores (not a test).
+
+    python -m benchmarks.bench_async [--quick] [--steps N]
+
+Runs the quickstart (toy model, every role its own Ray actor, embedded Redis) for the same
+number of optimizer steps in `sync` and then `async` mode, on one local Ray cluster, and prints
+videos/s of each, their ratio, and the idle ratio of each role (wall time it was not working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+
+def run_mode(mode: str, steps: int, root: str) -> dict:
+    from cluster.driver import Driver
+    from cluster.run_dir import RunDir
+    from common.config import load_config
+
+    cfg = load_config("configs/quickstart.yaml", [f"train.mode={mode}", f"train.steps={steps}",
+                                                  f"run.root={root}", f"run.name={mode}",
+                                                  f"train.checkpoint_every={steps + 1}"])
+    run_dir = RunDir.create(cfg)
+    driver = Driver(cfg, run_dir)
+    try:
+        driver.setup()
+        t0 = time.monotonic()
+        driver.run()
+        wall = time.monotonic() - t0
+    finally:
+        driver.teardown()
+    last = json.loads(run_dir.metrics_file.read_text().splitlines()[-1])
+    return {"mode": mode, "steps": steps, "wall_s": wall, "videos": driver.counts["videos"],
+            "videos_per_s": driver.counts["videos"] / wall,
+            **{f"idle_{r}": last[f"idle/{r}"] for r in ("rollout", "reward", "learner")},
+            "staleness_max": max(json.loads(x)["staleness_max"] for x in run_dir.metrics_file.read_text().splitlines())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import ray
+
+    from cluster.pools import init_ray
+    from common.config import load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 steps per mode")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 20)")
+    args = ap.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 20)
+    handle = init_ray(load_config("configs/quickstart.yaml"))
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            rows = [run_mode(m, steps, root) for m in ("sync", "async")]
+    finally:
+        handle.shutdown()
+        ray.shutdown()
+    print(f"config: configs/quickstart.yaml, {steps} optimizer steps per mode, "
+          "4 groups x 8 videos per step, 1 rollout + 1 reward + 1 learner actor")
+    print(f"{'mode':6} {'steps':>5} {'wall s':>7} {'videos/s':>9} {'idle rollout':>13} {'idle reward':>12} "
+          f"{'idle learner':>13} {'max staleness':>14}")
+    for r in rows:
+        print(f"{r['mode']:6} {r['steps']:5d} {r['wall_s']:7.1f} {r['videos_per_s']:9.2f} {r['idle_rollout']:13.2f} "
+              f"{r['idle_reward']:12.2f} {r['idle_learner']:13.2f} {r['staleness_max']:14.0f}")
+    print(f"async / sync videos per second: {rows[1]['videos_per_s'] / rows[0]['videos_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

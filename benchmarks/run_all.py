@@ -1,0 +1,60 @@
+"""`make bench` / `vgrpo bench`: run every benchmark, print it, and write benchmarks/results.md.
+
+Each benchmark measures its ratio side by side in one run and states its configuration;
+this runner adds the machine it ran on. Benchmarks are never tests: these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCHES = ["bench_sampler", "bench_learner", "bench_bank", "bench_async"]
+OUT = Path(__file__).with_name("results.md")
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, GPU {gpu}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help=f"which benchmarks (default: all of {', '.join(BENCHES)})")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run")
+    ap.add_argument("--out", default=str(OUT), help="markdown report to write")
+    args = ap.parse_args(argv)
+    names = args.names or BENCHES
+    unknown = sorted(set(names) - set(BENCHES))
+    if unknown:
+        ap.error(f"unknown benchmark(s) {unknown}; choose from {BENCHES}")
+    sections = [f"# Benchmarks\n\nMachine: {machine()}\n\nRun: {time.strftime('%Y-%m-%d %H:%M')} "
+                f"({'quick' if args.quick else 'full'}); `python -m benchmarks.run_all"
+                f"{' --quick' if args.quick else ''}`\n"]
+    failed = 0
+    for name in names:
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if args.quick else [])]
+        print(f"== {name}", flush=True)
+        t0 = time.monotonic()
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        print(res.stdout, end="", flush=True)
+        if res.returncode:
+            failed += 1
+            print(res.stderr[-3000:], file=sys.stderr)
+        status = "ok" if res.returncode == 0 else f"failed (exit {res.returncode})"
+        sections.append(f"## {name} — {status}, {time.monotonic() - t0:.0f} s\n\n```\n{res.stdout.strip()}\n```\n")
+    Path(args.out).write_text("\n".join(sections), encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

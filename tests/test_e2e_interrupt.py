@@ -1,0 +1,58 @@
+"""Ctrl-C finishes the current step, writes a checkpoint, and stops what the run started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    tree: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        tree.setdefault(pp, []).append(p)
+    seen, todo = set(), [pid]
+    while todo:
+        for c in tree.get(todo.pop(), []):
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    return seen
+
+
+def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "train", "-c", "configs/quickstart.yaml", "train.steps=200",
+         "train.mode=sync", "train.groups_per_step=2", "sampler.group_size=4", "--no-eval",
+         f"run.root={tmp_path}", "run.name=int"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    assert metrics.exists(), "no step finished in 300 s"
+    started = _children(proc.pid)
+    assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
+               for p in started if Path(f"/proc/{p}/cmdline").exists())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out[-3000:]
+    assert "vgrpo resume" in out
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
+    ckpts = sorted((tmp_path / "int" / "checkpoints").glob("step_*"))
+    assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}"  # the step it finished was saved
+    time.sleep(2)
+    alive = [p for p in started if Path(f"/proc/{p}").exists()]
+    assert not alive, f"processes left behind: {alive}"
