@@ -6,6 +6,12 @@ that stays at most `train.max_staleness` versions ahead of the learner: it pause
 generates again it holds the newest published version.
 
 Roles never call each other; only this module wires them.
+
+Failures. A rollout or reward actor that dies is restarted by Ray and its work is refilled;
+Redis outages are retried with backoff for `bank_outage_s`, then the run stops cleanly; a dead
+learner or a weight-sync timeout stops the run with one clear line (`stop_reason`). Every group
+drawn from the prompt stream is tracked in `open` (cursor -> group id) until it is trained, so
+a checkpoint records exactly which groups a resume must keep in the bank or draw again.
 """
 
 from __future__ import annotations
@@ -29,6 +35,18 @@ from common.types import Condition, Group
 log = logging.getLogger("vgrpo.driver")
 
 SEED_SPACE = 1_000_000  # training seeds stay below the toy world's evaluation seeds
+BANK_OUTAGE_S = 60.0   # how long bank calls are retried before the run stops with a checkpoint
+MAX_FAILED_IN_ROW = 12  # groups failing one after another (dead actor, broken reward): stop
+
+
+def group_id(cursor: int, version: int) -> str:
+    """Group ids carry the prompt-stream cursor they were drawn at (see cursor_of)."""
+    return f"g{cursor:07d}-v{version}"
+
+
+def cursor_of(gid: str) -> int | None:
+    head = gid.split("-", 1)[0]
+    return int(head[1:]) if head[:1] == "g" and head[1:].isdigit() else None
 
 
 class WeightRegistry:
@@ -73,6 +91,13 @@ class Driver:
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.role_metrics: dict[str, Metrics] = {}
         self.exported: dict[str, int] = {}
+        self.open: dict[int, str | None] = {}   # drawn, not yet trained: cursor -> pushed group id
+        self.replay: list[int] = []             # cursors a resume draws again before new ones
+        self.uncommitted: list[str] = []        # trained, but Redis was down for the commit
+        self.failed_in_row = 0
+        self.bank_outage_s = BANK_OUTAGE_S
+        self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
+        self.learner_lost = False
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
@@ -86,6 +111,7 @@ class Driver:
         from rollout_worker.actor import RolloutActor
 
         cfg = self.cfg
+        check_model_path(cfg)
         self.conditions = load_prompts(cfg.train.prompts)
         # 1. Ray: join RAY_ADDRESS or start a local cluster that declares the role resources
         self.ray_handle = init_ray(cfg)
@@ -113,26 +139,72 @@ class Driver:
         ray.get([a.ping.remote() for a in self.rollouts], timeout=600)
 
     def _restore(self, ckpt: Path) -> None:
+        """Learner state (weights, optimizer, λ_KL controller, RNG), step, data cursor, counters,
+        the bank's per-condition entries; then reconcile the fresh queue with the stream."""
         extra = self.learner.load_checkpoint(ckpt)
         self.step = int(extra["step"])
         self.cursor = int(extra["cursor"])
+        self.counts.update({k: int(v) for k, v in (extra.get("counts") or {}).items()})
         self.bank.requeue_pending()
+        self._finish_commit(extra.get("uncommitted") or [])
         if extra.get("bank"):
             self.bank.restore(extra["bank"])
+        # Groups still queued are trained as they are; groups drawn but not queued (in flight at the
+        # checkpoint, or trained only by the lost run after it) are drawn again from their cursors.
+        queued = self._queued_ids()
+        present = {c: g for g in queued if (c := cursor_of(g)) is not None}
+        top = max([self.cursor - 1, *present]) + 1
+        opened = {int(c) for c in (extra.get("open") or {})}
+        self.replay = sorted((opened | set(range(self.cursor, top))) - set(present))
+        self.cursor = top
+        self.open = {**{c: None for c in self.replay}, **present}
+        self.counts["groups_produced"] = self.counts["groups_trained"] + len(queued)
         self.run_dir.truncate_metrics(self.step)
         self._publish_now(self.step)
-        self.note(f"resumed from {ckpt} at step {self.step}")
+        self.note(f"resumed from {ckpt} at step {self.step}: {len(queued)} groups queued, "
+                  f"{len(self.replay)} drawn again")
+
+    def _queued_ids(self) -> list[str]:
+        k = self.bank.keys
+        return [g.decode() if isinstance(g, bytes) else g for g in self.bank.r.lrange(k.fresh, 0, -1)]
+
+    def _finish_commit(self, gids: list[str]) -> None:
+        """Groups the saved learner already trained, whose commit Redis missed: commit them now."""
+        if not gids:
+            return
+        from common.types import TrainBatch
+
+        batch = self.bank.pull(len(gids), self.step)
+        keep = [i for i, g in enumerate(batch.fresh) if g.group_id in set(gids)]
+        self.bank.commit(TrainBatch(fresh=[batch.fresh[i] for i in keep],
+                                    bank=[batch.bank[i] for i in keep], version=self.step), self.step)
+        self.bank.requeue_pending()  # anything else pulled goes back
+        self.note(f"committed {len(keep)} groups trained before the last stop")
 
     # --- 2. stages ---------------------------------------------------------------------------
 
-    def next_condition(self) -> tuple[Condition, int]:
-        """The prompt stream: an epoch-wise permutation of the prompts, and a seed per group."""
-        n = self.cursor
-        self.cursor += 1
+    def next_condition(self) -> tuple[Condition, int, int]:
+        """The prompt stream: an epoch-wise permutation of the prompts, a seed per group, the cursor."""
+        with self.lock:
+            if self.replay:
+                n = self.replay.pop(0)
+            else:
+                n = self.cursor
+                self.cursor += 1
+            self.open[n] = None
         epoch, i = divmod(n, len(self.conditions))
         order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.conditions))
         seed = int(np.random.default_rng([self.cfg.train.seed, 7, n]).integers(SEED_SPACE))
-        return self.conditions[order[i]], seed
+        return self.conditions[order[i]], seed, n
+
+    def _abandon(self, n: int) -> None:
+        """A drawn group that failed before it was stored: the stream refills it with a new cursor."""
+        with self.lock:
+            self.open.pop(n, None)
+        self.failed_in_row += 1
+        if self.failed_in_row >= MAX_FAILED_IN_ROW:
+            raise StopRun(f"{self.failed_in_row} groups in a row failed to generate or score; "
+                          "see the log for each failure")
 
     def generate_round(self, n: int) -> list[Group]:
         """Up to n groups, one per rollout actor at a time, scored and stored; failed groups refilled."""
@@ -143,23 +215,30 @@ class Driver:
             self._publish_pending()
             calls = {}
             for i, actor in enumerate(self.rollouts[: n - len(stored)]):
-                cond, seed = self.next_condition()
-                gid = f"g{self.cursor:07d}-v{self.actor_version[i]}"
-                calls[actor.generate.remote(cond, seed, gid)] = i
+                cond, seed, cursor = self.next_condition()
+                gid = group_id(cursor, self.actor_version[i])
+                calls[actor.generate.remote(cond, seed, gid)] = (i, cursor)
             t0 = time.monotonic()
             pending = list(calls)
             while pending:
                 # score each group as soon as its actor returns it
                 (ref,), pending = ray.wait(pending, num_returns=1)
+                i, cursor = calls[ref]
                 try:
                     group = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    self._on_rollout_failure(calls[ref], e)
+                    self._on_rollout_failure(i, e)
+                    self._abandon(cursor)
                     continue
                 if not pending:
                     self.timers["generate"] += time.monotonic() - t0
                 if self._score_and_store(group):
+                    with self.lock:
+                        self.open[cursor] = group.group_id
+                    self.failed_in_row = 0
                     stored.append(group)
+                else:
+                    self._abandon(cursor)
         return stored
 
     def _on_rollout_failure(self, i: int, err: Exception) -> None:
@@ -170,14 +249,15 @@ class Driver:
         self.actor_version[i] = -1  # forces a publish to it before its next group
 
     def _score_and_store(self, group: Group) -> bool:
-        from reward_worker.actor import RewardFailed
+        """Score and push one group; False when it must be refilled (nothing of it is stored)."""
+        from reward_worker.actor import RewardFailed, RewardTimeout
 
         t0 = time.monotonic()
         try:
             scores = self.rewards.score(group.frames(), [group.condition.prompt] * group.size,
                                         None if group.condition.image is None else
                                         group.condition.image.unsqueeze(0).expand(group.size, -1, -1, -1))
-        except RewardFailed as e:
+        except (RewardFailed, RewardTimeout) as e:
             self.counts["groups_refilled"] += 1
             self.note(f"reward failed for group {group.group_id} ({e}); refilling")
             return False
@@ -191,27 +271,76 @@ class Driver:
         group.scores = scores
         group.composite = self.rewards.composite(scores)
         t0 = time.monotonic()
-        while not self.bank.wait_for_space(timeout_s=5.0):
+        while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0):
             if self.stop_requested.is_set():
                 return False
-        self.bank.push_group(group)
+        self._bank("push_group", self._push, group)
         self.timers["store"] += time.monotonic() - t0
         self.counts["groups_produced"] += 1
         self.counts["videos"] += group.size
         return True
 
+    def _push(self, group: Group) -> None:
+        from memory_bank.errors import DuplicateGroup
+
+        try:
+            self.bank.push_group(group)
+        except DuplicateGroup:
+            if not getattr(self, "_pushing_again", False):
+                raise
+            # a retry after a dropped connection: the first try got through
+        finally:
+            self._pushing_again = False
+
+    def _pull(self, n: int, version: int):
+        self.bank.requeue_pending()  # a pull whose answer was lost left its groups pending
+        return self.bank.pull(n, version)
+
+    def _bank(self, what: str, fn, *args, **kw):
+        """A bank call retried with backoff while Redis is unreachable, for up to bank_outage_s."""
+        from memory_bank.errors import BankUnavailable
+
+        deadline, delay = time.monotonic() + self.bank_outage_s, 0.25
+        while True:
+            try:
+                return fn(*args, **kw)
+            except BankUnavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StopRun(f"memory bank unreachable for {self.bank_outage_s:.0f}s during {what} "
+                                  f"({e}); stopping") from None
+                self.metrics.inc("vgrpo_bank_retries_total", 1)
+                log.warning("%s; retrying %s in %.1fs (%.0fs left)", e, what, min(delay, left), left)
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 5.0)
+                self._pushing_again = what == "push_group"
+
     def train(self) -> dict[str, float]:
         """Pull fresh groups (plus bank entries of their conditions), take one optimizer step."""
+        import ray
+
         t0 = time.monotonic()
-        batch = self.bank.pull(self.cfg.train.groups_per_step, self.step)
+        batch = self._bank("pull", self._pull, self.cfg.train.groups_per_step, self.step)
         if not batch.fresh:
             raise StopRun("the bank returned no fresh groups to train on")
-        stats = self.learner.train_step(batch)
-        self.bank.commit(batch, self.step + 1)
-        self.timers["train"] += time.monotonic() - t0
+        try:
+            stats = self.learner.train_step(batch)
+        except ray.exceptions.RayActorError as e:
+            self.learner_lost = True  # its pulled groups stay pending; a resume requeues them
+            raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
+                          f"with: vgrpo resume {self.run_dir.path}") from None
+        with self.lock:
+            for g in batch.fresh:
+                self.open.pop(cursor_of(g.group_id), None)
         self.counts["groups_trained"] += len(batch.fresh)
         staleness = [self.step - g.policy_version for g in batch.fresh]
         self.step += 1
+        try:
+            self._bank("commit", self.bank.commit, batch, self.step)
+        except StopRun:
+            self.uncommitted = [g.group_id for g in batch.fresh]  # the checkpoint commits them on resume
+            raise
+        self.timers["train"] += time.monotonic() - t0
         values = dict(stats.values)
         values["staleness_mean"] = float(np.mean(staleness))
         values["staleness_max"] = float(np.max(staleness))
@@ -252,14 +381,47 @@ class Driver:
                 from common.weights import checksum as digest
 
                 checksum = digest(ray.get(ref))
-            ray.get([a.set_weights.remote(ref, version, checksum) for a in self.rollouts],
-                    timeout=self.cfg.weight_sync.timeout_s)
+            calls = [a.set_weights.remote(ref, version, checksum) for a in self.rollouts]
+            timeout = self.cfg.weight_sync.timeout_s
+            _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+            if late:
+                who = ", ".join(f"rollout actor {calls.index(c)}" for c in late)
+                raise StopRun(f"weight sync of version {version} timed out: {who} did not answer "
+                              f"within {timeout}s (weight_sync.timeout_s)")
+            held = []
+            for i, c in enumerate(calls):
+                try:
+                    ray.get(c)
+                    held.append(version)
+                except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
+                    self._on_rollout_failure(i, e)
+                    held.append(-1)
+                except ray.exceptions.RayTaskError as e:
+                    self._learner_check()
+                    raise StopRun(f"weight sync of version {version} failed on rollout actor {i}: "
+                                  f"{e.cause if getattr(e, 'cause', None) else e}") from None
+            self.actor_version = held
         else:
-            self.learner.publish(self.rollouts)
-        self.actor_version = [version] * len(self.rollouts)
+            try:
+                self.learner.publish(self.rollouts)
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
+                self._learner_check()
+                raise StopRun(f"weight sync of version {version} failed: {type(cause).__name__}: "
+                              f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+            self.actor_version = [version] * len(self.rollouts)
         seconds = time.monotonic() - t0
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
+
+    def _learner_check(self) -> None:
+        """Mark the learner lost when its ranks no longer answer (no checkpoint can be written)."""
+        import ray
+
+        try:
+            ray.get([r.version.remote() for r in self.learner.ranks], timeout=30)
+        except Exception:
+            self.learner_lost = True
 
     # --- 3. the loops ------------------------------------------------------------------------
 
@@ -272,6 +434,12 @@ class Driver:
                 self._run_sync(progress)
             else:
                 self._run_async(progress)
+        except StopRun as e:
+            # a clean stop: the caller writes a checkpoint (unless the learner is gone)
+            self.stop_reason = str(e)
+            self.stop_requested.set()
+            log.error("run stopped at step %d: %s", self.step, e)
+            self.note(f"stopping at step {self.step}: {e}")
         finally:
             if prev is not None:
                 signal.signal(signal.SIGINT, prev)
@@ -351,7 +519,7 @@ class Driver:
             record[f"idle/{role}"] = max(0.0, 1.0 - t / max(elapsed, 1e-9))
         for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts"):
             record[k] = self.counts[k]
-        bank = self.bank.stats()
+        bank = self._bank("stats", self.bank.stats)
         record.update({"bank/entries": bank["entries"], "bank/bytes": bank["bytes"], "bank/fresh": bank["fresh"],
                        "bank/corrupt": bank["corrupt"], "bank/redis_latency_ms": bank["redis_latency_ms"]})
         self.run_dir.log(record)
@@ -425,10 +593,24 @@ class Driver:
 
     # --- 5. checkpoints and teardown ---------------------------------------------------------
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Path | None:
+        """Learner state plus what a resume needs: step, cursor, open groups, counters, the bank's
+        watermark. None when the learner is gone (the last checkpoint stands)."""
         from safetensors.torch import save_file
 
-        extra = {"step": self.step, "cursor": self.cursor, "bank": self.bank.snapshot()}
+        from memory_bank.errors import BankUnavailable
+
+        if self.learner_lost:
+            self.note("no checkpoint: the learner is gone; the last checkpoint stands")
+            return None
+        with self.lock:
+            extra = {"step": self.step, "cursor": self.cursor, "open": {str(c): g for c, g in self.open.items()},
+                     "counts": dict(self.counts), "uncommitted": list(self.uncommitted)}
+        try:
+            extra["bank"] = self.bank.snapshot()
+        except BankUnavailable as e:  # the bank's own entries stay in Redis (AOF); resume requeues
+            extra["bank"] = None
+            self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
@@ -462,3 +644,18 @@ class Driver:
         if self.console is not None:
             self.console.log(text)
         log.info(text)
+
+
+def check_model_path(cfg: RunConfig) -> None:
+    """Fail before any actor starts when model.path is missing or plainly incomplete."""
+    from rollout_worker.models.base import ModelLoadError, is_local, require_dir
+
+    path = cfg.model.path
+    if cfg.model.family == "toy":
+        if path is not None and not Path(path).exists():
+            raise ModelLoadError(f"model.path {path!r} does not exist")
+        return
+    if path is None:
+        raise ModelLoadError(f"model.path is required for model.family = {cfg.model.family!r}")
+    if is_local(path):
+        require_dir(path, ["model_index.json"], f"model.family = {cfg.model.family!r}")

@@ -72,6 +72,11 @@ def _run(cfg, run_dir, resume, evaluate: bool) -> int:
         with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
             driver.run(progress)
         driver.checkpoint()
+        if driver.stop_reason is not None:
+            # a fault the run could not ride out: one line, and how to continue
+            console.print(f"error: {driver.stop_reason}")
+            console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+            return 1
         if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
             console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
             return 130
