@@ -88,6 +88,9 @@ class SamplerConfig(Section):
     """G, rollouts per condition."""
     shared_noise: bool = True
     """Members of a group share the initial noise (TAGRPO needs this)."""
+    initial_noise: Literal["group", "condition"] = "group"
+    """`condition`: every group of a condition starts from the same noise (seeded by the condition),
+    so bank entries share it with fresh groups and trajectory alignment compares like with like."""
     train_steps: Literal["fraction", "threshold", "all"] = "fraction"
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
     sigma_threshold: float = Field(0.9, ge=0.0, le=1.0)

@@ -8,6 +8,8 @@ replays exactly.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import Tensor
 
@@ -60,6 +62,11 @@ def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig
     return sorted(eligible[int(i)] for i in perm)
 
 
+def condition_seed(condition_id: str, run_seed: int) -> int:
+    """A stable seed per condition (and run), for sampler.initial_noise = condition."""
+    return zlib.crc32(f"{run_seed}:{condition_id}".encode())
+
+
 @torch.no_grad()
 def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
                  group_id: str | None = None) -> Group:
@@ -81,8 +88,10 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     cond = model.encode([condition.prompt], images).repeat(G)
 
     # 3. Initial noise: shared by the group (default) or fresh per member
-    gen = torch.Generator().manual_seed(seed)
-    x = model.initial_noise(1 if scfg.shared_noise else G, gen).float()
+    gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
+    init_gen = gen if scfg.initial_noise == "group" else \
+        torch.Generator().manual_seed(condition_seed(condition.id, cfg.train.seed))
+    x = model.initial_noise(1 if scfg.shared_noise else G, init_gen).float()
     x = _round(x.expand(G, *x.shape[1:]).clone(), store)  # [G, C, F, H, W]
 
     # 4. Denoising loop; the state keeps the stored dtype's values so stored steps replay exactly

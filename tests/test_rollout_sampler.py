@@ -139,3 +139,13 @@ def test_sample_videos_is_deterministic_per_seed_and_batch_independent(wan22):
     assert torch.equal(one[0], two[1])
     with pytest.raises(ValueError, match="seeds"):
         sample_videos(wan22, ["a"], [1, 2], s)
+
+
+def test_initial_noise_per_condition_is_shared_across_groups_but_step_noise_is_not(wan22):
+    for mode, same_start in (("group", False), ("condition", True)):
+        cfg = run_cfg(sampler={"initial_noise": mode})
+        a = sample_group(wan22, COND, cfg, seed=1, policy_version=0)
+        b = sample_group(wan22, COND, cfg, seed=2, policy_version=0)
+        x0_a, x0_b = a.members[0].x[0], b.members[0].x[0]  # x at step 0 is the initial noise
+        assert torch.equal(x0_a, x0_b) is same_start, mode
+        assert not torch.equal(a.members[0].x_next[0], b.members[0].x_next[0])  # step noise differs
