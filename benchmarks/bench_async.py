@@ -1,10 +1,12 @@
 """End-to-end throughput, async vs sync on the same cores (not a test).
 
-    python -m benchmarks.bench_async [--quick] [--steps N]
+    python -m benchmarks.bench_async [--quick] [--steps N] [--gpu]
 
 Runs the quickstart (toy model, every role its own Ray actor, embedded Redis) for the same
 number of optimizer steps in `sync` and then `async` mode, on one local Ray cluster, and prints
 videos/s of each, their ratio, and the idle ratio of each role (wall time it was not working).
+`--gpu` swaps the toy model for the small Wan 2.2 of benchmarks/gpu.py (bf16, 33×240×416) with
+the rollout and learner actors sharing one GPU (0.5 each); the toy rewards still score the videos.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import tempfile
 import time
 
 
-def run_mode(mode: str, steps: int, root: str) -> dict:
+def run_mode(mode: str, steps: int, root: str, extra: list[str] = ()) -> dict:
     from cluster.driver import Driver
     from cluster.run_dir import RunDir
     from common.config import load_config
 
     cfg = load_config("configs/quickstart.yaml", [f"train.mode={mode}", f"train.steps={steps}",
                                                   f"run.root={root}", f"run.name={mode}",
-                                                  f"train.checkpoint_every={steps + 1}"])
+                                                  f"train.checkpoint_every={steps + 1}", *extra])
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
     try:
@@ -48,16 +50,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6 steps per mode")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 20)")
+    ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 on one CUDA GPU")
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
-    handle = init_ray(load_config("configs/quickstart.yaml"))
-    try:
-        with tempfile.TemporaryDirectory() as root:
-            rows = [run_mode(m, steps, root) for m in ("sync", "async")]
-    finally:
-        handle.shutdown()
-        ray.shutdown()
-    print(f"config: configs/quickstart.yaml, {steps} optimizer steps per mode, "
+    if args.gpu:
+        from benchmarks.gpu import require_cuda
+
+        require_cuda()
+    with tempfile.TemporaryDirectory() as root:
+        extra = []
+        if args.gpu:
+            from benchmarks.gpu import save_wan22_small, wan22_small_overrides
+
+            extra = [*wan22_small_overrides(save_wan22_small(f"{root}/wan22_small")), "schedule.steps=16",
+                     "pools.rollout.num_gpus=0.5", "pools.learner.num_gpus=0.5", "optim.micro_batch=8"]
+        handle = init_ray(load_config("configs/quickstart.yaml", extra))
+        try:
+            rows = [run_mode(m, steps, root, extra) for m in ("sync", "async")]
+        finally:
+            handle.shutdown()
+            ray.shutdown()
+    model = "small Wan 2.2 (bf16, 33x240x416) on 1 GPU" if args.gpu else "the toy model on CPU"
+    print(f"config: configs/quickstart.yaml with {model}, {steps} optimizer steps per mode, "
           "4 groups x 8 videos per step, 1 rollout + 1 reward + 1 learner actor")
     print(f"{'mode':6} {'steps':>5} {'wall s':>7} {'videos/s':>9} {'idle rollout':>13} {'idle reward':>12} "
           f"{'idle learner':>13} {'max staleness':>14}")

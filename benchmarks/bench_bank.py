@@ -1,7 +1,10 @@
 """Memory-bank throughput: push+pull of realistic entries against raw SET/GET of the same
 bytes on the same server, in the same run (goal: ratio >= 0.8).
 
-    python -m benchmarks.bench_bank [--quick] [--json OUT.json]
+    python -m benchmarks.bench_bank [--quick] [--gpu] [--json OUT.json]
+
+`--gpu` sizes entries as a GPU run stores them (16 and 64 MB per member: Wan-scale latents at the
+trained steps); the bank itself is Redis on the CPU either way.
 
 Uses $REDIS_URL when set, else an embedded redis-server. Not a test.
 """
@@ -112,9 +115,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="a few iterations (about 10 s)")
     ap.add_argument("--members", type=int, default=4, help="trajectories per group")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--gpu", action="store_true", help="GPU-run entry sizes (16 and 64 MB per member)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    plan = [(1.0, 8 if args.quick else 50), (16.0, 3 if args.quick else 12)]
+    if args.gpu:
+        from benchmarks.gpu import require_cuda
+
+        require_cuda()
+        plan = [(16.0, 4 if args.quick else 12), (64.0, 2 if args.quick else 6)]
+    else:
+        plan = [(1.0, 8 if args.quick else 50), (16.0, 3 if args.quick else 12)]
     server = None
     url = os.environ.get("REDIS_URL")
     if url:
@@ -128,6 +138,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         if server is not None:
             server.stop()
+    where = "$REDIS_URL" if url else "an embedded redis-server on loopback"
+    print(f"config: groups of {args.members} members, entry sizes {[mb for mb, _ in plan]} MB, "
+          f"iterations {[n for _, n in plan]}, against {where}; raw = SET+GET of the same encoded bytes")
     print(f"{'entry':>8} {'bank MB/s':>10} {'raw MB/s':>10} {'ratio':>6} "
           f"{'push p50/p99 ms':>16} {'pull p50/p99 ms':>16} {'set p50/p99':>12} "
           f"{'get p50/p99':>12} {'commit p50':>10}")

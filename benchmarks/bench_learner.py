@@ -1,4 +1,4 @@
-"""Learner benchmark (not a test): `python -m benchmarks.bench_learner [--quick]`.
+"""Learner benchmark (not a test): `python -m benchmarks.bench_learner [--quick] [--gpu]`.
 
 1. Step time per sample: Trainer.train_step (losses, anchors, clipping, AdamW) against a bare
    forward+backward of the same transformer on the same rows, in one run (ratio).
@@ -7,6 +7,8 @@
 
 The model is the tiny diffusers Wan pipeline (rollout_worker.models.tiny) loaded through the
 real Wan adapter from a temp dir, so the numbers are about overhead, not absolute speed.
+`--gpu`: the small Wan 2.2 of benchmarks/gpu.py in bf16 on CUDA, 33 frames at 240×416, and
+the two rollout actors on the same GPU (0.4 GPU each).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from common.types import Condition, TrainBatch
 from common.weights import nbytes
 
 
-def _cfg(path: str, finetune: str, quick: bool) -> RunConfig:
+def _cfg(path: str, finetune: str, quick: bool, gpu: bool = False) -> RunConfig:
+    if gpu:
+        from benchmarks.gpu import wan22_small_overrides
+        from common.config import apply_overrides, validate
+
+        data = apply_overrides(_cfg(path, finetune, quick).model_dump(mode="json"), [
+            *wan22_small_overrides(path), f"schedule.steps={8 if quick else 16}", "optim.lora_rank=32",
+            "optim.micro_batch=8", "pools.rollout.num_gpus=0.4"])
+        return validate(data, "bench_learner --gpu")
     return RunConfig.model_validate({
         "model": {"family": "wan", "path": path, "num_frames": 5, "height": 16, "width": 16,
                   "max_sequence_length": 16},
@@ -36,28 +46,33 @@ def _cfg(path: str, finetune: str, quick: bool) -> RunConfig:
 
 
 def _timed(fn, repeats: int) -> float:
+    from benchmarks.gpu import sync
+
     fn()  # warm-up
+    sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
+    sync()  # CUDA runs asynchronously: time the work, not the launches
     return (time.perf_counter() - t0) / repeats
 
 
-def bench_step(path: str, quick: bool) -> dict:
+def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
     from learner.rows import build_rows, micro_batches
     from learner.trainer import Trainer
     from rollout_worker.models import build_model
     from rollout_worker.sampler import sample_group
 
-    cfg = _cfg(path, "lora", quick)
-    model = build_model(cfg, "cpu")
+    gpu = device != "cpu"
+    cfg = _cfg(path, "lora", quick, gpu)
+    model = build_model(cfg, device)
     groups = []
     for c in range(2):
         g = sample_group(model, Condition(id=f"b{c}", prompt=f"bench prompt {c}"), cfg, seed=c, policy_version=0)
         g.composite = torch.randn(g.size, generator=torch.Generator().manual_seed(c))
         groups.append(g)
     batch = TrainBatch(fresh=groups)
-    trainer = Trainer(cfg, model, device="cpu").setup()
+    trainer = Trainer(cfg, model, device=device).setup()
     rows = build_rows(batch, cfg)
     cond_all = trainer.encode(rows)
 
@@ -81,15 +96,16 @@ def _memcpy_s(state: dict, repeats: int) -> float:
     return _timed(lambda: [dst[k].copy_(v) for k, v in state.items()], repeats)
 
 
-def bench_sync(path: str, payloads: dict, quick: bool) -> list[dict]:
+def bench_sync(path: str, payloads: dict, quick: bool, gpu: bool = False) -> list[dict]:
     import ray
 
     from common.config import WeightSyncConfig
     from learner.weight_sync import WeightPublisher
     from rollout_worker.actor import create_rollout_actors
 
-    cfg = _cfg(path, "lora", quick)
-    ray.init(num_cpus=2, resources={"rollout": 2}, include_dashboard=False, log_to_driver=False)
+    cfg = _cfg(path, "lora", quick, gpu)
+    ray.init(num_cpus=2, num_gpus=1 if gpu else 0, resources={"rollout": 2}, include_dashboard=False,
+             log_to_driver=False)
     try:
         actors = create_rollout_actors(cfg, count=2)
         # with optim.finetune=lora the rollout actors inject the same adapter themselves
@@ -116,18 +132,35 @@ def bench_sync(path: str, payloads: dict, quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 in bf16 on CUDA")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     from rollout_worker.models.tiny import tiny_wan_components
 
+    device = "cpu"
+    if args.gpu:
+        from benchmarks.gpu import require_cuda
+
+        device = str(require_cuda())
     with tempfile.TemporaryDirectory() as path:
-        WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v")).save_pretrained(path)
-        step = bench_step(path, args.quick)
+        if args.gpu:
+            from benchmarks.gpu import save_wan22_small
+
+            save_wan22_small(path)
+        else:
+            WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v")).save_pretrained(path)
+        cfg = _cfg(path, "lora", args.quick, args.gpu)
+        m = cfg.model
+        print(f"config: {'small Wan 2.2 (2 experts, 4 layers, 12x128 heads)' if args.gpu else 'tiny Wan 2.1 (1 layer, 2x8 heads)'} "
+              f"{m.dtype} on {device}, {m.num_frames}x{m.height}x{m.width}, T={cfg.schedule.steps} all trained, "
+              f"2 groups x G={cfg.sampler.group_size}, LoRA r={cfg.optim.lora_rank}, micro-batch {cfg.optim.micro_batch}, "
+              f"KL {cfg.kl.strategy}; weight sync to 2 rollout actors on a local Ray")
+        step = bench_step(path, args.quick, device)
         payloads = {"lora": step.pop("lora_payload"), "full": step.pop("full_payload")}
         print(json.dumps({"step": step}, indent=2))
-        for row in bench_sync(path, payloads, args.quick):
+        for row in bench_sync(path, payloads, args.quick, args.gpu):
             row["ratio"] = row["sync_s"] / max(row["memcpy_s"], 1e-9)
             print(json.dumps(row))
 

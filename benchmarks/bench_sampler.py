@@ -1,10 +1,12 @@
 """Sampler overhead: time per group of `sample_group` vs a plain ODE loop over the same model.
 
-    python -m benchmarks.bench_sampler [--quick]
+    python -m benchmarks.bench_sampler [--quick] [--gpu]
 
 Both paths encode once, draw the noise, run T batched velocity calls over G members and
 decode; the sampler adds the SDE noise, the log-probs and the recording. The goal is a
 ratio ≤ 1.05 (the transformer should dominate); on tiny CPU models fixed costs weigh more.
+`--gpu` runs small Wan 2.2 (two experts) and HunyuanVideo 1.5 transformers in bf16 on CUDA
+(benchmarks/gpu.py).
 Not a test: it prints a table.
 """
 
@@ -39,11 +41,15 @@ def plain_ode_group(model: VideoModel, cfg: RunConfig, seed: int) -> torch.Tenso
 
 
 def time_it(fn, repeats: int) -> float:
+    from benchmarks.gpu import sync
+
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()  # CUDA runs asynchronously: time the work, not the launches
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -51,7 +57,9 @@ def time_it(fn, repeats: int) -> float:
 def bench(name: str, model: VideoModel, cfg: RunConfig, repeats: int) -> None:
     t_plain = time_it(lambda: plain_ode_group(model, cfg, 0), repeats)
     t_sampler = time_it(lambda: sample_group(model, COND, cfg, seed=0, policy_version=0), repeats)
-    print(f"{name:<10} {cfg.sde.scheme:<6} G={cfg.sampler.group_size:<3} T={cfg.schedule.steps:<3} "
+    m = cfg.model
+    print(f"{name:<16} {cfg.sde.scheme:<6} G={cfg.sampler.group_size:<3} T={cfg.schedule.steps:<3} "
+          f"{m.num_frames}x{m.height}x{m.width} {str(model.dtype).replace('torch.', ''):<8} {model.device.type:<4} "
           f"plain {t_plain * 1e3:8.1f} ms   sampler {t_sampler * 1e3:8.1f} ms   "
           f"ratio {t_sampler / t_plain:5.3f}  (goal ≤ 1.05)")
 
@@ -77,14 +85,48 @@ def wan_case() -> tuple[VideoModel, RunConfig]:
     return WanVideoModel.from_components(tiny_wan_components("t2v"), cfg.model), cfg
 
 
+def gpu_cases(device) -> list[tuple[VideoModel, RunConfig]]:
+    from benchmarks.gpu import (
+        HUNYUAN_VIDEO,
+        WAN_VIDEO,
+        hunyuan15_small_components,
+        wan22_small_components,
+    )
+    from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
+    from rollout_worker.models.wan import WanVideoModel
+
+    out = []
+    for family, comps, video, cls in (("wan", wan22_small_components, WAN_VIDEO, WanVideoModel),
+                                      ("hunyuan15", hunyuan15_small_components, HUNYUAN_VIDEO, Hunyuan15VideoModel)):
+        cfg = RunConfig.model_validate({
+            "model": {"family": family, "dtype": "bfloat16", "guidance_scale": 4.0, "max_sequence_length": 32,
+                      **video, **({"boundary_ratio": 0.875} if family == "wan" else {})},
+            "schedule": {"steps": 16}, "sampler": {"group_size": 8, "train_steps": "all"}})
+        c = comps()
+        for key in ("transformer", "transformer_2"):
+            if key in c:
+                c[key] = c[key].to(torch.bfloat16)
+        out.append((cls.from_components(c, cfg.model, device), cfg))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 / HunyuanVideo 1.5 transformers on CUDA")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     repeats = 2 if args.quick else 7
-    for case in (toy_case(), wan_case()):
+    if args.gpu:
+        from benchmarks.gpu import require_cuda
+
+        cases = gpu_cases(require_cuda())
+    else:
+        cases = [toy_case(), wan_case()]
+    print("config: one group per call, shared initial noise, every step stochastic and recorded "
+          "(train_steps=all); median of the repeats after a warm-up")
+    for case in cases:
         if case is not None:
             bench(type(case[0]).__name__.replace("VideoModel", "").lower(), *case, repeats)
 

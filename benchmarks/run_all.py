@@ -2,6 +2,9 @@
 
 Each benchmark measures its ratio side by side in one run and states its configuration;
 this runner adds the machine it ran on. Benchmarks are never tests: these machines are noisy.
+`--gpu` runs the same benchmarks sized for one CUDA GPU (small Wan 2.2 / HunyuanVideo 1.5
+transformers, see benchmarks/gpu.py) and writes benchmarks/results_gpu.md; without CUDA it
+stops with one line saying so.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 BENCHES = ["bench_sampler", "bench_learner", "bench_bank", "bench_async"]
 OUT = Path(__file__).with_name("results.md")
+OUT_GPU = Path(__file__).with_name("results_gpu.md")
 
 
 def machine() -> str:
@@ -30,18 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help=f"which benchmarks (default: all of {', '.join(BENCHES)})")
     ap.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run")
-    ap.add_argument("--out", default=str(OUT), help="markdown report to write")
+    ap.add_argument("--gpu", action="store_true", help="size the benchmarks for one CUDA GPU")
+    ap.add_argument("--out", default=None, help=f"markdown report to write (default {OUT.name}, "
+                    f"or {OUT_GPU.name} with --gpu)")
     args = ap.parse_args(argv)
+    if args.gpu:
+        from benchmarks.gpu import require_cuda
+
+        require_cuda()
+    args.out = args.out or str(OUT_GPU if args.gpu else OUT)
     names = args.names or BENCHES
     unknown = sorted(set(names) - set(BENCHES))
     if unknown:
         ap.error(f"unknown benchmark(s) {unknown}; choose from {BENCHES}")
-    sections = [f"# Benchmarks\n\nMachine: {machine()}\n\nRun: {time.strftime('%Y-%m-%d %H:%M')} "
-                f"({'quick' if args.quick else 'full'}); `python -m benchmarks.run_all"
-                f"{' --quick' if args.quick else ''}`\n"]
+    flags = [*(["--quick"] if args.quick else []), *(["--gpu"] if args.gpu else [])]
+    sections = [f"# Benchmarks{' (GPU sizes)' if args.gpu else ''}\n\nMachine: {machine()}\n\n"
+                f"Run: {time.strftime('%Y-%m-%d %H:%M')} ({'quick' if args.quick else 'full'}); "
+                f"`python -m benchmarks.run_all{''.join(' ' + f for f in flags)}`\n"]
     failed = 0
     for name in names:
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", *(["--quick"] if args.quick else [])]
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", *flags]
         print(f"== {name}", flush=True)
         t0 = time.monotonic()
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
