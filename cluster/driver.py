@@ -309,7 +309,7 @@ class Driver:
                 if left <= 0:
                     raise StopRun(f"memory bank unreachable for {self.bank_outage_s:.0f}s during {what} "
                                   f"({e}); stopping") from None
-                self.metrics.inc("vgrpo_bank_retries_total", 1)
+                self.metrics.inc("vgrpo_errors_total", 1, kind="redis_unreachable")
                 log.warning("%s; retrying %s in %.1fs (%.0fs left)", e, what, min(delay, left), left)
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 5.0)
@@ -453,7 +453,8 @@ class Driver:
     def _run_sync(self, progress) -> None:
         gps = self.cfg.train.groups_per_step
         while self.step < self.cfg.train.steps and not self.stop_requested.is_set():
-            self.generate_round(gps)
+            queued = self.counts["groups_produced"] - self.counts["groups_trained"]  # > 0 after a resume
+            self.generate_round(max(0, gps - queued))
             if self.stop_requested.is_set():
                 break
             self._after_step(self.train(), progress)
@@ -519,7 +520,12 @@ class Driver:
             record[f"idle/{role}"] = max(0.0, 1.0 - t / max(elapsed, 1e-9))
         for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts"):
             record[k] = self.counts[k]
-        bank = self._bank("stats", self.bank.stats)
+        from memory_bank.errors import BankUnavailable
+
+        try:  # the step is logged even when Redis just went away; the next bank call decides
+            bank = self.bank.stats()
+        except BankUnavailable:
+            bank = dict.fromkeys(("entries", "bytes", "fresh", "corrupt", "redis_latency_ms"), float("nan"))
         record.update({"bank/entries": bank["entries"], "bank/bytes": bank["bytes"], "bank/fresh": bank["fresh"],
                        "bank/corrupt": bank["corrupt"], "bank/redis_latency_ms": bank["redis_latency_ms"]})
         self.run_dir.log(record)
@@ -542,10 +548,11 @@ class Driver:
             if delta:
                 m.inc(name, delta)
             self.exported[key] = self.counts[key]
-        m.set("vgrpo_queue_depth", record["bank/fresh"], queue="fresh")
-        m.set("vgrpo_bank_entries", record["bank/entries"])
-        m.set("vgrpo_bank_bytes", record["bank/bytes"])
-        m.observe("vgrpo_redis_latency_seconds", record["bank/redis_latency_ms"] / 1000, op="stats")
+        if record["bank/fresh"] == record["bank/fresh"]:  # NaN while Redis is unreachable
+            m.set("vgrpo_queue_depth", record["bank/fresh"], queue="fresh")
+            m.set("vgrpo_bank_entries", record["bank/entries"])
+            m.set("vgrpo_bank_bytes", record["bank/bytes"])
+            m.observe("vgrpo_redis_latency_seconds", record["bank/redis_latency_ms"] / 1000, op="stats")
         m.observe("vgrpo_entry_staleness", record["staleness_max"])
         for role in ("rollout", "reward", "learner"):
             self.role_metrics[role].set("vgrpo_idle_ratio", record[f"idle/{role}"])

@@ -15,7 +15,7 @@ from common.config import load_config
 from reward_worker.base import RewardModel
 
 ROOT = Path(__file__).resolve().parents[2]
-TWO_PROMPTS = "a red square moving right\na blue circle moving up\n"  # conditions repeat every step
+TWO_PROMPTS = "a red square moving right\na red square moving up\n"  # conditions repeat every step
 
 
 def tiny_cfg(tmp_path: Path, name: str, *extra: str, steps: int = 5):
@@ -23,7 +23,7 @@ def tiny_cfg(tmp_path: Path, name: str, *extra: str, steps: int = 5):
     prompts.write_text(TWO_PROMPTS)
     return load_config(ROOT / "configs/quickstart.yaml", [
         "train.mode=sync", f"train.steps={steps}", "train.groups_per_step=2", "train.eval_seeds=1",
-        "train.checkpoint_every=2", "sampler.group_size=4", "schedule.steps=6", "bank.capacity=16",
+        "train.checkpoint_every=2", "sampler.group_size=4", "schedule.steps=6", "bank.capacity=64",
         f"train.prompts={prompts}", f"run.root={tmp_path}", f"run.name={name}", *extra])
 
 
