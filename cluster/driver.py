@@ -247,6 +247,8 @@ class Driver:
         self.metrics.inc("vgrpo_actor_restarts_total", 1)
         self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
         self.actor_version[i] = -1  # forces a publish to it before its next group
+        # while Ray restarts it, calls fail at once: back off instead of burning refills
+        time.sleep(min(0.25 * (self.failed_in_row + 1), 5.0))
 
     def _score_and_store(self, group: Group) -> bool:
         """Score and push one group; False when it must be refilled (nothing of it is stored)."""
