@@ -104,7 +104,8 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
         logp_pos = log_prob(mb.x_pos, new_mu, std)                         # [B]
         logp_neg = log_prob(mb.x_neg, new_mu, std)                         # [B]
         j = mb.a_pos * logp_pos + mb.a_neg * logp_neg
-        align_loss = -(m * mb.align_mask * j).sum() / n_align
+        # the equalizer weights w_k too: unweighted, the 1/std² of low-noise steps dominates
+        align_loss = -(m * mb.align_mask * mb.weight * j).sum() / n_align
 
     loss = policy_loss + kl_loss + lc.gamma * align_loss
 

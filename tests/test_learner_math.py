@@ -204,3 +204,20 @@ def test_adaptive_kl_tracks_target_within_bounds():
     assert c2.value(0) == 1e-7
     with pytest.raises(ValueError, match="kl.schedule"):
         KLController(KLConfig(schedule="constant")).load_state_dict(state)
+
+
+def test_alignment_term_is_weighted_by_the_equalizer():
+    scheme = make_scheme("sage", 0.5)
+    x, x_pos, x_neg = torch.randn(2, *SHAPE), torch.randn(2, *SHAPE), torch.randn(2, *SHAPE)
+    sigma, sigma_next = torch.tensor([1.0, 0.25]), torch.tensor([0.75, 0.0 + 0.1])
+    v = torch.randn(2, *SHAPE)
+    mu, std = scheme.mean(x, v, sigma, sigma_next), scheme.std(sigma, sigma_next)
+    a_pos, a_neg, w = torch.tensor([1.5, 1.5]), torch.tensor([-0.5, -0.5]), torch.tensor([3.0, 0.2])
+    one = torch.ones(2)
+    mb = MicroBatch(x=x, x_next=x, x_pos=x_pos, x_neg=x_neg, logp_old=torch.zeros(2), sigma=sigma,
+                    sigma_next=sigma_next, adv=torch.zeros(2), weight=w, a_pos=a_pos, a_neg=a_neg,
+                    align_mask=one, mask=one, cond_idx=torch.zeros(2, dtype=torch.long))
+    lc = LossConfig(clip_eps=0.2, strategy="none", beta_anchor=1.0, beta_step=0.0, d_step="k1", gamma=1.0)
+    _, s = compute_loss(mb, None, lambda x, sg, c: v, scheme, lc, 1.0, n_rows=2, n_align=2)
+    j = a_pos * log_prob(x_pos, mu, std) + a_neg * log_prob(x_neg, mu, std)
+    assert s["loss/align"].item() == pytest.approx(-(w * j).sum().item() / 2, rel=1e-5)
