@@ -26,8 +26,9 @@ def machine() -> str:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    load = ", load average {:.1f}/{:.1f}/{:.1f} at start".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
     return (f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, GPU {gpu}")
+            f"Python {platform.python_version()}, torch {torch.__version__}, GPU {gpu}{load}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,8 +83,13 @@ def run_one(cfg, before_cache: dict[str, Any], note=print) -> dict[str, Any] | N
     return record
 
 
-def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print) -> dict[str, Any]:
-    """Every (row, seed) of `matrix` in turn; returns {"runs", "metrics", "failed", "interrupted"}."""
+def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
+               share_before: bool = True) -> dict[str, Any]:
+    """Every (row, seed) of `matrix` in turn; returns {"runs", "metrics", "failed", "interrupted"}.
+
+    The before-evaluation is the base policy on the fixed pairs with ODE sampling, the same for
+    every row; with `share_before` it is measured once and reused.
+    """
     from cluster.pools import init_ray
     from cluster.run_dir import RunDir
     from common.config import save_config
@@ -112,7 +117,7 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print) -> 
                     shutil.rmtree(path)  # a half-finished or differently configured run: start over
                 note(f"[{i + 1}/{len(plan)}] {row} seed {s}: training {cfg.train.steps} steps → {path}")
                 try:
-                    rec = run_one(cfg, before_cache, note)
+                    rec = run_one(cfg, before_cache if share_before else {}, note)
                 except Exception as e:  # one failed run does not lose the others
                     failed[f"{row} seed {s}"] = f"{type(e).__name__}: {e}"
                     note(f"  failed: {type(e).__name__}: {e}")

@@ -48,7 +48,9 @@ class Matrix:
         """The matrix as it will run: --quick swaps in its budget and seeds; --seeds wins over both."""
         budget, n = self.budget, self.seeds
         if quick:
-            budget = [*budget, *self.quick.get("budget", [])]
+            # a quick entry replaces the budget entry with the same key
+            merged = {item.split("=", 1)[0].strip(): item for item in [*budget, *self.quick.get("budget", [])]}
+            budget = list(merged.values())
             n = self.quick.get("seeds", n)
         return Matrix(self.source, self.title, self.base, budget, seeds or n, self.rows, self.quick, self.base_name)
 

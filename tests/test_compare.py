@@ -1,0 +1,179 @@
+"""`vgrpo compare`: matrix files, the table and curve writers, and one tiny real comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.compare_matrix import load_matrix
+from cluster.compare_report import gains, markdown_table, mean_curve, plot_curves
+from common.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+MATRICES = ["compare_toy", "ablate_equalizer", "ablate_kl", "ablate_lambda", "ablate_bank"]
+
+
+def _matrix(tmp_path, rows: str, extra: str = "") -> Path:
+    p = tmp_path / "m.yaml"
+    p.write_text(f"base: {QUICKSTART}\nbudget: [train.steps=4]\nseeds: 2\n{extra}rows:\n{rows}")
+    return p
+
+
+# --- 1. matrix files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MATRICES)
+def test_shipped_matrices_validate_and_share_one_budget(name):
+    m = load_matrix(ROOT / "configs" / f"{name}.yaml")
+    assert len(m.rows) >= 2
+    for mode in (False, True):
+        mm = m.for_mode(quick=mode)
+        cfgs = [mm.config(r, 0) for r in mm.rows]
+        # the budget is the same in every row
+        budget = {(c.train.steps, c.train.groups_per_step, c.sampler.group_size, c.train.eval_seeds) for c in cfgs}
+        assert len(budget) == 1
+        # and the rows really differ from each other
+        dumps = {json.dumps(c.model_dump(mode="json"), sort_keys=True) for c in cfgs}
+        assert len(dumps) == len(cfgs)
+
+
+def test_compare_toy_rows_are_the_methods_and_quick_is_smaller():
+    m = load_matrix(ROOT / "configs" / "compare_toy.yaml")
+    c = {r: m.config(r, 0) for r in m.rows}
+    assert c["DanceGRPO"].sde.scheme == "dance" and c["FlowGRPO"].sde.scheme == "flow"
+    assert c["CPS"].sde.scheme == "cps"
+    assert [c[r].kl.strategy for r in m.rows if r.startswith("SAGE")] == ["none", "fixed", "dual"]
+    tag = {r: (c[r].bank.enabled, c[r].align.enabled) for r in m.rows if r.startswith("TAGRPO")}
+    assert set(tag.values()) == {(True, True), (False, True), (True, False)}
+    q = m.for_mode(quick=True)
+    full_cfg, quick_cfg = m.config("CPS", 0), q.config("CPS", 0)
+    assert quick_cfg.train.steps < full_cfg.train.steps and q.seeds < m.seeds
+    assert quick_cfg.train.eval_seeds < full_cfg.train.eval_seeds
+    assert m.for_mode(quick=True, seeds=5).seeds == 5
+    assert m.config("CPS", 2).train.seed == 2
+
+
+@pytest.mark.parametrize("rows, needle", [
+    ("  good: [kl.strategy=dual]\n  bad row: [sde.scheme=bogus]\n", "row 'bad row': sde.scheme = 'bogus'"),
+    ("  typo: [kl.strategyy=none]\n", "row 'typo': kl.strategyy: unknown key"),
+    ("  cheat: [train.steps=400]\n", "row 'cheat': train.steps is part of the shared budget"),
+    ("  notalist: kl.strategy=none\n", "row 'notalist': expected a list"),
+    ("  noeq: [kl.strategy]\n", "row 'noeq': override 'kl.strategy'"),
+])
+def test_a_bad_row_is_one_clear_error_naming_row_and_field(tmp_path, rows, needle):
+    with pytest.raises(ConfigError) as e:
+        load_matrix(_matrix(tmp_path, rows))
+    assert needle in str(e.value)
+
+
+def test_bad_matrix_structure(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("base: nowhere.yaml\nrows: {a: []}\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml: config file not found"):
+        load_matrix(p)
+    with pytest.raises(ConfigError, match="quick.budget.*row 'a'|row 'a'.*sde.eta"):
+        load_matrix(_matrix(tmp_path, "  a: []\n", "quick: {budget: [sde.eta=-1]}\n"))
+    p.write_text(f"base: {QUICKSTART}\nrowz: {{a: []}}\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_matrix(p)
+
+
+# --- 2. writers on synthetic data --------------------------------------------------------------
+
+def _run(row, seed, gain, n=6, heads=("VQ", "TA")):
+    rng = np.random.default_rng(seed)
+    before = rng.normal(size=(n, len(heads)))
+    after = before + gain + rng.normal(scale=0.01, size=before.shape)
+    return {"row": row, "seed": seed, "heads": list(heads), "wall_s": 10.0 + seed,
+            "before": {"values": before.tolist(), "composite": before.sum(1).tolist()},
+            "after": {"values": after.tolist(), "composite": after.sum(1).tolist()}}
+
+
+def test_gains_are_paired_means_with_stderr_over_seeds():
+    runs = [_run("A", 0, 0.1), _run("A", 1, 0.3), _run("B", 0, -0.2)]
+    g = gains(runs)
+    per_seed = [np.mean(np.array(r["after"]["values"])[:, 0] - np.array(r["before"]["values"])[:, 0])
+                for r in runs[:2]]
+    m, se, n, over_pairs = g["A"]["VQ"]
+    assert m == pytest.approx(np.mean(per_seed)) and n == 2 and not over_pairs
+    assert se == pytest.approx(np.std(per_seed, ddof=1) / math.sqrt(2))
+    assert g["A"]["composite"][0] == pytest.approx(0.4, abs=0.02)   # two heads, gain 0.2 each on avg
+    mb, seb, nb, over_pairs_b = g["B"]["TA"]
+    assert mb == pytest.approx(-0.2, abs=0.02) and nb == 1 and over_pairs_b and 0 < seb < 0.01
+
+
+def test_markdown_table_and_curve_plot(tmp_path):
+    runs = [_run("A", 0, 0.1), _run("A", 1, 0.3), _run("B", 0, -0.2)]
+    metrics = {"A": [[{"step": s, "reward_mean": float(s), "reward/VQ": 1.0, "reward/TA": 2.0} for s in (1, 2, 3)],
+                     [{"step": s, "reward_mean": float(s) + 2, "reward/VQ": 3.0} for s in (1, 2)]],
+               "B": [[{"step": s, "reward_mean": -float(s)} for s in (1, 2, 3, 4)]]}
+    md = markdown_table(runs, metrics, ["B", "A"])
+    lines = md.splitlines()
+    assert lines[0].startswith("| method | seeds | Δ composite | Δ VQ | Δ TA |")
+    row_b, row_a = lines[2], lines[3]
+    assert row_b.startswith("| B | 1 | -0.") and "†" in row_b
+    assert float(row_b.split("|")[3].split("±")[0]) == pytest.approx(-0.4, abs=0.02)
+    assert row_a.startswith("| A | 2 | +0.") and "†" not in row_a
+    assert float(row_a.split("|")[3].split("±")[0]) == pytest.approx(0.4, abs=0.02)
+    assert "| -4.000 |" in row_b  # last 25% of B's 4 steps: step 4
+    assert "one seed" in md
+    xs, ys = mean_curve(metrics["A"], "reward_mean")
+    assert xs.tolist() == [1, 2] and ys.tolist() == [2.0, 3.0]  # steps every seed reached
+    png = plot_curves(metrics, ["VQ", "TA"], tmp_path / "c.png", title="t")
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
+
+
+# --- 3. one real tiny comparison through Driver ------------------------------------------------
+
+def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_session, tmp_path):
+    from cluster.compare_cmd import run_matrix, write_report
+
+    p = tmp_path / "tiny.yaml"
+    p.write_text(
+        f"base: {QUICKSTART}\n"
+        "budget: [train.steps=2, train.groups_per_step=1, train.eval_seeds=1, sampler.group_size=4,\n"
+        "         schedule.steps=4, bank.capacity=4, train.checkpoint_every=1000, train.mode=sync]\n"
+        "seeds: 1\n"
+        "rows:\n  SAGE dual: [kl.strategy=dual]\n  FlowGRPO: [sde.scheme=flow, sde.eta=null, kl.strategy=none]\n")
+    m = load_matrix(p)
+    notes: list[str] = []
+    out = tmp_path / "out"
+    result = run_matrix(m, out, note=notes.append, share_before=False)
+    assert not result["failed"] and not result["interrupted"], result["failed"]
+    assert [r["row"] for r in result["runs"]] == ["SAGE dual", "FlowGRPO"]
+    for r in result["runs"]:
+        assert r["steps"] == 2 and len(r["after"]["composite"]) == 4  # 4 eval prompts × 1 seed
+    # measured separately, both rows' before-evaluations agree: sharing one is sound
+    b0, b1 = (np.array(r["before"]["values"]) for r in result["runs"])
+    np.testing.assert_allclose(b0, b1, atol=1e-5)
+    assert [[row["step"] for row in ms[0]] for ms in result["metrics"].values()] == [[1, 2], [1, 2]]
+    flow_cfg = (out / "FlowGRPO" / "seed0" / "config.yaml").read_text()
+    assert "scheme: flow" in flow_cfg
+    md = write_report(m, result, out, "vgrpo compare -c tiny.yaml", 1.0)
+    text = md.read_text()
+    assert "| SAGE dual | 1 |" in text and "| FlowGRPO | 1 |" in text
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(json.loads((out / "compare.json").read_text())["gains"]) == {"SAGE dual", "FlowGRPO"}
+    assert ray_session.is_initialized()  # the fixture's cluster is left running
+    # a second call reuses the finished runs instead of training again
+    notes.clear()
+    again = run_matrix(m, out, note=notes.append)
+    assert sum("reusing" in n for n in notes) == 2
+    assert again["runs"] == result["runs"]
+
+
+def test_cli_reports_a_bad_matrix_in_one_line_before_running_anything(tmp_path, capsys):
+    from cluster.cli import main
+
+    bad = _matrix(tmp_path, "  ok: []\n  broken: [kl.lam=-3]\n")
+    assert main(["compare", "-c", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "row 'broken': kl.lam = -3" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing ran, nothing was written
+    assert main(["compare", "-c", str(ROOT / "configs" / "ablate_kl.yaml"), "--rows", "nope",
+                 "--out", str(tmp_path / "o2")]) == 2
+    assert "--rows: unknown row(s) ['nope']" in capsys.readouterr().err
