@@ -11,10 +11,12 @@ def register(sub) -> None:
                        "benchmarks/results.md. Run from the repository root.")
     p.add_argument("names", nargs="*", help="which benchmarks (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run")
+    p.add_argument("--gpu", action="store_true",
+                   help="size the benchmarks for a CUDA GPU (small Wan 2.2 / HunyuanVideo 1.5 transformers)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from benchmarks.run_all import main
 
-    return main([*args.names, *(["--quick"] if args.quick else [])])
+    return main([*args.names, *(["--quick"] if args.quick else []), *(["--gpu"] if args.gpu else [])])

@@ -18,7 +18,10 @@ STEPS = 3
 
 
 def _cfg(tmp_path, mode: str):
-    return load_config("configs/quickstart.yaml", [
+    # two prompts, so conditions repeat within three steps and the bank is used
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square moving left\na blue square moving up\n")
+    return load_config("configs/quickstart.yaml", [f"train.prompts={prompts}",
         f"train.mode={mode}", f"train.steps={STEPS}", "train.groups_per_step=2", "train.eval_seeds=1",
         "train.checkpoint_every=2", "sampler.group_size=4", "schedule.steps=6", "bank.capacity=4",
         f"run.root={tmp_path}", f"run.name={mode}",

@@ -32,8 +32,8 @@ def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "train", "-c", "configs/quickstart.yaml", "train.steps=200",
-         "train.mode=sync", "train.groups_per_step=2", "sampler.group_size=4", "--no-eval",
+        [sys.executable, "-m", "cluster.cli", "train", "--no-eval", "-c", "configs/quickstart.yaml",
+         "train.steps=200", "train.mode=sync", "train.groups_per_step=2", "sampler.group_size=4",
          f"run.root={tmp_path}", "run.name=int"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "int" / "metrics.jsonl"
