@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/vgrpo sde-report
+	$(VENV)/bin/vgrpo train -c configs/quickstart.yaml
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

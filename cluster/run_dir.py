@@ -23,6 +23,10 @@ class RunDir:
     def create(cls, cfg: RunConfig) -> RunDir:
         name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
         path = Path(cfg.run.root) / name
+        n = 1
+        while path.exists() and any(path.iterdir()):  # never mix two runs: quickstart-2, -3, …
+            n += 1
+            path = Path(cfg.run.root) / f"{name}-{n}"
         path.mkdir(parents=True, exist_ok=True)
         rd = cls(path)
         rd.checkpoints.mkdir(exist_ok=True)
