@@ -123,10 +123,21 @@ def test_fuzzed_config_data_raises_only_config_error(data):
 
 
 def test_every_shipped_config_validates():
+    """Run configs load as RunConfig; comparison matrices (a `rows` key) validate every row."""
+    from cluster.compare_matrix import load_matrix
+    from common.config import read_yaml
+
     configs = sorted((ROOT / "configs").glob("*.yaml"))
     assert configs, "configs/ holds no YAML"
+    kinds = {"run": 0, "matrix": 0}
     for path in configs:
-        load_config(path)
+        if "rows" in read_yaml(path):
+            load_matrix(path).validate_all()
+            kinds["matrix"] += 1
+        else:
+            load_config(path)
+            kinds["run"] += 1
+    assert kinds["run"] >= 4 and kinds["matrix"] >= 1, kinds
 
 
 def test_cli_config_show_and_clean_error():

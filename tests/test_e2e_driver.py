@@ -24,6 +24,7 @@ def _cfg(tmp_path, mode: str):
     return load_config("configs/quickstart.yaml", [f"train.prompts={prompts}",
         f"train.mode={mode}", f"train.steps={STEPS}", "train.groups_per_step=2", "train.eval_seeds=1",
         "train.checkpoint_every=2", "sampler.group_size=4", "schedule.steps=6", "bank.capacity=4",
+        "optim.micro_batch=4",  # the first micro-batch holds only fresh rows: its log-ratio must be 0
         f"run.root={tmp_path}", f"run.name={mode}",
     ])
 

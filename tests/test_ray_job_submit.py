@@ -31,11 +31,15 @@ def _free_port() -> int:
 @pytest.fixture()
 def ray_head(tmp_path):
     port, dash = _free_port(), _free_port()
+    # the session's own Ray instance holds the default agent ports: give this head its own
+    agent_ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+        "metrics-export-port", "ray-client-server-port")]
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
     temp = tempfile.mkdtemp(prefix="vrj", dir="/tmp")  # short: Ray's socket paths have a length limit
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp}", *agent_ports,
          '--resources={"rollout": 1, "reward": 1, "learner": 1}'],
         env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
@@ -61,11 +65,14 @@ def ray_head(tmp_path):
 def test_ray_job_submit_trains_two_steps(ray_head, tmp_path):
     address, env = ray_head
     runs = tmp_path / "runs"
-    res = subprocess.run(
-        [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
-         "vgrpo", "train", "-c", "configs/quickstart.yaml", "train.steps=2", "train.eval_seeds=2",
-         f"run.root={runs}", "run.name=job"],
-        env=env, capture_output=True, text=True, timeout=900)
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+           "vgrpo", "train", "-c", "configs/quickstart.yaml", "train.steps=2", "train.eval_seeds=2",
+           f"run.root={runs}", "run.name=job"]
+    for _ in range(20):  # the job agent may come up a little after the job server answers
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent" not in res.stdout + res.stderr:
+            break
+        time.sleep(3)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "succeeded" in (res.stdout + res.stderr)
     rows = [json.loads(x) for x in (runs / "job" / "metrics.jsonl").read_text().splitlines()]
