@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from common.config import OptimConfig
-from rollout_worker.models.lora import inject_lora, is_lora_key
 from rollout_worker.models.base import Cond, VideoModel
+from rollout_worker.models.lora import inject_lora, is_lora_key
 
 AnchorName = Literal["pi0", "moving", "prev"]
 

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig, validate
+from common.sde import Schedule
 from common.types import Condition, Group
 from common.weights import verify
-from common.sde import Schedule
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos

@@ -10,10 +10,10 @@ from common.config import RunConfig
 from common.sde import log_prob
 from common.types import Condition, TrainBatch
 from learner import checkpoint
-from rollout_worker.models.lora import inject_lora
 from learner.losses import LossConfig, compute_loss
 from learner.rows import build_rows, micro_batches
 from learner.trainer import Trainer
+from rollout_worker.models.lora import inject_lora
 
 
 def _cfg(**sections) -> RunConfig:
