@@ -159,6 +159,7 @@ class Driver:
         self.cursor = top
         self.open = {**{c: None for c in self.replay}, **present}
         self.counts["groups_produced"] = self.counts["groups_trained"] + len(queued)
+        self.counts["groups_pulled"] = self.counts["groups_trained"]  # pending groups were requeued
         self.run_dir.truncate_metrics(self.step)
         self._publish_now(self.step)
         self.note(f"resumed from {ckpt} at step {self.step}: {len(queued)} groups queued, "
@@ -325,6 +326,7 @@ class Driver:
         batch = self._bank("pull", self._pull, self.cfg.train.groups_per_step, self.step)
         if not batch.fresh:
             raise StopRun("the bank returned no fresh groups to train on")
+        self.counts["groups_pulled"] += len(batch.fresh)
         try:
             stats = self.learner.train_step(batch)
         except ray.exceptions.RayActorError as e:
@@ -472,8 +474,9 @@ class Driver:
             try:
                 while not self.stop_requested.is_set():
                     with produced:
-                        # stay at most `ahead` steps of groups in front of the learner
-                        while (self.counts["groups_produced"] - self.counts["groups_trained"] >= ahead * gps
+                        # stay at most `ahead` steps of groups in front of the learner; groups the
+                        # learner has pulled no longer count, so the next ones are made meanwhile
+                        while (self.counts["groups_produced"] - self.counts["groups_pulled"] >= ahead * gps
                                and not self.stop_requested.is_set()):
                             produced.wait(timeout=0.5)
                     if self.stop_requested.is_set():
@@ -492,7 +495,7 @@ class Driver:
         try:
             while self.step < self.cfg.train.steps and not self.stop_requested.is_set():
                 with produced:
-                    while (self.counts["groups_produced"] - self.counts["groups_trained"] < gps
+                    while (self.counts["groups_produced"] - self.counts["groups_pulled"] < gps
                            and not self.stop_requested.is_set()):
                         produced.wait(timeout=0.5)
                 if self.stop_requested.is_set():

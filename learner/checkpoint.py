@@ -23,13 +23,13 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:08d}"
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
+def list_checkpoints(root: str | os.PathLike, marker: str = STATE_FILE) -> list[Path]:
+    """Complete checkpoints under root (step dirs holding `marker`), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit() and (p / STATE_FILE).is_file()]
+             and p.name[len(PREFIX):].isdigit() and (p / marker).is_file()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 

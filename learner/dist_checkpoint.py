@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner.checkpoint import EXTRA_FILE, PREFIX, step_dir
+from learner.checkpoint import EXTRA_FILE, PREFIX, list_checkpoints, step_dir
 
 META_FILE = "meta.json"
 
@@ -57,12 +57,8 @@ def from_local(template: Any, loaded: Any, where: str = "state") -> Any:
 
 
 def list_sharded(root: str | os.PathLike) -> list[Path]:
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit() and (p / META_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    """Complete sharded checkpoints (meta.json is written last), oldest first."""
+    return list_checkpoints(root, marker=META_FILE)
 
 
 def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int) -> Path:
