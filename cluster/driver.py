@@ -151,7 +151,7 @@ class Driver:
             self.bank.restore(extra["bank"])
         # Groups still queued are trained as they are; groups drawn but not queued (in flight at the
         # checkpoint, or trained only by the lost run after it) are drawn again from their cursors.
-        queued = self._queued_ids()
+        queued = self.bank.queued_ids()
         present = {c: g for g in queued if (c := cursor_of(g)) is not None}
         top = max([self.cursor - 1, *present]) + 1
         opened = {int(c) for c in (extra.get("open") or {})}
@@ -164,10 +164,6 @@ class Driver:
         self._publish_now(self.step)
         self.note(f"resumed from {ckpt} at step {self.step}: {len(queued)} groups queued, "
                   f"{len(self.replay)} drawn again")
-
-    def _queued_ids(self) -> list[str]:
-        k = self.bank.keys
-        return [g.decode() if isinstance(g, bytes) else g for g in self.bank.r.lrange(k.fresh, 0, -1)]
 
     def _finish_commit(self, gids: list[str]) -> None:
         """Groups the saved learner already trained, whose commit Redis missed: commit them now."""

@@ -132,23 +132,14 @@ def cmd_sample(args) -> int:
 
 def cmd_grid(args) -> int:
     import imageio.v3 as iio
-    import numpy as np
 
+    from cluster.media import grid_image
     from common import toyworld as tw
 
     model = _load(args)
     pairs = tw.eval_pairs(args.seeds)
     frames = _sample(model, [p for p, _ in pairs], [s for _, s in pairs], args).numpy()  # [P·S, F, H, W, 3]
-    n, F, H, W, _ = frames.shape
-    gap = 2
-    rows = []
-    for i in range(0, n, args.seeds):
-        cells = [np.concatenate(list(frames[j]), axis=1) for j in range(i, i + args.seeds)]  # [H, F·W, 3]
-        pad = np.full((H, gap, 3), 128, np.uint8)
-        rows.append(np.concatenate([c for cell in cells for c in (cell, pad)][:-1], axis=1))
-    sep = np.full((gap, rows[0].shape[1], 3), 128, np.uint8)
-    grid = np.concatenate([r for row in rows for r in (row, sep)][:-1], axis=0)
-    grid = grid.repeat(args.scale, axis=0).repeat(args.scale, axis=1)
+    grid = grid_image(frames, per_row=args.seeds, scale=args.scale)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     iio.imwrite(out, grid)

@@ -201,6 +201,11 @@ class MemoryBank:
         self._delete_entries(sorted(evicted), pipe)
 
     @_reachable
+    def queued_ids(self) -> list[str]:
+        """Ids of the fresh groups waiting to be pulled, oldest first."""
+        return [_s(g) for g in self.r.lrange(self.keys.fresh, 0, -1)]
+
+    @_reachable
     def requeue_pending(self) -> int:
         """Put groups pulled but never committed back at the head of the fresh queue (resume)."""
         n = int(self.scripts.requeue(keys=[self.keys.pending, self.keys.fresh]))

@@ -195,3 +195,12 @@ def test_bank_fixture_namespaces_are_isolated(redis_server):
     a.push_group(make_group())
     assert b.stats()["fresh"] == 0 and a.stats()["fresh"] == 1
     assert a.clear() > 0 and a.stats()["fresh"] == 0
+
+
+def test_queued_ids_lists_fresh_groups_oldest_first(bank):
+    from bank_helpers import make_group
+
+    ids = [bank.push_group(make_group("c", f"q{i}")) for i in range(3)]
+    assert bank.queued_ids() == ids
+    bank.pull(2, version=0)
+    assert bank.queued_ids() == ids[2:]
