@@ -627,7 +627,7 @@ class Driver:
         return path
 
     def teardown(self) -> None:
-        import ray
+        from common.actors import kill_and_wait
 
         if getattr(self, "learner", None) is not None:
             try:
@@ -637,8 +637,7 @@ class Driver:
         actors = [*getattr(self, "rollouts", []), *getattr(getattr(self, "rewards", None), "actors", {}).values()]
         if getattr(self, "registry", None) is not None:
             actors.append(self.registry)
-        for a in actors:
-            ray.kill(a, no_restart=True)
+        kill_and_wait(actors)
         if getattr(self, "rollout_pg", None) is not None:
             from ray.util.placement_group import remove_placement_group
 

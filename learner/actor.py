@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.actors import kill_and_wait
 from common.config import RunConfig
 from common.types import TrainBatch, TrainStats
 from learner import dist_checkpoint, fsdp
@@ -213,6 +214,5 @@ class LearnerGroup:
         self._kill()
 
     def _kill(self) -> None:
-        for r in self.ranks:
-            ray.kill(r, no_restart=True)
+        kill_and_wait(self.ranks)
         self.ranks = []
