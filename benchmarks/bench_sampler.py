@@ -40,28 +40,34 @@ def plain_ode_group(model: VideoModel, cfg: RunConfig, seed: int) -> torch.Tenso
     return model.decode(x)
 
 
-def time_it(fn, repeats: int) -> float:
+def time_pair(fa, fb, repeats: int) -> tuple[float, float, float]:
+    """Median times of fa and fb, and the median of their per-repeat ratios b/a.
+
+    The two run alternately, so a load change on a shared machine hits both alike.
+    """
     from benchmarks.gpu import sync
 
-    fn()  # warm-up
-    times = []
+    fa(), fb()  # warm-up
+    ta, tb = [], []
     for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()  # CUDA runs asynchronously: time the work, not the launches
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((fa, ta), (fb, tb)):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()  # CUDA runs asynchronously: time the work, not the launches
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb, strict=True))
 
 
 def bench(name: str, model: VideoModel, cfg: RunConfig, repeats: int) -> None:
-    t_plain = time_it(lambda: plain_ode_group(model, cfg, 0), repeats)
-    t_sampler = time_it(lambda: sample_group(model, COND, cfg, seed=0, policy_version=0), repeats)
+    t_plain, t_sampler, ratio = time_pair(lambda: plain_ode_group(model, cfg, 0),
+                                          lambda: sample_group(model, COND, cfg, seed=0, policy_version=0),
+                                          repeats)
     m = cfg.model
     print(f"{name:<16} {cfg.sde.scheme:<6} G={cfg.sampler.group_size:<3} T={cfg.schedule.steps:<3} "
           f"{m.num_frames}x{m.height}x{m.width} {str(model.dtype).replace('torch.', ''):<8} {model.device.type:<4} "
           f"plain {t_plain * 1e3:8.1f} ms   sampler {t_sampler * 1e3:8.1f} ms   "
-          f"ratio {t_sampler / t_plain:5.3f}  (goal ≤ 1.05)")
+          f"ratio {ratio:5.3f}  (goal ≤ 1.05)")
 
 
 def toy_case() -> tuple[VideoModel, RunConfig] | None:
@@ -117,15 +123,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 / HunyuanVideo 1.5 transformers on CUDA")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    repeats = 2 if args.quick else 7
+    repeats = 5 if args.quick else 15
     if args.gpu:
         from benchmarks.gpu import require_cuda
 
         cases = gpu_cases(require_cuda())
     else:
         cases = [toy_case(), wan_case()]
-    print("config: one group per call, shared initial noise, every step stochastic and recorded "
-          "(train_steps=all); median of the repeats after a warm-up")
+    print(f"config: one group per call, shared initial noise, every step stochastic and recorded "
+          f"(train_steps=all); {repeats} alternating repeats after a warm-up, median times and "
+          f"median per-repeat ratio")
     for case in cases:
         if case is not None:
             bench(type(case[0]).__name__.replace("VideoModel", "").lower(), *case, repeats)
