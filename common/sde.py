@@ -77,6 +77,12 @@ def _f32(x: Tensor) -> Tensor:
     return x.to(torch.float32)
 
 
+def _drifted_mean(x: Tensor, v: Tensor, s: Tensor, s1: Tensor, c: Tensor) -> Tensor:
+    """μ = x - Δ·v - c·ε̂ with ε̂ = x + (1-σ)·v, regrouped as (1-c)·x - (Δ + c·(1-σ))·v so the
+    coefficients are computed on σ's shape and only three operations touch the latents."""
+    return (1 - c) * _f32(x) - ((s - s1) + c * (1 - s)) * _f32(v)
+
+
 # --- schemes -------------------------------------------------------------------------
 
 
@@ -128,10 +134,8 @@ class Dance(Scheme):
         return self.eta * delta.clamp_min(0).sqrt()
 
     def mean(self, x, v, sigma, sigma_next):
-        x, v = _f32(x), _f32(v)
         s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        delta, eps_hat = s - s1, x + (1 - s) * v
-        return x - delta * v - (self.eta**2 * delta / (2 * s)) * eps_hat
+        return _drifted_mean(x, v, s, s1, self.eta**2 * (s - s1) / (2 * s))
 
     def dmu_dv(self, sigma, sigma_next):
         s, s1 = _as_batch(sigma), _as_batch(sigma_next)
@@ -169,11 +173,8 @@ class Flow(Scheme):
         return self.g(sigma) * delta.clamp_min(0).sqrt()
 
     def mean(self, x, v, sigma, sigma_next):
-        x, v = _f32(x), _f32(v)
         s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        g = self.g(s)
-        delta, eps_hat = s - s1, x + (1 - s) * v
-        return x - delta * v - (g**2 * delta / (2 * s)) * eps_hat
+        return _drifted_mean(x, v, s, s1, self.g(s) ** 2 * (s - s1) / (2 * s))
 
     def dmu_dv(self, sigma, sigma_next):
         s, s1 = _as_batch(sigma), _as_batch(sigma_next)
@@ -226,11 +227,8 @@ class Sage(Scheme):
         return self.variance(sigma, sigma_next).sqrt().float()
 
     def mean(self, x, v, sigma, sigma_next):
-        x, v = _f32(x), _f32(v)
         s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        var = self.variance(s, s1).to(x.dtype)
-        delta, eps_hat = s - s1, x + (1 - s) * v
-        return x - delta * v - (var / (2 * s)) * eps_hat
+        return _drifted_mean(x, v, s, s1, self.variance(s, s1).float() / (2 * s))
 
     def dmu_dv(self, sigma, sigma_next):
         s, s1 = _as_batch(sigma), _as_batch(sigma_next)
@@ -283,14 +281,12 @@ def log_prob(x_next: Tensor, mu: Tensor, std) -> Tensor:
 
     A step with std = 0 (ODE, CPS's last step) carries no log-prob; it gives 0.
     """
-    x_next, mu = _f32(x_next), _f32(mu)
-    std = torch.as_tensor(std, dtype=torch.float32, device=mu.device)
-    std_b = _bcast(std, mu) if std.dim() else std
-    safe = torch.where(std_b > 0, std_b, torch.ones_like(std_b))
-    lp = -((x_next - mu) ** 2) / (2 * safe**2) - torch.log(safe) - 0.5 * LOG_2PI
-    lp = lp.flatten(1).mean(1) if lp.dim() > 1 else lp
-    has_noise = (std > 0) if std.dim() == 0 else (std > 0).to(lp.device)
-    return torch.where(has_noise, lp, torch.zeros_like(lp))
+    sq = (_f32(x_next) - _f32(mu)) ** 2
+    sq = sq.flatten(1).mean(1) if sq.dim() > 1 else sq   # mean ‖x' - μ‖² per sample [B]
+    std = torch.as_tensor(std, dtype=torch.float32, device=sq.device)
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    lp = -sq / (2 * safe**2) - torch.log(safe) - 0.5 * LOG_2PI
+    return torch.where(std > 0, lp, torch.zeros_like(lp))
 
 
 def gaussian_kl(mu_a: Tensor, mu_b: Tensor, std, eps: float = 1e-6) -> Tensor:

@@ -112,18 +112,20 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
             x_nexts.append(x_next.to(store).cpu())
         x = x_next
 
-    # 5. Decode and record one Trajectory per member
+    # 5. Decode and record one Trajectory per member (each stacks its own K steps: one copy)
     frames = model.decode(x)  # uint8 [G, F, H, W, 3]
     K = len(trained)
-    empty = torch.empty((0, G, *x.shape[1:]), dtype=store)
-    b_x = torch.stack(xs) if K else empty            # [K, G, C, F, H, W]
-    b_x_next = torch.stack(x_nexts) if K else empty  # [K, G, C, F, H, W]
-    b_logp = torch.stack(logps).float() if K else torch.empty((0, G))  # [K, G]
+
+    def steps_of(ts: list[Tensor], i: int, shape: tuple) -> Tensor:
+        return torch.stack([t[i] for t in ts]) if K else torch.empty((0, *shape), dtype=store)
+
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, scheme=scheme.name,
                    eta=scheme.eta, guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
                    sigmas=list(schedule.sigmas), step_indices=list(trained),
-                   x=b_x[:, i].clone(), x_next=b_x_next[:, i].clone(), logp_old=b_logp[:, i].clone(),
+                   x=steps_of(xs, i, x.shape[1:]),               # [K, C, F, H, W]
+                   x_next=steps_of(x_nexts, i, x.shape[1:]),     # [K, C, F, H, W]
+                   logp_old=steps_of(logps, i, ()).float(),      # [K]
                    final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
         for i in range(G)
     ]
