@@ -8,7 +8,7 @@ generates again it holds the newest published version.
 Roles never call each other; only this module wires them.
 
 Failures. A rollout or reward actor that dies is restarted by Ray and its work is refilled;
-Redis outages are retried with backoff for `bank_outage_s`, then the run stops cleanly; a dead
+Redis outages are retried with backoff for `bank.outage_s`, then the run stops cleanly; a dead
 learner or a weight-sync timeout stops the run with one clear line (`stop_reason`). Every group
 drawn from the prompt stream is tracked in `open` (cursor -> group id) until it is trained, so
 a checkpoint records exactly which groups a resume must keep in the bank or draw again.
@@ -35,7 +35,6 @@ from common.types import Condition, Group
 log = logging.getLogger("vgrpo.driver")
 
 SEED_SPACE = 1_000_000  # training seeds stay below the toy world's evaluation seeds
-BANK_OUTAGE_S = 60.0   # how long bank calls are retried before the run stops with a checkpoint
 MAX_FAILED_IN_ROW = 12  # groups failing one after another (dead actor, broken reward): stop
 
 
@@ -95,7 +94,7 @@ class Driver:
         self.replay: list[int] = []             # cursors a resume draws again before new ones
         self.uncommitted: list[str] = []        # trained, but Redis was down for the commit
         self.failed_in_row = 0
-        self.bank_outage_s = BANK_OUTAGE_S
+        self.bank_outage_s = cfg.bank.outage_s
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
 
@@ -216,10 +215,15 @@ class Driver:
                 gid = group_id(cursor, self.actor_version[i])
                 calls[actor.generate.remote(cond, seed, gid)] = (i, cursor)
             t0 = time.monotonic()
+            deadline = t0 + self.cfg.sampler.timeout_s
             pending = list(calls)
             while pending:
                 # score each group as soon as its actor returns it
-                (ref,), pending = ray.wait(pending, num_returns=1)
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    self._on_rollout_timeout([calls[r] for r in pending])
+                    break
+                ref = ready[0]
                 i, cursor = calls[ref]
                 try:
                     group = ray.get(ref)
@@ -238,11 +242,26 @@ class Driver:
                     self._abandon(cursor)
         return stored
 
+    def _on_rollout_timeout(self, late: list[tuple[int, int]]) -> None:
+        """Rollout actors past sampler.timeout_s (a hung device, a stuck kernel): restart them."""
+        import ray
+
+        for i, cursor in late:
+            self.counts["rollout_timeouts"] += 1
+            self.metrics.inc("vgrpo_errors_total", 1, kind="rollout_timeout")
+            self.note(f"rollout actor {i} did not return a group within {self.cfg.sampler.timeout_s:.0f}s "
+                      "(sampler.timeout_s); restarting it")
+            ray.kill(self.rollouts[i], no_restart=False)  # Ray starts a fresh process
+            self._on_rollout_failure(i, TimeoutError("sampler.timeout_s"))
+            self._abandon(cursor)
+
     def _on_rollout_failure(self, i: int, err: Exception) -> None:
         """A rollout actor died: Ray restarts it; it gets the current weights before it generates."""
-        self.counts["actor_restarts"] += 1
-        self.metrics.inc("vgrpo_actor_restarts_total", 1)
-        self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
+        if self.actor_version[i] != -1:  # the first failure since it last took weights: one restart
+            self.counts["actor_restarts"] += 1  # exported with the step's record
+            self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
+        else:  # calls to an actor that is still restarting fail at once (ActorUnavailableError)
+            log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
         self.actor_version[i] = -1  # forces a publish to it before its next group
         # while Ray restarts it, calls fail at once: back off instead of burning refills
         time.sleep(min(0.25 * (self.failed_in_row + 1), 5.0))
@@ -519,7 +538,8 @@ class Driver:
         busy = {"rollout": self.timers["generate"], "reward": self.timers["score"], "learner": self.timers["train"]}
         for role, t in busy.items():
             record[f"idle/{role}"] = max(0.0, 1.0 - t / max(elapsed, 1e-9))
-        for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts"):
+        for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts",
+                  "rollout_timeouts"):
             record[k] = self.counts[k]
         from memory_bank.errors import BankUnavailable
 

@@ -101,6 +101,9 @@ class SamplerConfig(Section):
     """Run the last n steps deterministically (never trained); a stochastic last step adds pure noise."""
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
+    timeout_s: float = Field(900.0, gt=0.0)
+    """A group not generated within this time counts as a failed rollout: its actor is
+    restarted (and reloads the current weights) and the group is drawn again."""
 
 
 class GRPOConfig(Section):
@@ -173,6 +176,8 @@ class BankConfig(Section):
     """Producers wait when the bank holds this many bytes (backpressure)."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
+    outage_s: float = Field(60.0, gt=0.0)
+    """How long the driver retries an unreachable Redis before it stops the run cleanly."""
 
 
 class RewardModelConfig(Section):

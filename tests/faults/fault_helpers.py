@@ -110,3 +110,16 @@ class FlakyFactory:
 
     def __call__(self, cfg):
         return FlakyToyReward(**self.kw)
+
+
+def hang_next_generate(worker, seconds: float) -> None:
+    """Run on a rollout actor (via __ray_call__): its next group stalls for `seconds`, like a hung device."""
+    model = worker.model
+    original = model.velocity
+
+    def velocity(*args, **kwargs):
+        model.velocity = original
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    model.velocity = velocity

@@ -1,5 +1,5 @@
-"""One short sync run under fire, checked by several tests: a rollout actor is killed, the reward
-model gives a NaN row, hangs past its timeout and crashes, and banked entries are overwritten
+"""One short sync run under fire, checked by several tests: a rollout actor is killed and later
+hangs past sampler.timeout_s, the reward model gives a NaN row, hangs past its timeout and crashes, and banked entries are overwritten
 with a pickle and with garbage. The bank is an external Redis URL with a password.
 
 Invariants: the run completes, versions stay continuous, every pushed group trains exactly once,
@@ -14,13 +14,14 @@ import pickle
 
 import fault_helpers
 import pytest
-from fault_helpers import FlakyFactory, Ledger, in_thread, tiny_cfg, when
+from fault_helpers import FlakyFactory, Ledger, hang_next_generate, in_thread, tiny_cfg, when
 from ray import cloudpickle
 
 from cluster.driver import Driver
 from cluster.run_dir import RunDir
 
-STEPS = 5
+STEPS = 6
+ROLLOUT_TIMEOUT_S = 30  # long enough for a restarted actor to import torch on a busy machine
 cloudpickle.register_pickle_by_value(fault_helpers)  # Ray workers cannot import tests/faults
 
 
@@ -33,7 +34,8 @@ def run(ray_session, redis_server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("faults")
     url = redis_server.url.get_secret_value()
-    cfg = tiny_cfg(tmp, "fire", f"bank.namespace=f{os.getpid()}", steps=STEPS)
+    cfg = tiny_cfg(tmp, "fire", f"bank.namespace=f{os.getpid()}", f"sampler.timeout_s={ROLLOUT_TIMEOUT_S}",
+                   steps=STEPS)
     cfg.bank.redis_url = SecretStr(url)
     run_dir = RunDir.create(cfg)
     # capture every log record of the run, whatever the handlers
@@ -75,6 +77,12 @@ def run(ray_session, redis_server, tmp_path_factory):
             when(lambda: driver.step > step, 120, 0.05)  # right after a step: the actor is generating
             out["killed_at"] = driver.step
             ray.kill(rollout, no_restart=False)
+            # one step later the restarted actor hangs on its next group, past sampler.timeout_s
+            if not when(lambda: driver.step > out["killed_at"] + 1, 300, 0.05):
+                return
+            ray.get(rollout.__ray_call__.remote(lambda self: hang_next_generate(self, 4 * ROLLOUT_TIMEOUT_S)),
+                    timeout=60)
+            out["hung_at"] = driver.step
 
         thread = in_thread(attack)
         driver.run()
@@ -118,6 +126,15 @@ def test_killed_rollout_actor_restarts_with_current_weights(run):
     # sync mode: every group, before and after the restart, was made by the current policy
     assert all(version == step for _, version, step in run["ledger"].pushed), run["ledger"].pushed
     assert all(r["staleness_max"] == 0 for r in _rows(run))
+
+
+def test_hung_rollout_actor_is_restarted_after_its_timeout(run):
+    assert "hung_at" in run, "the hang was never set up"
+    assert run["driver"].counts["rollout_timeouts"] == 1
+    assert _rows(run)[-1]["rollout_timeouts"] == 1
+    assert any("sampler.timeout_s" in r and "restarting" in r for r in run["records"])
+    # the restart was a real one: two restarts in all (the kill and the hang)
+    assert run["driver"].counts["actor_restarts"] == 2, [r for r in run["records"] if "rollout actor" in r]
 
 
 def test_reward_nan_hang_and_crash_are_retried_or_refilled(run):
