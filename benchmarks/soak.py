@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         queued = stats["fresh"] + stats["pending"]
         report = {
             "minutes": round(elapsed / 60, 2), "mode": cfg.train.mode, "steps": driver.step,
-            "kills": dict(kills), "actors_restarted": sum(kills.values()), "actor_failures_seen": driver.counts["actor_restarts"],
+            "kills": dict(kills), "actors_restarted": sum(kills.values()), "rollout_restarts_seen_by_driver": driver.counts["actor_restarts"],
             "groups_produced": len(pushed), "groups_trained": sum(trained.values()), "groups_queued": queued,
             "groups_lost": len(set(pushed) - set(trained)) - queued,
             "groups_duplicated": sum(n - 1 for n in trained.values() if n > 1) + len(pushed) - len(set(pushed)),
