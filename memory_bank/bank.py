@@ -391,7 +391,9 @@ class MemoryBank:
         out = []
         for i, eid in enumerate(good_ids):
             try:
-                e = codec.decode(raw[2 * i], raw[2 * i + 1])
+                # no copy: the blob is this call's own bytes, and pulled tensors are only read
+                # (the learner trains on what Ray serialises from them)
+                e = codec.decode(raw[2 * i], raw[2 * i + 1], copy=False)
                 if e.id != eid or e.trajectory.condition.id != cid:
                     raise CorruptEntry(f"id/condition {e.id}/{e.trajectory.condition.id!r} do not "
                                        f"match the index ({eid}/{cid!r})")

@@ -86,17 +86,20 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
     return meta, blob
 
 
-def decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
-    """Rebuild an entry from its hash fields and blob; raises only CorruptEntry."""
+def decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool = True) -> Entry:
+    """Rebuild an entry from its hash fields and blob; raises only CorruptEntry.
+
+    copy=False: the tensors view the blob (see tensorfile.loads); only for read-only use.
+    """
     try:
-        return _decode(meta, blob)
+        return _decode(meta, blob, copy)
     except CorruptEntry:
         raise
     except Exception as e:  # noqa: BLE001 — untrusted bytes: any other failure is corruption too
         raise CorruptEntry(f"undecodable entry: {type(e).__name__}: {e}") from e
 
 
-def _decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
+def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
     # 1. Metadata: text fields, all present, each parsed and range-checked.
     m = {_text(k, "field name"): _text(v, k) for k, v in meta.items()}
     missing = [f for f in REQUIRED if f not in m]
@@ -133,7 +136,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None) -> Entry:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptEntry("blob missing")
     try:
-        t = loads(blob)
+        t = loads(blob, copy=copy)
     except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
     extra, absent = set(t) - {*TENSORS, "image"}, set(TENSORS) - set(t)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -42,7 +43,9 @@ def dumps(tensors: dict[str, Tensor]) -> bytes:
     return b"".join([len(h).to_bytes(8, "little"), h, *parts])
 
 
-def loads(blob: bytes | bytearray | memoryview) -> dict[str, Tensor]:
+def loads(blob: bytes | bytearray | memoryview, copy: bool = True) -> dict[str, Tensor]:
+    """The tensors of a blob. With copy=False and an immutable `bytes` blob they view its memory
+    (and keep it alive): for a caller that owns the blob and only reads the tensors."""
     mv = memoryview(blob).cast("B")
     if len(mv) < 8:
         raise ValueError(f"blob of {len(mv)} bytes is shorter than the 8-byte header length")
@@ -79,14 +82,19 @@ def loads(blob: bytes | bytearray | memoryview) -> dict[str, Tensor]:
         end = stop
     if end != len(mv) - 8 - n:
         raise ValueError(f"data is {len(mv) - 8 - n} bytes, the header describes {end}")
-    buf = bytearray(mv[8 + n:])        # the one copy: writable memory the tensors own
+    if copy or not isinstance(blob, bytes):
+        buf = bytearray(mv[8 + n:])    # the one copy: writable memory the tensors own
+    else:
+        buf = mv[8 + n:]
     out = {}
     for begin, stop, name, dtype, shape in specs:
         if stop == begin:
             out[name] = torch.empty(shape, dtype=dtype)
         else:
-            out[name] = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape),
-                                         offset=begin).reshape(shape)
+            with warnings.catch_warnings():  # "not writable": copy=False is read-only by contract
+                warnings.simplefilter("ignore", UserWarning)
+                out[name] = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape),
+                                             offset=begin).reshape(shape)
     return out
 
 

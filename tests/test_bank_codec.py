@@ -172,6 +172,25 @@ def test_blob_format_is_safetensors_both_ways():
     assert torch.equal(got["a"], t["a"] + 1)
 
 
+def test_tensorfile_without_copy_views_the_blob_bytes():
+    import numpy as np
+
+    from memory_bank.tensorfile import dumps, loads
+
+    t = {"a": torch.randn(64, 8), "b": torch.arange(10, dtype=torch.int64)}
+    blob = dumps(t)
+    lo = np.frombuffer(blob, dtype=np.uint8).ctypes.data
+    viewed, copied = loads(blob, copy=False), loads(blob)
+    for name in t:
+        assert torch.equal(viewed[name], t[name]) and torch.equal(copied[name], t[name])
+        assert lo <= viewed[name].data_ptr() < lo + len(blob)            # no copy: inside the blob
+        assert not lo <= copied[name].data_ptr() < lo + len(blob)
+    # a mutable buffer is always copied: its owner could change it under the tensors
+    ba = bytearray(blob)
+    lo_ba = np.frombuffer(ba, dtype=np.uint8).ctypes.data
+    assert not lo_ba <= loads(ba, copy=False)["a"].data_ptr() < lo_ba + len(ba)
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda h: h.update(x={"dtype": "F32", "shape": [10**9], "data_offsets": [0, 4]}), "bytes for shape"),
     (lambda h: h["x"].update(dtype="Q8"), "unknown dtype"),
