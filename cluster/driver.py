@@ -28,6 +28,8 @@ import numpy as np
 
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
+from cluster.step_record import StepExporter, step_record
+from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import Condition, Group
@@ -48,30 +50,6 @@ def cursor_of(gid: str) -> int | None:
     return int(head[1:]) if head[:1] == "g" and head[1:].isdigit() else None
 
 
-class WeightRegistry:
-    """Where a restarted rollout actor finds the newest published weights (`latest()`)."""
-
-    def __init__(self):
-        self.record: dict | None = None
-
-    def set(self, version: int, boxed_ref: list) -> None:
-        # the ref comes boxed in a list so Ray hands over the ref, not a copy of the weights
-        self.record = {"version": version, "ref": boxed_ref[0]}
-
-    def latest(self) -> dict | None:
-        import ray
-
-        if self.record is None:
-            return None
-        return {"version": self.record["version"], "weights": ray.get(self.record["ref"]), "checksum": None}
-
-
-def _remote_registry():
-    import ray
-
-    return ray.remote(WeightRegistry)
-
-
 class StopRun(Exception):
     """Raised inside the loop when the run cannot go on (the reason is in the message)."""
 
@@ -88,8 +66,7 @@ class Driver:
         self.latest: tuple[int, Any] | None = None   # (version, payload ref) not yet published
         self.actor_version: list[int] = []
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
-        self.role_metrics: dict[str, Metrics] = {}
-        self.exported: dict[str, int] = {}
+        self.exporter = StepExporter(self.metrics, {})
         self.open: dict[int, str | None] = {}   # drawn, not yet trained: cursor -> pushed group id
         self.replay: list[int] = []             # cursors a resume draws again before new ones
         self.uncommitted: list[str] = []        # trained, but Redis was down for the commit
@@ -115,7 +92,8 @@ class Driver:
         # 1. Ray: join RAY_ADDRESS or start a local cluster that declares the role resources
         self.ray_handle = init_ray(cfg)
         self.metrics = Metrics.auto(role="driver", pool="driver")
-        self.role_metrics = {r: Metrics.auto(role=r, pool=r) for r in ("rollout", "reward", "learner")}
+        self.exporter = StepExporter(self.metrics, {r: Metrics.auto(role=r, pool=r)
+                                                    for r in ("rollout", "reward", "learner")})
         # 2. the memory bank: a configured Redis, or an embedded redis-server for this run
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
         # 3. pools: a placement group keeps the rollout pool's actors together
@@ -123,7 +101,7 @@ class Driver:
         self.rollout_pg = placement_group_for(cfg.pools.rollout, "rollout", n_roll)
         if self.rollout_pg is not None:
             ray.get(self.rollout_pg.ready(), timeout=300)
-        self.registry = _remote_registry().options(name=f"vgrpo-weights-{id(self):x}", num_cpus=0).remote()
+        self.registry = remote_registry().options(name=f"vgrpo-weights-{id(self):x}", num_cpus=0).remote()
         self.rollouts = [
             RolloutActor.options(**actor_options(cfg.pools.rollout, "rollout", **in_group(self.rollout_pg, i)))
             .remote(cfg, i, None, self.registry) for i in range(n_roll)]
@@ -528,55 +506,23 @@ class Driver:
         if error:
             raise error[0]
 
-    def _after_step(self, record: dict[str, Any], progress) -> None:
-        elapsed = time.monotonic() - self.t_start
-        record = {"step": self.step, "version": self.step, "time_s": round(elapsed, 3), **record}
-        record["videos_per_s"] = (self.counts["videos"] - self.videos_at_start) / max(elapsed, 1e-9)
-        for k in ("generate", "score", "train", "publish"):
-            record[f"time/{k}"] = round(self.timers[k], 3)
-        # idle ratio per role: the share of wall time it was not working for the loop
-        busy = {"rollout": self.timers["generate"], "reward": self.timers["score"], "learner": self.timers["train"]}
-        for role, t in busy.items():
-            record[f"idle/{role}"] = max(0.0, 1.0 - t / max(elapsed, 1e-9))
-        for k in ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts",
-                  "rollout_timeouts"):
-            record[k] = self.counts[k]
+    def _after_step(self, stats: dict[str, Any], progress) -> None:
         from memory_bank.errors import BankUnavailable
 
         try:  # the step is logged even when Redis just went away; the next bank call decides
             bank = self.bank.stats()
         except BankUnavailable:
-            bank = dict.fromkeys(("entries", "bytes", "fresh", "corrupt", "redis_latency_ms"), float("nan"))
-        record.update({"bank/entries": bank["entries"], "bank/bytes": bank["bytes"], "bank/fresh": bank["fresh"],
-                       "bank/corrupt": bank["corrupt"], "bank/redis_latency_ms": bank["redis_latency_ms"]})
+            bank = None
+        record = step_record(self.step, time.monotonic() - self.t_start, stats, self.counts, self.timers,
+                             self.videos_at_start, bank)
         self.run_dir.log(record)
-        self._export(record)
+        self.exporter.export(record, self.counts)
         if progress is not None:
             progress.update(record)
         if self.step % 5 == 0 or self.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
-
-    def _export(self, record: dict[str, Any]) -> None:
-        """Prometheus gauges and counters for this step (see docs/metrics.md)."""
-        m = self.metrics
-        m.record_stats(record)
-        m.inc("vgrpo_train_steps_total", 1)
-        for name, key in (("vgrpo_groups_trained_total", "groups_trained"), ("vgrpo_rollouts_total", "groups_produced"),
-                          ("vgrpo_videos_total", "videos"), ("vgrpo_actor_restarts_total", "actor_restarts")):
-            delta = self.counts[key] - self.exported.get(key, 0)
-            if delta:
-                m.inc(name, delta)
-            self.exported[key] = self.counts[key]
-        if record["bank/fresh"] == record["bank/fresh"]:  # NaN while Redis is unreachable
-            m.set("vgrpo_queue_depth", record["bank/fresh"], queue="fresh")
-            m.set("vgrpo_bank_entries", record["bank/entries"])
-            m.set("vgrpo_bank_bytes", record["bank/bytes"])
-            m.observe("vgrpo_redis_latency_seconds", record["bank/redis_latency_ms"] / 1000, op="stats")
-        m.observe("vgrpo_entry_staleness", record["staleness_max"])
-        for role in ("rollout", "reward", "learner"):
-            self.role_metrics[role].set("vgrpo_idle_ratio", record[f"idle/{role}"])
 
     def heads(self) -> list[str]:
         return [h for hs in self.rewards.head_names.values() for h in hs]
@@ -585,9 +531,7 @@ class Driver:
 
     def evaluate(self, label: str, gifs: int = 4):
         """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role."""
-        import ray
-
-        from cluster.evaluate import EvalResult
+        from cluster.evaluate import EvalResult, sample_pairs
         from cluster.media import write_gif
         from common.toyworld import eval_seeds
 
@@ -596,19 +540,7 @@ class Driver:
         seeds = eval_seeds(self.cfg.train.eval_seeds)
         pairs = [(p, s) for p in prompts for s in seeds]
         t0 = time.monotonic()
-        # the pairs are split over the rollout actors; each sample depends only on its own seed
-        n = len(self.rollouts)
-        chunks = [pairs[i::n] for i in range(n)]
-        refs = [a.sample_videos.remote([p for p, _ in c], [s for _, s in c])
-                for a, c in zip(self.rollouts, chunks, strict=True) if c]
-        parts = ray.get(refs)
-        frames = [None] * len(pairs)
-        for i, part in enumerate(parts):
-            for j, f in enumerate(part):
-                frames[i + j * n] = f
-        import torch
-
-        frames = torch.stack(frames)
+        frames = sample_pairs(self.rollouts, pairs)
         scores = self.rewards.score(frames, [p for p, _ in pairs], None)
         composite = self.rewards.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())

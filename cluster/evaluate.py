@@ -31,6 +31,25 @@ class EvalResult:
         return out
 
 
+def sample_pairs(rollouts: list, pairs: list[tuple[str, int]]):
+    """ODE videos for (prompt, seed) pairs, split over the rollout actors. uint8 [N, F, H, W, 3]
+
+    Each sample depends only on its own seed, so the split does not change the result.
+    """
+    import ray
+    import torch
+
+    n = len(rollouts)
+    chunks = [pairs[i::n] for i in range(n)]
+    refs = [a.sample_videos.remote([p for p, _ in c], [s for _, s in c])
+            for a, c in zip(rollouts, chunks, strict=True) if c]
+    frames = [None] * len(pairs)
+    for i, part in enumerate(ray.get(refs)):
+        for j, f in enumerate(part):
+            frames[i + j * n] = f
+    return torch.stack(frames)
+
+
 @dataclass
 class PairedDiff:
     key: str

@@ -1,0 +1,31 @@
+"""Where a restarted rollout actor finds the newest published weights.
+
+A named, zero-CPU Ray actor that holds only an object ref to the newest payload; the
+rollout actor's constructor asks it for `latest()` so a restart never trains on stale weights.
+"""
+
+from __future__ import annotations
+
+
+class WeightRegistry:
+    """Where a restarted rollout actor finds the newest published weights (`latest()`)."""
+
+    def __init__(self):
+        self.record: dict | None = None
+
+    def set(self, version: int, boxed_ref: list) -> None:
+        # the ref comes boxed in a list so Ray hands over the ref, not a copy of the weights
+        self.record = {"version": version, "ref": boxed_ref[0]}
+
+    def latest(self) -> dict | None:
+        import ray
+
+        if self.record is None:
+            return None
+        return {"version": self.record["version"], "weights": ray.get(self.record["ref"]), "checksum": None}
+
+
+def remote_registry():
+    import ray
+
+    return ray.remote(WeightRegistry)
