@@ -72,8 +72,12 @@ def test_redis_restart_with_aof_recovers_the_bank_and_the_run_goes_on(crashed_an
     out = crashed_and_resumed
     assert "after_restart" in out, "the restart never happened"
     before, after = out["before_restart"], out["after_restart"]
-    for k in ("pushed", "committed", "entries", "fresh", "bytes"):
-        assert after[k] == before[k], k                          # nothing lost across the restart
+    # The driver keeps running while the attack reads and restarts, so a group may be pushed or
+    # committed in between. Nothing is evicted in this run (bank.capacity 64 > all entries), so
+    # every one of these only grows; a server that lost its data would read less (or 0).
+    assert before["pushed"] > 0 and before["entries"] > 0
+    for k in ("pushed", "committed", "entries", "bytes"):
+        assert after[k] >= before[k], k                          # nothing lost across the restart
     assert out["killed_at"] >= out["restarted_at"] + 1          # and training went on after it
 
 
