@@ -5,8 +5,10 @@
 2. Weight sync: WeightPublisher seconds (object_store and collective, to two rollout actors on a
    local Ray) against a memcpy of the same bytes, for the full weights and for the LoRA adapter.
 
-The model is the tiny diffusers Wan pipeline (rollout_worker.models.tiny) loaded through the
-real Wan adapter from a temp dir, so the numbers are about overhead, not absolute speed.
+The step uses the tiny diffusers Wan pipeline (rollout_worker.models.tiny) loaded through the
+real Wan adapter from a temp dir, so its numbers are about overhead, not absolute speed. The
+sync uses a mid-size Wan transformer (4 layers, 8 heads × 64: 67 MB in fp32, LoRA r16 2 MB), so
+it measures bandwidth rather than Ray's fixed cost per call.
 `--gpu`: the small Wan 2.2 of benchmarks/gpu.py in bf16 on CUDA, 33 frames at 240×416, and
 the two rollout actors on the same GPU (0.4 GPU each).
 """
@@ -86,9 +88,38 @@ def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
     t_bare = _timed(bare, repeats)
     t_step = _timed(lambda: trainer.train_step(batch), repeats)
     return {"rows": rows.n, "step_s_per_sample": t_step / rows.n, "bare_fwd_bwd_s_per_sample": t_bare / rows.n,
-            "ratio": t_step / t_bare, "lora_payload": trainer.weights_payload(),
-            "full_payload": {k: v.detach().clone() for k, v in model.trainable_module().state_dict().items()
-                             if ".lora_" not in k}}
+            "ratio": t_step / t_bare}
+
+
+# the weight-sync benchmark's transformer on CPU: big enough that bytes, not calls, dominate
+MID_WAN = {"num_layers": 4, "num_attention_heads": 8, "attention_head_dim": 64, "ffn_dim": 2048}
+
+
+def save_mid_wan(path: str) -> str:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from rollout_worker.models.tiny import tiny_wan_components
+
+    comps = tiny_wan_components("t2v")
+    torch.manual_seed(0)
+    comps["transformer"] = WanTransformer3DModel(
+        patch_size=(1, 2, 2), in_channels=4, out_channels=4, text_dim=16, freq_dim=64, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **MID_WAN).eval()
+    WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **comps).save_pretrained(path)
+    return path
+
+
+def sync_payloads(path: str, quick: bool, gpu: bool, device: str) -> dict:
+    """The full transformer weights and the LoRA adapter the learner publishes, for the model in `path`."""
+    from learner.trainer import Trainer
+    from rollout_worker.models import build_model
+
+    cfg = _cfg(path, "lora", quick, gpu)
+    if not gpu:
+        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora_rank": 16})})
+    model = build_model(cfg, device)
+    full = {k: v.detach().clone() for k, v in model.trainable_module().state_dict().items()}
+    return {"full": full, "lora": Trainer(cfg, model, device=device).setup().weights_payload()}
 
 
 def _memcpy_s(state: dict, repeats: int) -> float:
@@ -104,6 +135,8 @@ def bench_sync(path: str, payloads: dict, quick: bool, gpu: bool = False) -> lis
     from rollout_worker.actor import create_rollout_actors
 
     cfg = _cfg(path, "lora", quick, gpu)
+    if not gpu:  # the same rank as sync_payloads: the actors hold the adapter the payload fills
+        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora_rank": 16})})
     ray.init(num_cpus=2, num_gpus=1 if gpu else 0, resources={"rollout": 2}, include_dashboard=False,
              log_to_driver=False)
     try:
@@ -137,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
+    from benchmarks.gpu import save_wan22_small
     from rollout_worker.models.tiny import tiny_wan_components
 
     device = "cpu"
@@ -146,8 +180,6 @@ def main(argv: list[str] | None = None) -> None:
         device = str(require_cuda())
     with tempfile.TemporaryDirectory() as path:
         if args.gpu:
-            from benchmarks.gpu import save_wan22_small
-
             save_wan22_small(path)
         else:
             WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v")).save_pretrained(path)
@@ -158,10 +190,17 @@ def main(argv: list[str] | None = None) -> None:
               f"2 groups x G={cfg.sampler.group_size}, LoRA r={cfg.optim.lora_rank}, micro-batch {cfg.optim.micro_batch}, "
               f"KL {cfg.kl.strategy}; weight sync to 2 rollout actors on a local Ray")
         step = bench_step(path, args.quick, device)
-        payloads = {"lora": step.pop("lora_payload"), "full": step.pop("full_payload")}
         print(json.dumps({"step": step}, indent=2))
+    with tempfile.TemporaryDirectory() as path:
+        if not args.gpu:
+            save_mid_wan(path)
+            print(f"weight sync: Wan transformer {MID_WAN} in float32 on cpu; LoRA r=16")
+        else:
+            save_wan22_small(path)
+        payloads = sync_payloads(path, args.quick, args.gpu, device)
         for row in bench_sync(path, payloads, args.quick, args.gpu):
             row["ratio"] = row["sync_s"] / max(row["memcpy_s"], 1e-9)
+            row["sync_mb_s"] = row["bytes"] / 2**20 / row["sync_s"]
             print(json.dumps(row))
 
 
