@@ -65,7 +65,6 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
               for i, m in enumerate(grp.members)] for grp in groups]
     nbytes = sum(len(b) for b in blobs[0])       # bytes per group, as stored
     t = {"push": [], "pull": [], "commit": [], "set": [], "get": []}
-    keys = [f"{ns}:raw:{i}" for i in range(g)]
 
     def bank_round(it: int) -> dict[str, float]:
         grp = groups[it % len(groups)]
@@ -84,7 +83,9 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
         return {"push": t1 - t0, "pull": t2 - t1, "commit": t3 - t2}
 
     def raw_round(it: int) -> dict[str, float]:
-        # the same bytes, pipelined per group like the bank does
+        # the same bytes under new keys, pipelined per group like the bank does; like the bank's
+        # commit evicting the group before last, the previous round's keys are deleted, untimed
+        keys = [f"{ns}:raw:{it}:{i}" for i in range(g)]
         pipe = client.pipeline(transaction=False)
         for k, b in zip(keys, blobs[it % len(groups)], strict=True):
             pipe.set(k, b)
@@ -97,6 +98,7 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
         got = pipe.execute()
         t6 = time.perf_counter()
         assert sum(len(b) for b in got) == nbytes
+        client.delete(*[f"{ns}:raw:{it - 1}:{i}" for i in range(g)])
         return {"set": t5 - t4, "get": t6 - t5}
 
     try:
@@ -109,6 +111,8 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
                     t[name].append(dt)
     finally:
         bank.clear()
+        for k in client.scan_iter(f"{ns}:raw:*"):
+            client.delete(k)
     mb = nbytes / 2**20
     bank_mbs = 2 * mb * iters / (sum(t["push"]) + sum(t["pull"]))
     raw_mbs = 2 * mb * iters / (sum(t["set"]) + sum(t["get"]))
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             server.stop()
     where = "$REDIS_URL" if url else "an embedded redis-server on loopback"
     print(f"config: groups of {args.members} members, entry sizes {[mb for mb, _ in plan]} MB, "
-          f"iterations {[n for _, n in plan]} after {WARMUP} warm-up, bank and raw alternating which goes first, against {where}; raw = SET+GET of the same encoded bytes")
+          f"iterations {[n for _, n in plan]} after {WARMUP} warm-up, bank and raw alternating which goes first, against {where}; raw = SET+GET of the same encoded bytes under new keys")
     print(f"{'entry':>8} {'bank MB/s':>10} {'raw MB/s':>10} {'ratio':>6} "
           f"{'push p50/p99 ms':>16} {'pull p50/p99 ms':>16} {'set p50/p99':>12} "
           f"{'get p50/p99':>12} {'commit p50':>10}")
