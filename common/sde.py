@@ -268,10 +268,14 @@ def _bcast(t: Tensor, like: Tensor) -> Tensor:
 
 
 def sample_step(scheme: Scheme, x: Tensor, v: Tensor, sigma, sigma_next,
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Draw x' = μ + std·z. Returns (x' [B, ...] fp32, μ [B, ...], std [B] or scalar)."""
+                generator: torch.Generator | None = None, std: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw x' = μ + std·z. Returns (x' [B, ...] fp32, μ [B, ...], std [B] or scalar).
+
+    `std`: scheme.std(σ, σ') when the caller has it already (the sampler checks it first).
+    """
     mu = scheme.mean(x, v, sigma, sigma_next)
-    std = scheme.std(sigma, sigma_next).to(mu.device)
+    std = (scheme.std(sigma, sigma_next) if std is None else std).to(mu.device)
     z = torch.randn(mu.shape, generator=generator, dtype=torch.float32, device="cpu").to(mu.device)
     return mu + _bcast(std, mu) * z, mu, std
 

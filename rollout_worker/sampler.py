@@ -101,8 +101,9 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
         step_scheme = scheme if k in trained_set or (k < ode_from and scfg.untrained_steps == "scheme") \
             else ODE()
         v = _velocity(model, x, sigma, cond)  # [G, C, F, H, W], CFG inside
-        if _has_noise(step_scheme, sigma, sigma_next):
-            x_next, mu, std = sample_step(step_scheme, x, v, sigma, sigma_next, generator=gen)
+        std = step_scheme.std(sigma, sigma_next)
+        if float(std) > 0:
+            x_next, mu, std = sample_step(step_scheme, x, v, sigma, sigma_next, generator=gen, std=std)
         else:
             x_next = mu = step_scheme.mean(x, v, sigma, sigma_next)
         x_next = _round(x_next, store)
