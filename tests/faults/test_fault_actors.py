@@ -77,8 +77,9 @@ def run(ray_session, redis_server, tmp_path_factory):
             when(lambda: driver.step > step, 120, 0.05)  # right after a step: the actor is generating
             out["killed_at"] = driver.step
             ray.kill(rollout, no_restart=False)
-            # one step later the restarted actor hangs on its next group, past sampler.timeout_s
-            if not when(lambda: driver.step > out["killed_at"] + 1, 300, 0.05):
+            # once that step is done the restarted actor hangs on its next group, past
+            # sampler.timeout_s (two steps, four groups, are left for it to hit)
+            if not when(lambda: driver.step > out["killed_at"], 300, 0.05):
                 return
             ray.get(rollout.__ray_call__.remote(lambda self: hang_next_generate(self, 4 * ROLLOUT_TIMEOUT_S)),
                     timeout=60)
