@@ -109,14 +109,20 @@ def save_mid_wan(path: str) -> str:
     return path
 
 
+def _sync_cfg(path: str, quick: bool, gpu: bool) -> RunConfig:
+    """The weight-sync config: on CPU the mid-size model's LoRA is r16 (the payload and the actors agree)."""
+    cfg = _cfg(path, "lora", quick, gpu)
+    if not gpu:
+        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora_rank": 16})})
+    return cfg
+
+
 def sync_payloads(path: str, quick: bool, gpu: bool, device: str) -> dict:
     """The full transformer weights and the LoRA adapter the learner publishes, for the model in `path`."""
     from learner.trainer import Trainer
     from rollout_worker.models import build_model
 
-    cfg = _cfg(path, "lora", quick, gpu)
-    if not gpu:
-        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora_rank": 16})})
+    cfg = _sync_cfg(path, quick, gpu)
     model = build_model(cfg, device)
     full = {k: v.detach().clone() for k, v in model.trainable_module().state_dict().items()}
     return {"full": full, "lora": Trainer(cfg, model, device=device).setup().weights_payload()}
@@ -134,9 +140,7 @@ def bench_sync(path: str, payloads: dict, quick: bool, gpu: bool = False) -> lis
     from learner.weight_sync import WeightPublisher
     from rollout_worker.actor import create_rollout_actors
 
-    cfg = _cfg(path, "lora", quick, gpu)
-    if not gpu:  # the same rank as sync_payloads: the actors hold the adapter the payload fills
-        cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lora_rank": 16})})
+    cfg = _sync_cfg(path, quick, gpu)  # the actors hold the adapter the payload fills
     ray.init(num_cpus=2, num_gpus=1 if gpu else 0, resources={"rollout": 2}, include_dashboard=False,
              log_to_driver=False)
     try:
