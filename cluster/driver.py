@@ -71,7 +71,6 @@ class Driver:
         self.replay: list[int] = []             # cursors a resume draws again before new ones
         self.uncommitted: list[str] = []        # trained, but Redis was down for the commit
         self.failed_in_row = 0
-        self.bank_outage_s = cfg.bank.outage_s
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
 
@@ -293,17 +292,17 @@ class Driver:
         return self.bank.pull(n, version)
 
     def _bank(self, what: str, fn, *args, **kw):
-        """A bank call retried with backoff while Redis is unreachable, for up to bank_outage_s."""
+        """A bank call retried with backoff while Redis is unreachable, for up to bank.outage_s."""
         from memory_bank.errors import BankUnavailable
 
-        deadline, delay = time.monotonic() + self.bank_outage_s, 0.25
+        deadline, delay = time.monotonic() + self.cfg.bank.outage_s, 0.25
         while True:
             try:
                 return fn(*args, **kw)
             except BankUnavailable as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StopRun(f"memory bank unreachable for {self.bank_outage_s:.0f}s during {what} "
+                    raise StopRun(f"memory bank unreachable for {self.cfg.bank.outage_s:.0f}s during {what} "
                                   f"({e}); stopping") from None
                 self.metrics.inc("vgrpo_errors_total", 1, kind="redis_unreachable")
                 log.warning("%s; retrying %s in %.1fs (%.0fs left)", e, what, min(delay, left), left)

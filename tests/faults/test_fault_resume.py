@@ -104,10 +104,9 @@ def test_killed_learner_resumes_at_the_checkpoint_with_bank_and_kl_state(crashed
 
 
 def test_redis_unreachable_stops_cleanly_with_a_checkpoint(ray_session, tmp_path):
-    cfg = tiny_cfg(tmp_path, "down", steps=20)
+    cfg = tiny_cfg(tmp_path, "down", "bank.outage_s=4", steps=20)
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
-    driver.bank_outage_s = 4.0
     try:
         driver.setup()
         gone = {}
@@ -125,7 +124,7 @@ def test_redis_unreachable_stops_cleanly_with_a_checkpoint(ray_session, tmp_path
         driver.teardown()
     assert "t" in gone
     assert stopped - gone["t"] < 60                              # bounded backoff, no hang
-    assert driver.stop_reason and "unreachable" in driver.stop_reason and "redis" in driver.stop_reason.lower()
+    assert driver.stop_reason and "unreachable for 4s" in driver.stop_reason and "redis" in driver.stop_reason.lower()
     assert driver.step < 20 and ckpt is not None and ckpt.name == f"step_{driver.step:08d}"
     assert json.loads((ckpt / "extra.json").read_text())["bank"] is None
     assert _steps(run_dir) == list(range(1, driver.step + 1))
