@@ -1,26 +1,34 @@
-"""The one controller loop: generate → score → store → train → publish.
+"""The control plane: which group is drawn next, when the learner steps, which weights are current.
 
-`sync` runs the stages in turn. `async` runs generate → score → store in a producer thread
-that stays at most `train.max_staleness` versions ahead of the learner: it pauses when ahead
-(samples are never dropped) and respects the bank's backpressure. Before a rollout actor
-generates again it holds the newest published version.
+The driver moves no rollout data (docs/architecture.md). Each rollout actor generates a group,
+scores it with the reward pool and pushes it into the Redis bank itself; the driver gets a
+`GroupReceipt`. The learner's rank 0 pulls the batch from the bank and commits it itself; the
+driver gets a `PullReceipt` (ids and versions) and the step's scalars. Weights go from the
+learner to the rollout actors by object reference.
 
-Roles never call each other; only this module wires them.
+Dispatch is continuous: each rollout actor gets its next group as soon as it delivers one.
+`sync` makes exactly the step's groups at the current version, then trains. `async` keeps at
+most `train.max_staleness` steps of groups (queued or in flight) ahead of the learner, and
+dispatches only while the bank has room; it never drops a sample.
 
-Failures. A rollout or reward actor that dies is restarted by Ray and its work is refilled;
-Redis outages are retried with backoff for `bank.outage_s`, then the run stops cleanly; a dead
-learner or a weight-sync timeout stops the run with one clear line (`stop_reason`). Every group
-drawn from the prompt stream is tracked in `open` (cursor -> group id) until it is trained, so
-a checkpoint records exactly which groups a resume must keep in the bank or draw again.
+Failures. A rollout or reward actor that dies is restarted by Ray; a group that fails (actor
+death, `sampler.timeout_s`, reward failure or an invalid reward, a corrupt fresh group the
+bank drops) is drawn again from the same cursor, so the prompt stream does not change. Redis
+outages are retried with backoff for `bank.outage_s`, then the run stops cleanly; a dead
+learner or a weight-sync timeout stops the run with one clear line (`stop_reason`). Every
+group drawn from the prompt stream is tracked in `open` (cursor -> group id) until it is
+trained, so a checkpoint records exactly which groups a resume must keep in the bank or draw again.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +40,19 @@ from cluster.step_record import StepExporter, step_record
 from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
-from common.types import Condition, Group
+from common.types import Condition, GroupReceipt, PullReceipt
 
 log = logging.getLogger("vgrpo.driver")
 
 SEED_SPACE = 1_000_000  # training seeds stay below the toy world's evaluation seeds
 MAX_FAILED_IN_ROW = 12  # groups failing one after another (dead actor, broken reward): stop
+POLL_S = 0.5            # the longest the producer sleeps between looks at its actors
 
 
-def group_id(cursor: int, version: int) -> str:
-    """Group ids carry the prompt-stream cursor they were drawn at (see cursor_of)."""
-    return f"g{cursor:07d}-v{version}"
+def group_id(cursor: int, version: int, attempt: int = 0) -> str:
+    """Group ids carry the prompt-stream cursor they were drawn at (see cursor_of); a group
+    drawn again after a failure gets an attempt suffix, so no two pushes share an id."""
+    return f"g{cursor:07d}-v{version}" + (f"-a{attempt}" if attempt else "")
 
 
 def cursor_of(gid: str) -> int | None:
@@ -50,29 +60,49 @@ def cursor_of(gid: str) -> int | None:
     return int(head[1:]) if head[:1] == "g" and head[1:].isdigit() else None
 
 
+@dataclass
+class Flight:
+    """One group on its way through a rollout actor: weights, then stage, then deliver."""
+
+    cursor: int
+    gid: str
+    stage: Any                      # ObjectRef of the stage call
+    deliver: Any                    # ObjectRef of the deliver call (submitted with it)
+    sync: Any = None                # ObjectRef of a set_weights call before it, or None
+    sync_version: int = -1
+    deadline: float = 0.0           # of the phase now running
+    staged: bool = False
+
+
 class StopRun(Exception):
     """Raised inside the loop when the run cannot go on (the reason is in the message)."""
 
 
 class Driver:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, console=None):
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, console=None, reward_factory=None):
         self.cfg, self.run_dir, self.console = cfg, run_dir, console
+        self.reward_factory = reward_factory  # tests: a reward model that misbehaves on purpose
         self.step = 0                 # optimizer steps done == the learner's policy version
         self.cursor = 0               # groups drawn from the prompt stream so far
         self.stop_requested = threading.Event()
         self.timers: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.lock = threading.Lock()
-        self.latest: tuple[int, Any] | None = None   # (version, payload ref) not yet published
+        self.latest: dict | None = None    # object store: {"version", "box": [ref], "checksum"}
+        self.published = 0                 # newest version the rollout actors may load
         self.actor_version: list[int] = []
+        self.busy: dict[int, Flight] = {}  # rollout actor index -> its group in flight
+        self.receipts: deque[GroupReceipt] = deque(maxlen=100_000)  # what the actors reported
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {})
         self.open: dict[int, str | None] = {}   # drawn, not yet trained: cursor -> pushed group id
-        self.replay: list[int] = []             # cursors a resume draws again before new ones
+        self.replay: list[int] = []             # cursors drawn again before new ones
+        self.attempts: dict[int, int] = defaultdict(int)  # cursor -> times it failed in this run
         self.uncommitted: list[str] = []        # trained, but Redis was down for the commit
         self.failed_in_row = 0
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
+        self._secret_dir: Path | None = None
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
@@ -82,6 +112,7 @@ class Driver:
         from cluster.pools import actor_options, in_group, init_ray, placement_group_for
         from learner.actor import LearnerGroup
         from memory_bank.connect import connect_bank
+        from memory_bank.ref import make_ref
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
 
@@ -93,9 +124,16 @@ class Driver:
         self.metrics = Metrics.auto(role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {r: Metrics.auto(role=r, pool=r)
                                                     for r in ("rollout", "reward", "learner")})
-        # 2. the memory bank: a configured Redis, or an embedded redis-server for this run
+        # 2. the memory bank: a configured Redis, or an embedded redis-server for this run. The
+        #    driver's own connection does bookkeeping only; actors get the URL by reference.
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
-        # 3. pools: a placement group keeps the rollout pool's actors together
+        self.bank_ref, self._secret_dir = make_ref(cfg.bank, self._bank_url())
+        # actors get the config without the URL: Ray keeps actor arguments in its control store
+        self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
+        # 3. pools: the reward pool first (rollout actors score with it), then the rollout pool
+        reward_actors = create_reward_actors(cfg.rewards.models, cfg.pools.reward, self.reward_factory)
+        self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models),
+                                                            cfg.rewards.models, strict=True)))
         n_roll = max(1, cfg.pools.rollout.num_actors)
         self.rollout_pg = placement_group_for(cfg.pools.rollout, "rollout", n_roll)
         if self.rollout_pg is not None:
@@ -103,16 +141,22 @@ class Driver:
         self.registry = remote_registry().options(name=f"vgrpo-weights-{id(self):x}", num_cpus=0).remote()
         self.rollouts = [
             RolloutActor.options(**actor_options(cfg.pools.rollout, "rollout", **in_group(self.rollout_pg, i)))
-            .remote(cfg, i, None, self.registry) for i in range(n_roll)]
+            .remote(self.actor_cfg, i, None, self.registry, reward_actors, self.bank_ref) for i in range(n_roll)]
         self.actor_version = [0] * n_roll
-        reward_actors = create_reward_actors(cfg.rewards.models, cfg.pools.reward)
-        self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models),
-                                                            cfg.rewards.models, strict=True)))
-        self.learner = LearnerGroup(cfg)
+        self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref)
         # 4. resume, or start from version 0 (every role built the same base weights)
         if resume is not None:
             self._restore(resume)
         ray.get([a.ping.remote() for a in self.rollouts], timeout=600)
+
+    def _bank_url(self) -> str:
+        import os
+
+        if self.redis is not None:
+            return self.redis.url.get_secret_value()
+        if self.cfg.bank.redis_url is not None:
+            return self.cfg.bank.redis_url.get_secret_value()
+        return os.environ[self.cfg.bank.redis_url_env]
 
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), step, data cursor, counters,
@@ -137,27 +181,23 @@ class Driver:
         self.counts["groups_produced"] = self.counts["groups_trained"] + len(queued)
         self.counts["groups_pulled"] = self.counts["groups_trained"]  # pending groups were requeued
         self.run_dir.truncate_metrics(self.step)
-        self._publish_now(self.step)
+        self.publish()
         self.note(f"resumed from {ckpt} at step {self.step}: {len(queued)} groups queued, "
                   f"{len(self.replay)} drawn again")
 
     def _finish_commit(self, gids: list[str]) -> None:
         """Groups the saved learner already trained, whose commit Redis missed: commit them now."""
-        if not gids:
-            return
-        from common.types import TrainBatch
+        if gids:
+            n = self._bank("commit", self.learner.commit_ids, gids, self.step)
+            self.note(f"committed {n} groups trained before the last stop")
 
-        batch = self.bank.pull(len(gids), self.step)
-        keep = [i for i, g in enumerate(batch.fresh) if g.group_id in set(gids)]
-        self.bank.commit(TrainBatch(fresh=[batch.fresh[i] for i in keep],
-                                    bank=[batch.bank[i] for i in keep], version=self.step), self.step)
-        self.bank.requeue_pending()  # anything else pulled goes back
-        self.note(f"committed {len(keep)} groups trained before the last stop")
-
-    # --- 2. stages ---------------------------------------------------------------------------
+    # --- 2. the prompt stream ----------------------------------------------------------------
 
     def next_condition(self) -> tuple[Condition, int, int]:
-        """The prompt stream: an epoch-wise permutation of the prompts, a seed per group, the cursor."""
+        """The prompt stream: an epoch-wise permutation of the prompts, a seed per group, the cursor.
+
+        A cursor drawn again after a failure keeps its condition; its seed changes with the
+        attempt, so a failure the seed caused is not repeated."""
         with self.lock:
             if self.replay:
                 n = self.replay.pop(0)
@@ -165,72 +205,151 @@ class Driver:
                 n = self.cursor
                 self.cursor += 1
             self.open[n] = None
+            attempt = self.attempts[n]
         epoch, i = divmod(n, len(self.conditions))
         order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.conditions))
-        seed = int(np.random.default_rng([self.cfg.train.seed, 7, n]).integers(SEED_SPACE))
+        key = [self.cfg.train.seed, 7, n] + ([attempt] if attempt else [])
+        seed = int(np.random.default_rng(key).integers(SEED_SPACE))
         return self.conditions[order[i]], seed, n
 
     def _abandon(self, n: int) -> None:
-        """A drawn group that failed before it was stored: the stream refills it with a new cursor."""
+        """A drawn group that failed before it was stored: its cursor is drawn again next."""
         with self.lock:
-            self.open.pop(n, None)
+            self.open[n] = None
+            self.attempts[n] += 1
+            if n not in self.replay:
+                self.replay.insert(0, n)
         self.failed_in_row += 1
         if self.failed_in_row >= MAX_FAILED_IN_ROW:
             raise StopRun(f"{self.failed_in_row} groups in a row failed to generate or score; "
                           "see the log for each failure")
 
-    def generate_round(self, n: int) -> list[Group]:
-        """Up to n groups, one per rollout actor at a time, scored and stored; failed groups refilled."""
+    # --- 3. the producer: dispatch groups, collect receipts -----------------------------------
+
+    def _dispatch(self, i: int) -> None:
+        """Give rollout actor i its next group (its weights first when it is behind)."""
+        actor = self.rollouts[i]
+        sync, sync_version = None, -1
+        latest = self.latest
+        if latest is not None and self.actor_version[i] < latest["version"]:
+            # by reference: the actor maps the packed payload from the object store
+            sync = actor.set_weights.remote(latest["box"][0], latest["version"], latest["checksum"])
+            sync_version = latest["version"]
+        cond, seed, cursor = self.next_condition()
+        version = sync_version if sync is not None else max(self.actor_version[i], 0)
+        gid = group_id(cursor, version, self.attempts[cursor])
+        now = time.monotonic()
+        self.busy[i] = Flight(cursor, gid, actor.stage.remote(cond, seed, gid, cursor), actor.deliver.remote(gid),
+                              sync, sync_version,
+                              now + (self.cfg.weight_sync.timeout_s if sync is not None else self.cfg.sampler.timeout_s))
+
+    def _deliver_budget(self) -> float:
+        """The longest scoring and storing may take: every reward try, plus a Redis outage."""
+        tries = max(m.timeout_s * (m.retries + 1) for m in self.cfg.rewards.models)
+        return tries + self.cfg.bank.outage_s + 30.0
+
+    def _collect(self, timeout: float) -> list[GroupReceipt]:
+        """Wait up to `timeout` for the next event of any group in flight; handle what arrived."""
         import ray
 
-        stored: list[Group] = []
-        while len(stored) < n and not self.stop_requested.is_set():
-            self._publish_pending()
-            calls = {}
-            for i, actor in enumerate(self.rollouts[: n - len(stored)]):
-                cond, seed, cursor = self.next_condition()
-                gid = group_id(cursor, self.actor_version[i])
-                calls[actor.generate.remote(cond, seed, gid)] = (i, cursor)
-            t0 = time.monotonic()
-            deadline = t0 + self.cfg.sampler.timeout_s
-            pending = list(calls)
-            while pending:
-                # score each group as soon as its actor returns it
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    self._on_rollout_timeout([calls[r] for r in pending])
-                    break
-                ref = ready[0]
-                i, cursor = calls[ref]
-                try:
-                    group = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    self._on_rollout_failure(i, e)
-                    self._abandon(cursor)
-                    continue
-                if not pending:
-                    self.timers["generate"] += time.monotonic() - t0
-                if self._score_and_store(group):
-                    with self.lock:
-                        self.open[cursor] = group.group_id
-                    self.failed_in_row = 0
-                    stored.append(group)
-                else:
-                    self._abandon(cursor)
-        return stored
+        if not self.busy:
+            return []
+        refs = {}
+        for i, f in self.busy.items():
+            ref = f.sync if f.sync is not None else (f.deliver if f.staged else f.stage)
+            refs[ref] = i
+        nearest = min(f.deadline for f in self.busy.values())
+        wait = max(0.0, min(timeout, nearest - time.monotonic()))
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=wait)
+        got: list[GroupReceipt] = []
+        for ref in ready:
+            rec = self._on_event(refs[ref], ref)
+            if rec is not None:
+                got.append(rec)
+        now = time.monotonic()
+        for i, f in list(self.busy.items()):
+            if f.deadline <= now and self.busy.get(i) is f:
+                self._on_late(i, f)
+        return got
 
-    def _on_rollout_timeout(self, late: list[tuple[int, int]]) -> None:
-        """Rollout actors past sampler.timeout_s (a hung device, a stuck kernel): restart them."""
+    def _on_event(self, i: int, ref) -> GroupReceipt | None:
         import ray
 
-        for i, cursor in late:
-            self.counts["rollout_timeouts"] += 1
-            self.metrics.inc("vgrpo_errors_total", 1, kind="rollout_timeout")
-            self.note(f"rollout actor {i} did not return a group within {self.cfg.sampler.timeout_s:.0f}s "
-                      "(sampler.timeout_s); restarting it")
-            ray.kill(self.rollouts[i], no_restart=False)  # Ray starts a fresh process
-            self._on_rollout_failure(i, TimeoutError("sampler.timeout_s"))
-            self._abandon(cursor)
+        f = self.busy[i]
+        now = time.monotonic()
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            del self.busy[i]
+            self._on_rollout_failure(i, e)
+            self._abandon(f.cursor)
+            return None
+        except ray.exceptions.RayTaskError as e:
+            del self.busy[i]
+            cause = getattr(e, "cause", None) or e
+            if ref is f.sync:  # a checksum mismatch or a payload the model cannot load: no retry helps
+                self._learner_check()
+                raise StopRun(f"weight sync of version {f.sync_version} failed on rollout actor {i}: "
+                              f"{cause}") from None
+            self.note(f"rollout actor {i}: group {f.gid} failed ({type(cause).__name__}: "
+                      f"{str(cause).splitlines()[0] if str(cause) else ''}); drawing it again")
+            self._abandon(f.cursor)
+            return None
+        if ref is f.sync:
+            self.actor_version[i] = f.sync_version
+            f.sync, f.deadline = None, now + self.cfg.sampler.timeout_s
+            return None
+        if not f.staged:
+            f.staged, f.deadline = True, now + self._deliver_budget()
+            self.actor_version[i] = max(self.actor_version[i], int(out["version"]))
+            return None
+        del self.busy[i]
+        self._on_receipt(out)
+        return out
+
+    def _on_late(self, i: int, f: Flight) -> None:
+        if f.sync is not None:
+            timeout = self.cfg.weight_sync.timeout_s
+            raise StopRun(f"weight sync of version {f.sync_version} timed out: rollout actor {i} did not "
+                          f"answer within {timeout}s (weight_sync.timeout_s)")
+        del self.busy[i]
+        self._on_rollout_timeout(i, f.cursor, "generate" if not f.staged else "score and store")
+
+    def _on_receipt(self, rec: GroupReceipt) -> None:
+        self.receipts.append(rec)
+        with self.lock:
+            for k in ("generate", "score", "store"):
+                self.timers[k] += rec.seconds.get(k, 0.0)
+            self.counts["reward_timeouts"] += rec.reward_timeouts
+            self.counts["reward_failures"] += rec.reward_failures
+        if rec.ok:
+            with self.lock:
+                self.open[rec.cursor] = rec.group_id
+                self.counts["groups_produced"] += 1
+                self.counts["videos"] += rec.size
+            self.failed_in_row = 0
+            return
+        if rec.failure == "bank_unavailable":
+            raise StopRun(f"{rec.detail}; stopping")
+        self.counts["groups_refilled"] += 1
+        if rec.failure == "invalid":
+            self.counts["invalid_members"] += rec.invalid_members
+            self.metrics.inc("vgrpo_invalid_rewards_total", rec.invalid_members, head="any")
+        self.note(f"group {rec.group_id} not stored ({rec.failure}: {rec.detail}); drawing it again")
+        self._abandon(rec.cursor)
+
+    def _on_rollout_timeout(self, i: int, cursor: int, phase: str) -> None:
+        """A rollout actor past its deadline (a hung device, a stuck kernel): restart it."""
+        import ray
+
+        self.counts["rollout_timeouts"] += 1
+        self.metrics.inc("vgrpo_errors_total", 1, kind="rollout_timeout")
+        limit = (f"within {self.cfg.sampler.timeout_s:.0f}s (sampler.timeout_s)" if phase == "generate"
+                 else "in time (rewards.models[].timeout_s and retries, bank.outage_s)")
+        self.note(f"rollout actor {i} did not {phase} its group {limit}; restarting it")
+        ray.kill(self.rollouts[i], no_restart=False)  # Ray starts a fresh process
+        self._on_rollout_failure(i, TimeoutError(phase))
+        self._abandon(cursor)
 
     def _on_rollout_failure(self, i: int, err: Exception) -> None:
         """A rollout actor died: Ray restarts it; it gets the current weights before it generates."""
@@ -239,176 +358,176 @@ class Driver:
             self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
         else:  # calls to an actor that is still restarting fail at once (ActorUnavailableError)
             log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
-        self.actor_version[i] = -1  # forces a publish to it before its next group
+        self.actor_version[i] = -1  # forces the weights to it before its next group
         # while Ray restarts it, calls fail at once: back off instead of burning refills
         time.sleep(min(0.25 * (self.failed_in_row + 1), 5.0))
 
-    def _score_and_store(self, group: Group) -> bool:
-        """Score and push one group; False when it must be refilled (nothing of it is stored)."""
-        from reward_worker.actor import RewardFailed, RewardTimeout
-
-        t0 = time.monotonic()
-        try:
-            scores = self.rewards.score(group.frames(), [group.condition.prompt] * group.size,
-                                        None if group.condition.image is None else
-                                        group.condition.image.unsqueeze(0).expand(group.size, -1, -1, -1))
-        except (RewardFailed, RewardTimeout) as e:
-            self.counts["groups_refilled"] += 1
-            self.note(f"reward failed for group {group.group_id} ({e}); refilling")
+    def _may_dispatch(self, ahead: int | None) -> bool:
+        """async: room in the staleness window (queued + in flight) and in the bank."""
+        if ahead is None:
+            return True
+        gps = self.cfg.train.groups_per_step
+        if self.published < self.step:  # the step's weights are not out yet
             return False
-        finally:
-            self.timers["score"] += time.monotonic() - t0
-        if not bool(scores.valid.all()):
-            self.counts["groups_refilled"] += 1
-            self.counts["invalid_members"] += int((~scores.valid).sum())
-            self.metrics.inc("vgrpo_invalid_rewards_total", int((~scores.valid).sum()), head="any")
-            return False  # a group with an invalid member is refilled, never half-trained
-        group.scores = scores
-        group.composite = self.rewards.composite(scores)
+        waiting = self.counts["groups_produced"] - self.counts["groups_pulled"] + len(self.busy)
+        return waiting < ahead * gps and self._bank("has_space", self.bank.has_space)
+
+    def generate_round(self, n: int) -> list[GroupReceipt]:
+        """sync: n groups stored at the current version, each actor fed as soon as it is free."""
+        stored: list[GroupReceipt] = []
+        while len(stored) < n and not self.stop_requested.is_set():
+            for i in range(len(self.rollouts)):
+                if i not in self.busy and len(stored) + len(self.busy) < n:
+                    if not self._bank("has_space", self.bank.has_space):
+                        self._wait_for_space()
+                    self._dispatch(i)
+            stored += [r for r in self._collect(POLL_S) if r.ok]
+        return stored
+
+    def _wait_for_space(self) -> None:
         t0 = time.monotonic()
         while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0):
             if self.stop_requested.is_set():
-                return False
-        self._bank("push_group", self._push, group)
-        self.timers["store"] += time.monotonic() - t0
-        self.counts["groups_produced"] += 1
-        self.counts["videos"] += group.size
-        return True
-
-    def _push(self, group: Group) -> None:
-        from memory_bank.errors import DuplicateGroup
-
-        try:
-            self.bank.push_group(group)
-        except DuplicateGroup:
-            if not getattr(self, "_pushing_again", False):
-                raise
-            # a retry after a dropped connection: the first try got through
-        finally:
-            self._pushing_again = False
-
-    def _pull(self, n: int, version: int):
-        self.bank.requeue_pending()  # a pull whose answer was lost left its groups pending
-        return self.bank.pull(n, version)
+                return
+            log.warning("bank holds %d of bank.max_bytes=%d bytes for %.0fs: waiting for the learner",
+                        self.bank.bytes_used(), self.cfg.bank.max_bytes, time.monotonic() - t0)
 
     def _bank(self, what: str, fn, *args, **kw):
-        """A bank call retried with backoff while Redis is unreachable, for up to bank.outage_s."""
+        """A bank call (here or on the learner) retried with backoff while Redis is unreachable,
+        for up to bank.outage_s."""
+        import ray
+
         from memory_bank.errors import BankUnavailable
 
         deadline, delay = time.monotonic() + self.cfg.bank.outage_s, 0.25
         while True:
             try:
                 return fn(*args, **kw)
-            except BankUnavailable as e:
+            except (BankUnavailable, ray.exceptions.RayTaskError) as e:
+                cause = e if isinstance(e, BankUnavailable) else getattr(e, "cause", None)
+                if not isinstance(cause, BankUnavailable):
+                    raise
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StopRun(f"memory bank unreachable for {self.cfg.bank.outage_s:.0f}s during {what} "
-                                  f"({e}); stopping") from None
+                                  f"({str(cause).splitlines()[0]}); stopping") from None
                 self.metrics.inc("vgrpo_errors_total", 1, kind="redis_unreachable")
-                log.warning("%s; retrying %s in %.1fs (%.0fs left)", e, what, min(delay, left), left)
+                log.warning("%s; retrying %s in %.1fs (%.0fs left)", cause, what, min(delay, left), left)
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 5.0)
-                self._pushing_again = what == "push_group"
 
-    def train(self) -> dict[str, float]:
-        """Pull fresh groups (plus bank entries of their conditions), take one optimizer step."""
+    # --- 4. the learner ----------------------------------------------------------------------
+
+    def train(self) -> dict[str, float] | None:
+        """Rank 0 pulls fresh groups (plus bank entries of their conditions), every rank takes one
+        optimizer step, rank 0 commits. None when the bank dropped a corrupt fresh group: its
+        cursor is drawn again and nothing is trained until the step's groups are all there."""
         import ray
 
         t0 = time.monotonic()
-        batch = self._bank("pull", self._pull, self.cfg.train.groups_per_step, self.step)
-        if not batch.fresh:
-            raise StopRun("the bank returned no fresh groups to train on")
-        self.counts["groups_pulled"] += len(batch.fresh)
+        gps = self.cfg.train.groups_per_step
         try:
-            stats = self.learner.train_step(batch)
+            pulled: PullReceipt = self._bank("pull", self.learner.pull, gps, self.step)
+            if pulled.dropped:
+                self._refill_dropped(pulled.dropped)
+                return None
+            if not pulled.group_ids:
+                raise StopRun("the bank returned no fresh groups to train on")
+            with self.lock:
+                self.counts["groups_pulled"] += len(pulled.group_ids)
+            stats = self.learner.train_pulled(pulled)
         except ray.exceptions.RayActorError as e:
             self.learner_lost = True  # its pulled groups stay pending; a resume requeues them
             raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
                           f"with: vgrpo resume {self.run_dir.path}") from None
         with self.lock:
-            for g in batch.fresh:
-                self.open.pop(cursor_of(g.group_id), None)
-        self.counts["groups_trained"] += len(batch.fresh)
-        staleness = [self.step - g.policy_version for g in batch.fresh]
+            for g in pulled.group_ids:
+                self.open.pop(cursor_of(g), None)
+            self.counts["groups_trained"] += len(pulled.group_ids)
+        staleness = [self.step - v for v in pulled.versions]
         self.step += 1
         try:
-            self._bank("commit", self.bank.commit, batch, self.step)
+            self._bank("commit", self.learner.commit, self.step)
         except StopRun:
-            self.uncommitted = [g.group_id for g in batch.fresh]  # the checkpoint commits them on resume
+            self.uncommitted = list(pulled.group_ids)  # the checkpoint commits them on resume
             raise
+        except ray.exceptions.RayActorError as e:
+            self.learner_lost = True
+            raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
+                          f"with: vgrpo resume {self.run_dir.path}") from None
         self.timers["train"] += time.monotonic() - t0
         values = dict(stats.values)
         values["staleness_mean"] = float(np.mean(staleness))
         values["staleness_max"] = float(np.max(staleness))
-        values["bank_entries_used"] = float(sum(len(b) for b in batch.bank))
-        rewards = np.stack([g.composite.numpy() for g in batch.fresh])
-        values["reward_mean"] = float(rewards.mean())
-        for h_i, h in enumerate(batch.fresh[0].scores.heads):
-            values[f"reward/{h}"] = float(np.mean([g.scores.values[:, h_i].mean().item() for g in batch.fresh]))
+        values["bank_entries_used"] = float(pulled.bank_entries)
+        values["reward_mean"] = pulled.reward_mean
+        for h, v in pulled.head_means.items():
+            values[f"reward/{h}"] = v
         return values
 
+    def _refill_dropped(self, gids: list[str]) -> None:
+        """Fresh groups the bank dropped as corrupt: no longer queued; their cursors are drawn again."""
+        with self.lock:
+            for g in gids:
+                n = cursor_of(g)
+                self.counts["groups_produced"] -= 1
+                self.counts["groups_dropped"] += 1
+                if n is not None:
+                    self.open[n] = None
+                    self.attempts[n] += 1
+                    if n not in self.replay:
+                        self.replay.insert(0, n)
+        self.note(f"the bank dropped {len(gids)} corrupt fresh group(s) ({', '.join(gids)}); "
+                  "drawing their conditions again")
+
     def publish(self) -> None:
-        """Make the learner's newest weights the version rollout actors load before generating again."""
-        if self.cfg.weight_sync.transport == "object_store":
-            ref = self.learner.weights_payload_ref()  # stays in the object store; no copy here
-            self.registry.set.remote(self.step, [ref])
-        else:
-            ref = None
-        with self.lock:
-            self.latest = (self.step, ref)
-
-    def _publish_pending(self) -> None:
-        """Called by the producer between rounds, when the rollout actors are idle."""
-        with self.lock:
-            latest = self.latest
-        if latest is not None and any(v < latest[0] for v in self.actor_version):
-            self._publish_now(*latest)
-
-    def _publish_now(self, version: int, ref=None) -> None:
+        """Make the learner's newest weights the version rollout actors load before their next group."""
         import ray
 
         t0 = time.monotonic()
         if self.cfg.weight_sync.transport == "object_store":
-            if ref is None:
-                ref = self.learner.weights_payload_ref()
-                self.registry.set.remote(version, [ref])
-            checksum = None
-            if self.cfg.weight_sync.checksum:
-                from common.weights import checksum as digest
-
-                checksum = digest(ray.get(ref))
-            calls = [a.set_weights.remote(ref, version, checksum) for a in self.rollouts]
-            timeout = self.cfg.weight_sync.timeout_s
-            _, late = ray.wait(calls, num_returns=len(calls), timeout=timeout)
-            if late:
-                who = ", ".join(f"rollout actor {calls.index(c)}" for c in late)
-                raise StopRun(f"weight sync of version {version} timed out: {who} did not answer "
-                              f"within {timeout}s (weight_sync.timeout_s)")
-            held = []
-            for i, c in enumerate(calls):
-                try:
-                    ray.get(c)
-                    held.append(version)
-                except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
-                    self._on_rollout_failure(i, e)
-                    held.append(-1)
-                except ray.exceptions.RayTaskError as e:
-                    self._learner_check()
-                    raise StopRun(f"weight sync of version {version} failed on rollout actor {i}: "
-                                  f"{e.cause if getattr(e, 'cause', None) else e}") from None
-            self.actor_version = held
+            record = self.learner.weights_record(self.cfg.weight_sync.checksum)
+            record["version"] = self.step
+            self.registry.set.remote(self.step, record["box"])  # a restarted actor's source
+            with self.lock:
+                self.latest = record
         else:
             try:
                 self.learner.publish(self.rollouts)
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self._learner_check()
-                raise StopRun(f"weight sync of version {version} failed: {type(cause).__name__}: "
+                raise StopRun(f"weight sync of version {self.step} failed: {type(cause).__name__}: "
                               f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
-            self.actor_version = [version] * len(self.rollouts)
+            self.actor_version = [self.step] * len(self.rollouts)
+        self.published = self.step
         seconds = time.monotonic() - t0
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
+
+    def _sync_idle_actors(self) -> None:
+        """Every rollout actor holds the newest version (before an evaluation; actors are idle)."""
+        import ray
+
+        while self.busy:
+            self._collect(POLL_S)
+        latest = self.latest
+        if latest is None:
+            return
+        calls = {i: self.rollouts[i].set_weights.remote(latest["box"][0], latest["version"], latest["checksum"])
+                 for i, v in enumerate(self.actor_version) if v < latest["version"]}
+        timeout = self.cfg.weight_sync.timeout_s
+        _, late = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
+        if late:
+            who = ", ".join(f"rollout actor {i}" for i, c in calls.items() if c in late)
+            raise StopRun(f"weight sync of version {latest['version']} timed out: {who} did not answer "
+                          f"within {timeout}s (weight_sync.timeout_s)")
+        for i, c in calls.items():
+            try:
+                ray.get(c)
+                self.actor_version[i] = latest["version"]
+            except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
+                self._on_rollout_failure(i, e)
 
     def _learner_check(self) -> None:
         """Mark the learner lost when its ranks no longer answer (no checkpoint can be written)."""
@@ -419,7 +538,7 @@ class Driver:
         except Exception:
             self.learner_lost = True
 
-    # --- 3. the loops ------------------------------------------------------------------------
+    # --- 5. the loops ------------------------------------------------------------------------
 
     def run(self, progress=None) -> None:
         self.t_start = time.monotonic()
@@ -453,29 +572,35 @@ class Driver:
             self.generate_round(max(0, gps - queued))
             if self.stop_requested.is_set():
                 break
-            self._after_step(self.train(), progress)
+            record = self.train()
+            if record is None:
+                continue  # a corrupt group was dropped: make its replacement first
             self.publish()
-            self._publish_pending()
+            self._after_step(record, progress)
 
     def _run_async(self, progress) -> None:
         gps, ahead = self.cfg.train.groups_per_step, max(1, self.cfg.train.max_staleness)
         error: list[BaseException] = []
         produced = threading.Condition()
+        done = threading.Event()
 
         def producer() -> None:
             try:
-                while not self.stop_requested.is_set():
-                    with produced:
-                        # stay at most `ahead` steps of groups in front of the learner; groups the
-                        # learner has pulled no longer count, so the next ones are made meanwhile
-                        while (self.counts["groups_produced"] - self.counts["groups_pulled"] >= ahead * gps
-                               and not self.stop_requested.is_set()):
-                            produced.wait(timeout=0.5)
-                    if self.stop_requested.is_set():
-                        break
-                    self.generate_round(min(gps, len(self.rollouts)))
-                    with produced:
-                        produced.notify_all()
+                while not done.is_set():
+                    for i in range(len(self.rollouts)):
+                        if i not in self.busy and not done.is_set() and self._may_dispatch(ahead):
+                            self._dispatch(i)
+                    if not self.busy:
+                        with produced:
+                            produced.wait(timeout=POLL_S)
+                        continue
+                    if self._collect(POLL_S):
+                        with produced:
+                            produced.notify_all()
+                # the run is over: let the groups in flight land, so `open` and the counts are exact
+                deadline = time.monotonic() + (0 if self.stop_requested.is_set() else 120)
+                while self.busy and time.monotonic() < deadline:
+                    self._collect(POLL_S)
             except BaseException as e:  # surfaced in the main thread
                 error.append(e)
                 self.stop_requested.set()
@@ -489,16 +614,18 @@ class Driver:
                 with produced:
                     while (self.counts["groups_produced"] - self.counts["groups_pulled"] < gps
                            and not self.stop_requested.is_set()):
-                        produced.wait(timeout=0.5)
+                        produced.wait(timeout=POLL_S)
                 if self.stop_requested.is_set():
                     break
                 record = self.train()
+                if record is None:
+                    continue
+                self.publish()
                 with produced:
                     produced.notify_all()
                 self._after_step(record, progress)
-                self.publish()
         finally:
-            self.stop_requested.set()
+            done.set()
             with produced:
                 produced.notify_all()
             thread.join(timeout=600)
@@ -526,15 +653,17 @@ class Driver:
     def heads(self) -> list[str]:
         return [h for hs in self.rewards.head_names.values() for h in hs]
 
-    # --- 4. evaluation ------------------------------------------------------------------------
+    # --- 6. evaluation ------------------------------------------------------------------------
 
     def evaluate(self, label: str, gifs: int = 4):
-        """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role."""
+        """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role.
+
+        The one place frames reach the driver: a handful of evaluation videos, for the GIFs."""
         from cluster.evaluate import EvalResult, sample_pairs
         from cluster.media import write_gif
         from common.toyworld import eval_seeds
 
-        self._publish_pending()
+        self._sync_idle_actors()
         prompts = [c.prompt for c in load_prompts(self.cfg.train.eval_prompts)]
         seeds = eval_seeds(self.cfg.train.eval_seeds)
         pairs = [(p, s) for p in prompts for s in seeds]
@@ -550,13 +679,11 @@ class Driver:
                   f"composite {composite.mean():.3f}")
         return result
 
-    # --- 5. checkpoints and teardown ---------------------------------------------------------
+    # --- 7. checkpoints and teardown ---------------------------------------------------------
 
     def checkpoint(self) -> Path | None:
         """Learner state plus what a resume needs: step, cursor, open groups, counters, the bank's
         watermark. None when the learner is gone (the last checkpoint stands)."""
-        from safetensors.torch import save_file
-
         from memory_bank.errors import BankUnavailable
 
         if self.learner_lost:
@@ -572,8 +699,8 @@ class Driver:
             self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
-        payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
-        save_file(payload, str(path / "policy.safetensors"))
+        # (written by the learner's rank 0: the weights do not pass through the driver)
+        self.learner.save_policy(path / "policy.safetensors")
         self.note(f"checkpoint written: {path}")
         return path
 
@@ -595,6 +722,8 @@ class Driver:
             remove_placement_group(self.rollout_pg)
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
         if getattr(self, "ray_handle", None) is not None:
             self.ray_handle.shutdown()
 

@@ -2,6 +2,7 @@
 
 A named, zero-CPU Ray actor that holds only an object ref to the newest payload; the
 rollout actor's constructor asks it for `latest()` so a restart never trains on stale weights.
+It hands out the ref, never the bytes: the actor reads the payload from the object store.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ class WeightRegistry:
         self.record = {"version": version, "ref": boxed_ref[0]}
 
     def latest(self) -> dict | None:
-        import ray
-
         if self.record is None:
             return None
-        return {"version": self.record["version"], "weights": ray.get(self.record["ref"]), "checksum": None}
+        # the ref inside a dict travels as a ref; the caller resolves it from the object store
+        return {"version": self.record["version"], "weights": self.record["ref"], "checksum": None}
 
 
 def remote_registry():

@@ -126,3 +126,49 @@ class TrainStats:
 
     def __getitem__(self, k: str) -> float:
         return self.values[k]
+
+
+@dataclass
+class GroupReceipt:
+    """What a rollout actor tells the driver about one group it generated, scored and pushed.
+
+    The group itself went from the rollout actor to the reward pool and into the bank; the
+    driver only ever sees this record (a few hundred bytes), whatever the video size.
+    """
+
+    group_id: str
+    condition_id: str
+    cursor: int                    # the prompt-stream position the group was drawn at
+    version: int                   # policy version that generated it
+    actor: int = -1                # rollout actor index
+    size: int = 0                  # G members pushed
+    latent_bytes: int = 0          # bytes of the stored trajectories (what went into the bank)
+    frame_bytes: int = 0           # bytes of the decoded videos (what went to the reward pool)
+    invalid_members: int = 0       # members with a non-finite reward (the group is then not pushed)
+    reward_timeouts: int = 0       # reward calls retried after a timeout, on another actor
+    reward_failures: int = 0       # reward calls retried after an error or a dead actor
+    seconds: dict[str, float] = field(default_factory=dict)  # generate / score / store
+    ok: bool = True
+    failure: str | None = None     # reward | invalid | bank_unavailable | bank_full | error
+    detail: str = ""               # one line: why it failed
+
+
+@dataclass
+class PullReceipt:
+    """What the learner's rank 0 tells the driver about the batch it pulled from the bank.
+
+    `dropped` lists fresh groups the bank found corrupt and dropped on the way out; when it is
+    not empty the batch was given back to the queue and nothing is trained (the driver draws
+    those conditions again first). `box` is [object ref of the TrainBatch] for the other ranks
+    (None with one rank): the driver passes it on and never reads it.
+    """
+
+    group_ids: list[str] = field(default_factory=list)
+    condition_ids: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)          # policy version of each fresh group
+    heads: list[str] = field(default_factory=list)
+    reward_mean: float = float("nan")                          # composite, over fresh members
+    head_means: dict[str, float] = field(default_factory=dict)
+    bank_entries: int = 0
+    dropped: list[str] = field(default_factory=list)
+    box: list | None = None

@@ -1,6 +1,11 @@
 """The learner role on Ray: N `LearnerRank` actors in one torch.distributed group, each with a
 Trainer over an FSDP2-sharded model, driven through one `LearnerGroup` handle.
 
+Data plane. Rank 0 holds its own bank connection (a `BankRef`): it pulls the step's batch,
+shares it with the other ranks through the object store (one `ray.put`; the driver passes
+the ref on without reading it), and commits it after the step. The driver sends only counts
+and versions and gets a `PullReceipt` and the step's scalars back.
+
 With one rank there is no process group and no sharding: that is the single-process
 reference path (the same Trainer), which the distributed path is tested against.
 """
@@ -20,7 +25,7 @@ from torch import Tensor
 
 from common.actors import kill_and_wait
 from common.config import RunConfig
-from common.types import TrainBatch, TrainStats
+from common.types import PullReceipt, TrainBatch, TrainStats
 from learner import dist_checkpoint, fsdp
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher
@@ -59,8 +64,11 @@ def _shard_trainer(trainer: Trainer, mesh) -> None:
 class LearnerRank:
     """One data-parallel rank: a Trainer over this rank's shard of the model."""
 
-    def __init__(self, cfg: dict, rank: int, world_size: int, model_factory: ModelFactory | None = None):
+    def __init__(self, cfg: dict, rank: int, world_size: int, model_factory: ModelFactory | None = None,
+                 bank: Any = None):
         self.cfg = RunConfig.model_validate(cfg)
+        self._bank_ref, self._bank = bank, None
+        self._batch: TrainBatch | None = None   # rank 0: pulled, not yet committed
         torch.set_num_threads(self.cfg.pools.learner.torch_threads)
         self.rank, self.world_size = rank, world_size
         self.model_factory = model_factory
@@ -100,6 +108,64 @@ class LearnerRank:
         stats = self.trainer.train_step(batch, rank=self.rank, world_size=self.world_size, reduce=reduce)
         return stats.values
 
+    # --- the data plane (rank 0 talks to the bank) ----------------------------------------
+
+    def _open_bank(self):
+        if self._bank is None:
+            if self._bank_ref is None:
+                raise RuntimeError("learner rank 0 was created without a bank reference")
+            self._bank = self._bank_ref.open()
+        return self._bank
+
+    def pull(self, n: int, version: int) -> PullReceipt:
+        """Rank 0: up to n fresh groups with their bank entries, kept here until commit."""
+        bank = self._open_bank()
+        bank.requeue_pending()  # a pull whose answer was lost left its groups pending
+        bank.dropped_ids = []
+        batch = bank.pull(n, version)
+        dropped = list(bank.dropped_ids)
+        if dropped:  # corrupt fresh groups were dropped: give the rest back, the driver refills first
+            bank.requeue_pending()
+            return PullReceipt(dropped=dropped)
+        self._batch = batch
+        out = PullReceipt(group_ids=[g.group_id for g in batch.fresh],
+                          condition_ids=[g.condition.id for g in batch.fresh],
+                          versions=[g.policy_version for g in batch.fresh],
+                          bank_entries=sum(len(b) for b in batch.bank))
+        if batch.fresh:
+            out.heads = list(batch.fresh[0].scores.heads)
+            out.reward_mean = float(torch.cat([g.composite for g in batch.fresh]).float().mean())
+            out.head_means = {h: float(torch.stack([g.scores.values[:, i].mean() for g in batch.fresh]).mean())
+                              for i, h in enumerate(out.heads)}
+            if self.world_size > 1:
+                out.box = [ray.put(batch)]  # one copy in the object store, read by the other ranks
+        return out
+
+    def train_pulled(self, box: list | None) -> dict[str, float]:
+        """Train on the batch rank 0 pulled (rank 0 reads its own copy; others the object store)."""
+        batch = self._batch if self.rank == 0 else ray.get(box[0])
+        if batch is None:
+            raise RuntimeError("train_pulled before pull")
+        return self.train_step(batch)
+
+    def commit(self, step: int) -> int:
+        """Rank 0: commit the pulled batch after the optimizer step; returns groups committed."""
+        if self._batch is None:
+            return 0
+        self._open_bank().commit(self._batch, step)
+        n, self._batch = len(self._batch.fresh), None
+        return n
+
+    def commit_ids(self, gids: list[str], step: int) -> int:
+        """Rank 0, on resume: commit groups the saved learner trained but Redis missed."""
+        bank = self._open_bank()
+        batch = bank.pull(len(gids), step)
+        keep = [i for i, g in enumerate(batch.fresh) if g.group_id in set(gids)]
+        bank.commit(TrainBatch(fresh=[batch.fresh[i] for i in keep],
+                               bank=[batch.bank[i] for i in keep], version=step), step)
+        bank.requeue_pending()  # anything else pulled goes back
+        return len(keep)
+
     def _sum(self, t: Tensor) -> Tensor:
         out = t.to(self.device).clone()
         dist.all_reduce(out)
@@ -112,6 +178,29 @@ class LearnerRank:
         names = self.trainer.weights_payload().keys()  # local view: only the names are used
         full = fsdp.full_state_dict(self.trainer.policy.module, names)
         return full if self.rank == 0 else None
+
+    def weights_record(self, with_checksum: bool) -> dict | None:
+        """Rank 0: the payload packed into the object store (one put, numpy buffers), as
+        {"box": [ref], "checksum": str | None}; None elsewhere. Collective."""
+        from rollout_worker.weight_receiver import pack
+
+        payload = self.weights_payload()
+        if payload is None:
+            return None
+        digest = None
+        if with_checksum:
+            from common.weights import checksum
+
+            digest = checksum(payload)
+        return {"box": [ray.put(pack(payload))], "checksum": digest}
+
+    def save_policy(self, path: str) -> None:
+        """Write the published weights as safetensors (rank 0; every rank joins the gather)."""
+        payload = self.weights_payload()
+        if payload is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in payload.items()}, path)
 
     def publish(self, actors: list | None, names: list[str] | None = None) -> PublishReport | None:
         """Gather the payload (all ranks) and push it from rank 0 to `actors`."""
@@ -151,7 +240,7 @@ class LearnerGroup:
     """Driver-side handle: starts the ranks, forms their group, and fans each verb out."""
 
     def __init__(self, cfg: RunConfig, model_factory: ModelFactory | None = None,
-                 num_ranks: int | None = None, setup_timeout_s: float = 600.0):
+                 num_ranks: int | None = None, setup_timeout_s: float = 600.0, bank: Any = None):
         pool = cfg.pools.learner
         n = num_ranks if num_ranks is not None else pool.num_actors
         if n < 1:
@@ -163,7 +252,7 @@ class LearnerGroup:
             num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={"learner": 1},
             max_restarts=0, max_task_retries=0)
         cfg_data = cfg.model_dump(mode="python")
-        self.ranks = [remote.remote(cfg_data, r, n, model_factory) for r in range(n)]
+        self.ranks = [remote.remote(cfg_data, r, n, model_factory, bank if r == 0 else None) for r in range(n)]
         addr, port = ray.get(self.ranks[0].address.remote(), timeout=setup_timeout_s)
         try:
             self._version = ray.get([r.setup.remote(addr, port) for r in self.ranks],
@@ -181,6 +270,29 @@ class LearnerGroup:
         stats = self._all("train_step", ref)[0]  # batch-wide: the ranks all-reduce them
         self._version = int(stats["version"])
         return TrainStats(stats)
+
+    def pull(self, n: int, version: int) -> PullReceipt:
+        """Rank 0 pulls the batch from the bank; the driver gets ids and versions only."""
+        return ray.get(self.ranks[0].pull.remote(n, version))
+
+    def train_pulled(self, receipt: PullReceipt) -> TrainStats:
+        """One optimizer step on the batch rank 0 pulled."""
+        stats = self._all("train_pulled", receipt.box)[0]
+        self._version = int(stats["version"])
+        return TrainStats(stats)
+
+    def commit(self, step: int) -> int:
+        return ray.get(self.ranks[0].commit.remote(step))
+
+    def commit_ids(self, gids: list[str], step: int) -> int:
+        return ray.get(self.ranks[0].commit_ids.remote(gids, step))
+
+    def weights_record(self, with_checksum: bool = False) -> dict:
+        """{"box": [ref of the packed payload], "checksum"}: the payload stays in the object store."""
+        return self._all("weights_record", with_checksum)[0]
+
+    def save_policy(self, path: str | Path) -> None:
+        self._all("save_policy", str(path))
 
     def weights_payload(self) -> dict[str, Tensor]:
         return self._all("weights_payload")[0]

@@ -57,6 +57,7 @@ class MemoryBank:
         self.cfg = cfg
         self.keys = Keys(cfg.namespace)
         self.scripts = Scripts(client)
+        self.dropped_ids: list[str] = []  # fresh groups dropped as corrupt by pull, for the caller to refill
 
     def __repr__(self) -> str:  # never shows the connection (its URL holds the password)
         c = self.cfg
@@ -414,6 +415,7 @@ class MemoryBank:
 
     def _drop_group(self, gid: str) -> None:
         """A pulled group with nothing usable: out of pending into the capped dead list."""
+        self.dropped_ids.append(gid)
         k = self.keys
         out = self.scripts.commit(
             keys=[k.pending, k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts, k.dead,

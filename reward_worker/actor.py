@@ -1,10 +1,11 @@
-"""The reward role: one Ray actor per reward model, and the caller's client that fans out to them.
+"""The reward role: a pool of Ray actors per reward model, and the caller's client that fans out to them.
 
 `RewardActor.score` batches up to `batch_size` videos per model call and turns a row with any
 non-finite head into an all-NaN row, counted in `invalid_count()`: such a member never reaches
-the loss. `RewardClient.score` asks every model at once, waits with a per-call timeout,
-retries a bounded number of times, and raises RewardTimeout / RewardFailed so the driver
-can refill the group.
+the loss. `RewardClient.score` asks every model at once (the least busy replica of each),
+waits with a per-call timeout, retries a bounded number of times on another replica, and
+raises RewardTimeout / RewardFailed so the group is drawn again. Rollout actors hold their
+own client: frames go from the rollout actor to the reward actors, never through the driver.
 """
 
 from __future__ import annotations
@@ -97,33 +98,61 @@ def actor_names(cfgs: list[RewardModelConfig]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}{names[:i].count(n)}" for i, n in enumerate(names)]
 
 
-def create_reward_actors(cfgs: list[RewardModelConfig], pool: PoolConfig) -> dict[str, object]:
-    return {n: create_reward_actor(c, pool) for n, c in zip(actor_names(cfgs), cfgs, strict=True)}
+def create_reward_actors(cfgs: list[RewardModelConfig], pool: PoolConfig,
+                         factory: ModelFactory | None = None) -> dict[str, list]:
+    """`pools.reward.num_actors` actors (at least one) per reward model, by model name."""
+    n = max(1, pool.num_actors)
+    return {name: [create_reward_actor(c, pool, factory) for _ in range(n)]
+            for name, c in zip(actor_names(cfgs), cfgs, strict=True)}
 
 
 class RewardClient:
     """The caller's side: fans a batch out to every reward model and merges their heads.
 
+    Each model has a pool of one or more identical actors. A call goes to the replica with the
+    fewest calls in flight from this client, starting at `offset` (each rollout actor starts
+    at its own index, so N callers spread over M replicas); a try that times out or fails is
+    retried on the next replica, so one slow or dead actor does not stall the model.
+
     A head name that two models share is reported as `model/head`; `weights` maps the merged
     names to each model's configured head weights for `Scores.composite`.
     """
 
-    def __init__(self, actors_by_model: dict[str, object], cfgs: dict[str, RewardModelConfig],
-                 startup_timeout_s: float = 900.0):
+    def __init__(self, actors_by_model: dict[str, object | list], cfgs: dict[str, RewardModelConfig],
+                 startup_timeout_s: float = 900.0, offset: int = 0):
         import ray
 
         if set(actors_by_model) != set(cfgs):
             raise ValueError(f"actors {sorted(actors_by_model)} and configs {sorted(cfgs)} name different models")
-        self.actors, self.cfgs = dict(actors_by_model), dict(cfgs)
+        self.pool = {m: list(a) if isinstance(a, list | tuple) else [a] for m, a in actors_by_model.items()}
+        if any(not a for a in self.pool.values()):
+            raise ValueError("every reward model needs at least one actor (pools.reward.num_actors)")
+        self.cfgs = dict(cfgs)
+        # every replica, flat (teardown, fault injection): model name, then model#i for replicas
+        self.actors = {(m if i == 0 else f"{m}#{i}"): a for m, acts in self.pool.items() for i, a in enumerate(acts)}
+        self._next = {m: offset % len(acts) for m, acts in self.pool.items()}
+        self._busy = {m: [0] * len(acts) for m, acts in self.pool.items()}
         # The first call waits for the actors to load their models (minutes for a 7B VLM).
-        raw = dict(zip(self.actors, ray.get([a.heads.remote() for a in self.actors.values()],
-                                           timeout=startup_timeout_s), strict=True))
+        firsts = {m: acts[0] for m, acts in self.pool.items()}
+        raw = dict(zip(firsts, ray.get([a.heads.remote() for a in firsts.values()],
+                                       timeout=startup_timeout_s), strict=True))
         every = [h for hs in raw.values() for h in hs]
         self.head_names = {m: [h if every.count(h) == 1 else f"{m}/{h}" for h in hs] for m, hs in raw.items()}
         self.weights = {merged: self.cfgs[m].weights.get(h, 1.0)
                         for m, hs in raw.items() for h, merged in zip(hs, self.head_names[m], strict=True)}
-        self.timeouts = dict.fromkeys(self.actors, 0)
-        self.failures = dict.fromkeys(self.actors, 0)
+        self.timeouts = dict.fromkeys(self.pool, 0)
+        self.failures = dict.fromkeys(self.pool, 0)
+
+    def _pick(self, m: str, avoid: int | None) -> int:
+        """The replica with the fewest calls in flight, round-robin among equals, not `avoid`."""
+        n = len(self.pool[m])
+        start = self._next[m]
+        order = [(start + k) % n for k in range(n)]
+        if avoid is not None and n > 1:
+            order.remove(avoid)
+        i = min(order, key=lambda j: self._busy[m][j])
+        self._next[m] = (i + 1) % n
+        return i
 
     def score(self, frames: Tensor, prompts: list[str], images: Tensor | None = None) -> Scores:
         """Scores of every model side by side, [B, Σ heads]; raises RewardTimeout / RewardFailed."""
@@ -132,42 +161,52 @@ class RewardClient:
         frames_ref = ray.put(frames)                 # one copy shared by every model and retry
         images_ref = None if images is None else ray.put(images)
 
-        def submit(m: str, attempt: int):
-            ref = self.actors[m].score.remote(frames_ref, list(prompts), images_ref)
-            return ref, time.monotonic() + self.cfgs[m].timeout_s, attempt
+        def submit(m: str, attempt: int, avoid: int | None = None):
+            i = self._pick(m, avoid)
+            self._busy[m][i] += 1
+            ref = self.pool[m][i].score.remote(frames_ref, list(prompts), images_ref)
+            return ref, time.monotonic() + self.cfgs[m].timeout_s, attempt, i
 
-        pending = {m: submit(m, 0) for m in self.actors}
+        pending = {m: submit(m, 0) for m in self.pool}
         results: dict[str, Scores] = {}
-        while pending:
-            nearest = min(d for _, d, _ in pending.values())
-            by_ref = {ref: m for m, (ref, _, _) in pending.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, nearest - time.monotonic()))
-            for ref in ready:
-                m = by_ref[ref]
-                try:
-                    results[m] = ray.get(ref)
-                    del pending[m]
-                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                    self.failures[m] += 1
-                    cause = getattr(e, "cause", None) or e          # the scorer's own exception
-                    pending[m] = self._retry(m, pending[m][2], submit, RewardFailed(
-                        f"reward model {m!r} failed on all {pending[m][2] + 1} tries: "
-                        f"{type(cause).__name__}: {cause}"))
-            now = time.monotonic()
-            for m, (ref, deadline, attempt) in list(pending.items()):
-                if m not in results and deadline <= now and ref not in ready:
-                    self.timeouts[m] += 1
-                    ray.cancel(ref)                  # best effort: a running call may not stop
-                    pending[m] = self._retry(m, attempt, submit, RewardTimeout(
-                        f"reward model {m!r} gave no answer within {self.cfgs[m].timeout_s}s "
-                        f"on all {attempt + 1} tries (rewards.models[].timeout_s, retries)"))
-        return Scores.merge([Scores(self.head_names[m], results[m].values) for m in self.actors])
+        try:
+            while pending:
+                nearest = min(d for _, d, _, _ in pending.values())
+                by_ref = {ref: m for m, (ref, _, _, _) in pending.items()}
+                ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(0.0, nearest - time.monotonic()))
+                for ref in ready:
+                    m = by_ref[ref]
+                    _, _, attempt, i = pending[m]
+                    self._busy[m][i] -= 1
+                    try:
+                        results[m] = ray.get(ref)
+                        del pending[m]
+                    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                        self.failures[m] += 1
+                        cause = getattr(e, "cause", None) or e          # the scorer's own exception
+                        pending[m] = self._retry(m, attempt, i, submit, RewardFailed(
+                            f"reward model {m!r} failed on all {attempt + 1} tries: "
+                            f"{type(cause).__name__}: {cause}"))
+                now = time.monotonic()
+                for m, (ref, deadline, attempt, i) in list(pending.items()):
+                    if m not in results and deadline <= now and ref not in ready:
+                        self.timeouts[m] += 1
+                        self._busy[m][i] -= 1
+                        ray.cancel(ref)                  # best effort: a running call may not stop
+                        pending[m] = self._retry(m, attempt, i, submit, RewardTimeout(
+                            f"reward model {m!r} gave no answer within {self.cfgs[m].timeout_s}s "
+                            f"on all {attempt + 1} tries (rewards.models[].timeout_s, retries)"))
+        finally:
+            for m, (_, _, _, i) in pending.items():   # given up: no longer counted as in flight
+                self._busy[m][i] = max(0, self._busy[m][i] - 1)
+        return Scores.merge([Scores(self.head_names[m], results[m].values) for m in self.pool])
 
-    def _retry(self, m: str, attempt: int, submit, error: Exception):
+    def _retry(self, m: str, attempt: int, failed: int, submit, error: Exception):
         if attempt >= self.cfgs[m].retries:
             raise error
-        log.warning("reward model %s: try %d failed (%s); retrying", m, attempt + 1, type(error).__name__)
-        return submit(m, attempt + 1)
+        log.warning("reward model %s: try %d failed on replica %d (%s); retrying on another",
+                    m, attempt + 1, failed, type(error).__name__)
+        return submit(m, attempt + 1, failed)
 
     def composite(self, scores: Scores) -> Tensor:
         """R = Σ_h w_h·S_h with each model's head weights. [B]"""
@@ -176,5 +215,6 @@ class RewardClient:
     def invalid_counts(self) -> dict[str, int]:
         import ray
 
-        return dict(zip(self.actors, ray.get([a.invalid_count.remote() for a in self.actors.values()]),
-                        strict=True))
+        refs = {m: [a.invalid_count.remote() for a in acts] for m, acts in self.pool.items()}
+        out = {m: sum(ray.get(rs)) for m, rs in refs.items()}
+        return out

@@ -1,4 +1,12 @@
-"""The rollout actor: one model on one pool slot; verbs `generate`, `set_weights`, `version`, `ping`.
+"""The rollout actor: one model on one pool slot; verbs `stage` + `deliver` (the data plane),
+`generate`, `set_weights`, `version`, `ping`.
+
+Data plane. `stage(condition, seed, group_id, cursor)` generates a group and keeps it here;
+`deliver(group_id)` hands its frames to the reward pool (its own RewardClient over the reward
+actors it was given), and pushes the scored group into the bank on its own connection (a
+`BankRef`: the Redis URL by reference). Only a `GroupReceipt` goes back to the driver. The
+two calls are separate so the driver can bound generation (`sampler.timeout_s`) apart from
+scoring and storing; it submits both at once, and Ray runs them back to back.
 
 `RolloutWorker` is the plain class (usable without Ray, and the place to add methods such
 as a collective-transport receive); `RolloutActor = ray.remote(RolloutWorker)` is what the
@@ -16,6 +24,7 @@ A published record is a plain dict {"version": int, "weights": {name: Tensor}, "
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +34,12 @@ from torch import Tensor
 
 from common.config import RunConfig, validate
 from common.sde import Schedule
-from common.types import Condition, Group
+from common.types import Condition, Group, GroupReceipt
 from common.weights import verify
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos
-from rollout_worker.weight_receiver import WeightReceiver
+from rollout_worker.weight_receiver import PackedWeights, WeightReceiver, unpack
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +55,8 @@ class RolloutWorker:
     """Holds one model and generates groups with it, stamped with the weights' policy version."""
 
     def __init__(self, cfg: RunConfig | dict, actor_index: int = 0, weights_ref: Any = None,
-                 latest_weights: LatestWeights | None = None):
+                 latest_weights: LatestWeights | None = None, rewards: dict[str, list] | None = None,
+                 bank: Any = None):
         self.cfg = cfg if isinstance(cfg, RunConfig) else validate(cfg, source="rollout actor config")
         torch.set_num_threads(self.cfg.pools.rollout.torch_threads)
         self.actor_index = actor_index
@@ -55,16 +65,110 @@ class RolloutWorker:
             # the learner publishes only the adapter: hold the same (zero-effect) adapter to load it
             inject_lora(self.model.trainable_module(), self.cfg.model.family, self.cfg.optim)
         self._version = 0
+        self._reward_actors, self._bank_ref = rewards, bank   # the data plane (see deliver)
+        self._rewards = self._bank = None                     # connected on first use
+        self._staged: dict[str, tuple[Group, int, float]] = {}
         for record in (_resolve(weights_ref), _fetch_latest(latest_weights)):
             if record is not None:
-                self.set_weights(record["weights"], record["version"], record.get("checksum"))
+                self.set_weights(_resolve(record["weights"]), record["version"], record.get("checksum"))
 
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
         return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                             group_id=group_id)
 
-    def set_weights(self, payload: dict[str, Tensor], version: int, checksum: str | None = None) -> bool:
+    # --- the data plane: generate here, score with the reward pool, push into the bank ---
+
+    def stage(self, condition: Condition, seed: int, group_id: str, cursor: int) -> dict:
+        """Generate a group and keep it for `deliver`; returns only its id, version and time."""
+        t0 = time.monotonic()
+        group = self.generate(condition, seed, group_id)
+        seconds = time.monotonic() - t0
+        self._staged = {group_id: (group, cursor, seconds)}  # an undelivered older group is dropped
+        return {"group_id": group_id, "version": group.policy_version, "seconds": seconds}
+
+    def deliver(self, group_id: str) -> GroupReceipt:
+        """Score the staged group with the reward pool and push it into the bank."""
+        from memory_bank.errors import BankError, BankUnavailable, DuplicateGroup
+        from reward_worker.actor import RewardFailed, RewardTimeout
+
+        group, cursor, gen_s = self._staged.pop(group_id)
+        frames = group.frames()                                            # uint8 [G, F, H, W, 3]
+        rec = GroupReceipt(group_id, group.condition.id, cursor, group.policy_version, actor=self.actor_index,
+                           size=group.size, frame_bytes=frames.numel(),
+                           latent_bytes=sum(m.nbytes() for m in group.members) - frames.numel(),
+                           seconds={"generate": gen_s})
+        # 1. score: the frames go from here to the reward actors through the object store
+        client = self._reward_client()
+        before = (sum(client.timeouts.values()), sum(client.failures.values()))
+        t0 = time.monotonic()
+        image = group.condition.image
+        try:
+            scores = client.score(frames, [group.condition.prompt] * group.size,
+                                  None if image is None else image.unsqueeze(0).expand(group.size, -1, -1, -1))
+        except (RewardFailed, RewardTimeout) as e:
+            return self._failed(rec, "reward", str(e))
+        finally:
+            rec.seconds["score"] = time.monotonic() - t0
+            rec.reward_timeouts = sum(client.timeouts.values()) - before[0]
+            rec.reward_failures = sum(client.failures.values()) - before[1]
+        if not bool(scores.valid.all()):
+            rec.invalid_members = int((~scores.valid).sum())
+            return self._failed(rec, "invalid", f"{rec.invalid_members} members with a non-finite reward")
+        group.scores, group.composite = scores, client.composite(scores)
+        for m in group.members:
+            m.frames = None  # the bank does not store frames
+        # 2. store, retried with backoff while Redis is unreachable, for up to bank.outage_s
+        t0 = time.monotonic()
+        outage_s = self.cfg.bank.outage_s
+        deadline, delay, again = t0 + outage_s, 0.25, False
+        while True:
+            try:
+                self._open_bank().push_group(group)
+                break
+            except DuplicateGroup as e:
+                if not again:
+                    return self._failed(rec, "bank_error", str(e))
+                break  # a retry after a dropped connection: the first try got through
+            except BankUnavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self._failed(rec, "bank_unavailable",
+                                        f"memory bank unreachable for {outage_s:.0f}s during push_group ({e})")
+                time.sleep(min(delay, left))
+                delay, again = min(delay * 2, 5.0), True
+            except BankError as e:  # e.g. no room for it: the driver waits for space and draws it again
+                return self._failed(rec, "bank_full" if "max_bytes" in str(e) else "bank_error", str(e))
+        rec.seconds["store"] = time.monotonic() - t0
+        return rec
+
+    def _failed(self, rec: GroupReceipt, kind: str, detail: str) -> GroupReceipt:
+        rec.ok, rec.failure, rec.detail = False, kind, detail.splitlines()[0] if detail else kind
+        return rec
+
+    def _reward_client(self):
+        if self._rewards is None:
+            from reward_worker.actor import RewardClient, actor_names
+
+            if not self._reward_actors:
+                raise RuntimeError(f"rollout actor {self.actor_index} was created without reward actors: "
+                                   "pass rewards= to score and push groups itself")
+            models = self.cfg.rewards.models
+            self._rewards = RewardClient(self._reward_actors, dict(zip(actor_names(models), models, strict=True)),
+                                         offset=self.actor_index)
+        return self._rewards
+
+    def _open_bank(self):
+        if self._bank is None:
+            if self._bank_ref is None:
+                raise RuntimeError(f"rollout actor {self.actor_index} was created without a bank reference")
+            self._bank = self._bank_ref.open()
+        return self._bank
+
+    def set_weights(self, payload: dict[str, Tensor] | PackedWeights, version: int,
+                    checksum: str | None = None) -> bool:
         """Load a payload if its version is newer than ours; a stale push is ignored (returns False)."""
+        if isinstance(payload, PackedWeights):
+            payload = unpack(payload)  # views of the object store's buffers; loading copies them
         if version <= self._version:
             log.info("rollout %d: ignoring weights v%d (holding v%d)", self.actor_index, version, self._version)
             return False

@@ -47,3 +47,48 @@ class WeightReceiver:
         state = W.unflatten(m, buckets)
         W.verify(state, m.checksum, who=f"weight group rank {self.rank}, version {m.version}")
         return m, state
+
+
+# --- the object-store transport's payload --------------------------------------------------
+
+class PackedWeights:
+    """A weights payload as numpy arrays: Ray stores numpy buffers out of band, so one
+    `ray.put` writes each tensor's bytes once and every reader maps them without a copy
+    (torch tensors are pickled instead: a copy on put and another on every get)."""
+
+    def __init__(self, arrays: dict, dtypes: dict[str, str]):
+        self.arrays, self.dtypes = arrays, dtypes
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack(payload: dict[str, Tensor]) -> PackedWeights:
+    """Zero-copy numpy views of CPU tensors (dtypes numpy lacks, such as bf16, as same-size ints)."""
+    arrays, dtypes = {}, {}
+    for name, t in payload.items():
+        t = t.detach().cpu().contiguous()
+        dtypes[name] = str(t.dtype).removeprefix("torch.")
+        try:
+            arrays[name] = t.numpy()
+        except TypeError:
+            arrays[name] = t.view(_SAME_SIZE[t.element_size()]).numpy()
+    return PackedWeights(arrays, dtypes)
+
+
+def unpack(packed: PackedWeights) -> dict[str, Tensor]:
+    """Tensors viewing the packed arrays (read-only when they come from the object store:
+    load them with a copy, as load_state_dict does)."""
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
+        for name, a in packed.arrays.items():
+            t = torch.from_numpy(a)
+            want = getattr(torch, packed.dtypes[name])
+            out[name] = t if t.dtype == want else t.view(want)
+    return out
