@@ -316,6 +316,7 @@ class Driver:
         self._on_rollout_timeout(i, f.cursor, "generate" if not f.staged else "score and store")
 
     def _on_receipt(self, rec: GroupReceipt) -> None:
+        rec.step = self.step
         self.receipts.append(rec)
         with self.lock:
             for k in ("generate", "score", "store"):
@@ -549,6 +550,8 @@ class Driver:
                 self._run_sync(progress)
             else:
                 self._run_async(progress)
+            if self.step >= self.cfg.train.steps:
+                self._sync_idle_actors()  # a finished run leaves every rollout actor on the newest weights
         except StopRun as e:
             # a clean stop: the caller writes a checkpoint (unless the learner is gone)
             self.stop_reason = str(e)

@@ -151,6 +151,7 @@ class GroupReceipt:
     ok: bool = True
     failure: str | None = None     # reward | invalid | bank_unavailable | bank_full | error
     detail: str = ""               # one line: why it failed
+    step: int = -1                 # the driver's step when the receipt arrived (set by the driver)
 
 
 @dataclass

@@ -80,7 +80,9 @@ class WeightPublisher:
 
     def _publish_object_store(self, payload: dict[str, Tensor], version: int) -> list[Any]:
         cpu = {k: v.detach().cpu() for k, v in payload.items()}
-        ref = ray.put(cpu)                           # one copy; the actors read it from the store
+        from rollout_worker.weight_receiver import pack
+
+        ref = ray.put(pack(cpu))  # numpy buffers: one copy in, every actor maps them without a copy
         digest = W.checksum(cpu) if self.cfg.checksum else None
         calls = [a.set_weights.remote(ref, version, digest) for a in self.actors]
         return self._answers(calls, "set_weights")

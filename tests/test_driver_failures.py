@@ -20,11 +20,25 @@ def test_a_run_of_failed_groups_stops_the_run_with_its_reason(tmp_path):
     cursors = [d.next_condition()[2] for _ in range(MAX_FAILED_IN_ROW)]
     assert set(d.open) == set(cursors)
     for n in cursors[:-1]:
-        d._abandon(n)                      # each failed group leaves the open set: it is drawn anew
-    assert d.failed_in_row == MAX_FAILED_IN_ROW - 1 and set(d.open) == {cursors[-1]}
+        d._abandon(n)                      # a failed group stays open: its cursor is drawn again
+    assert d.failed_in_row == MAX_FAILED_IN_ROW - 1 and set(d.open) == set(cursors)
     with pytest.raises(StopRun, match=f"{MAX_FAILED_IN_ROW} groups in a row failed"):
         d._abandon(cursors[-1])
-    assert not d.open
+    assert set(d.open) == set(cursors)     # a checkpoint now records every one to draw again
+
+
+def test_a_failed_group_is_drawn_again_with_the_same_cursor_and_condition(tmp_path):
+    d = _driver(tmp_path)
+    first = [d.next_condition() for _ in range(3)]
+    d._abandon(first[1][2])
+    cond, seed, cursor = d.next_condition()
+    assert cursor == first[1][2] and cond.id == first[1][0].id   # same place in the prompt stream
+    assert seed != first[1][1]             # a new seed: a failure the seed caused is not repeated
+    # then the stream goes on where it was: the same conditions as a run without the failure
+    other = _driver(tmp_path)
+    clean = [other.next_condition()[0].id for _ in range(4)]
+    after = d.next_condition()
+    assert after[2] == 3 and [c.id for c, _, _ in first] + [after[0].id] == clean
 
 
 def test_the_prompt_stream_is_a_seeded_permutation_per_epoch(tmp_path):

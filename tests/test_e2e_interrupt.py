@@ -53,6 +53,24 @@ def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     ckpts = sorted((tmp_path / "int" / "checkpoints").glob("step_*"))
     assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}"  # the step it finished was saved
-    time.sleep(2)
-    alive = [p for p in started if Path(f"/proc/{p}").exists()]
+    alive = _wait_gone(started, timeout_s=30)
     assert not alive, f"processes left behind: {alive}"
+
+
+def _wait_gone(pids: set[int], timeout_s: float) -> list[int]:
+    """The pids still alive once each has exited or `timeout_s` passed (Ray's workers exit on
+    their own once the driver's cluster is gone; a pid that is a zombie counts as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"

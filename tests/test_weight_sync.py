@@ -83,7 +83,13 @@ def test_collective_peer_that_never_joins_times_out_naming_it(ray_session, rollo
         pub.publish(_perturbed(state, seed=5), version=1000)
     assert "rollout 0," not in str(e.value)
     assert time.monotonic() - t0 < 15
-    # the live actor's half-built group timed out on its side too and it still answers
-    time.sleep(3.5)
-    assert ray.get(actors[0].version.remote(), timeout=30) < 1000
     ray.kill(deaf)
+    # the live actor's half-built group timed out on its side too: it never loaded version 1000,
+    # and it joins a fresh group and takes the next version (its join call returned; a hung
+    # join would hold every later call, and this publish would time out)
+    assert ray.get(actors[0].version.remote(), timeout=30) < 1000
+    pub = WeightPublisher(WeightSyncConfig(transport="collective", timeout_s=30), [actors[0]])
+    new = _perturbed(state, seed=6)
+    assert pub.publish(new, version=1001).answers == [True]
+    assert _held(ray, actors[:1]) == [(1001, checksum(new))]
+    pub.close()

@@ -3,13 +3,12 @@ and a reward model that misbehaves once at chosen calls (NaN rows, a hang, a cra
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
 import time
 from pathlib import Path
-
-import torch
 
 from common.config import load_config
 from reward_worker.base import RewardModel
@@ -28,27 +27,46 @@ def tiny_cfg(tmp_path: Path, name: str, *extra: str, steps: int = 5):
 
 
 class Ledger:
-    """Watches the driver's bank calls (the real Redis is used): what was pushed, what trained."""
+    """What was pushed and what trained, from the bank's own records (the real Redis is used).
+
+    Pushed: the receipts the rollout actors returned for the groups they stored. Trained: the
+    bank's done list, where commit appends each group id it moves out of pending (it commits a
+    group only once). `finite`: no entry in the bank carries a non-finite reward. Call
+    `freeze()` before the driver's teardown stops an embedded Redis.
+    """
 
     def __init__(self, driver):
         self.driver = driver
-        self.pushed: list[tuple[str, int, int]] = []   # (group id, policy version, driver step at push)
-        self.trained: list[str] = []
-        self.finite = True
-        bank = driver.bank
-        push, commit = bank.push_group, bank.commit
+        self.start_done = driver.bank.r.llen(driver.bank.keys.done)
+        self.start_receipts = len(driver.receipts)
+        self._frozen: tuple | None = None
 
-        def push_group(group):
-            out = push(group)
-            self.pushed.append((group.group_id, group.policy_version, driver.step))
-            self.finite &= bool(torch.isfinite(group.scores.values).all())
-            return out
+    def freeze(self) -> Ledger:
+        self._frozen = (self.pushed, self.trained, self.finite)
+        return self
 
-        def commit_(batch, step):
-            commit(batch, step)
-            self.trained += [g.group_id for g in batch.fresh]
+    @property
+    def pushed(self) -> list[tuple[str, int, int]]:
+        """(group id, policy version, driver step when it was stored)."""
+        if self._frozen:
+            return self._frozen[0]
+        got = list(self.driver.receipts)[self.start_receipts:]
+        return [(r.group_id, r.version, r.step) for r in got if r.ok]
 
-        bank.push_group, bank.commit = push_group, commit_
+    @property
+    def trained(self) -> list[str]:
+        if self._frozen:
+            return self._frozen[1]
+        bank = self.driver.bank
+        done = [g.decode() for g in bank.r.lrange(bank.keys.done, 0, -1)][::-1]  # oldest first
+        return done[self.start_done:]
+
+    @property
+    def finite(self) -> bool:
+        if self._frozen:
+            return self._frozen[2]
+        bank = self.driver.bank
+        return all(math.isfinite(json.loads(v)["c"]) for v in bank.r.hvals(bank.keys.einfo))
 
 
 def when(pred, timeout_s: float, poll_s: float = 0.1) -> bool:

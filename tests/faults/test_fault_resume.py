@@ -47,6 +47,7 @@ def crashed_and_resumed(ray_session, tmp_path_factory):
         first.run()
         thread.join(timeout=60)
         out["first"] = (first.step, first.stop_reason, first.checkpoint())
+        out["ledger1"].freeze()
     finally:
         first.teardown()
     ckpt = max(run_dir.checkpoints.glob("step_*"))
@@ -63,6 +64,7 @@ def crashed_and_resumed(ray_session, tmp_path_factory):
         second.run()
         out["second"] = (second.step, second.stop_reason, dict(second.counts), second.bank.stats(),
                          dict(second.open), second.cursor)
+        out["ledger2"].freeze()
     finally:
         second.teardown()
     return out
@@ -135,15 +137,15 @@ def test_weight_sync_timeout_names_the_peer_and_does_not_hang(ray_session, tmp_p
     driver = Driver(cfg, RunDir.create(cfg))
     try:
         driver.setup()
-        train_step = driver.learner.train_step
+        train_pulled = driver.learner.train_pulled
 
-        def busy_after_train(batch):
-            stats = train_step(batch)
+        def busy_after_train(pulled):
+            stats = train_pulled(pulled)
             # the rollout actor is stuck in something else when the weights come
             driver.rollouts[0].__ray_call__.remote(lambda self: time.sleep(40))
             return stats
 
-        driver.learner.train_step = busy_after_train
+        driver.learner.train_pulled = busy_after_train
         t0 = time.monotonic()
         driver.run()
         elapsed = time.monotonic() - t0
