@@ -158,3 +158,6 @@ def test_redis_password_never_logged_saved_or_exported(run):
     assert not [r for r in run["records"] if secret in r]
     assert any("redis" in r.lower() or "bank" in r.lower() for r in run["records"])  # logs were captured
     assert secret not in repr(run["driver"].bank) and secret not in repr(run["cfg"])
+    # nor in what Ray stores for the actors: their config and their bank reference
+    driver = run["driver"]
+    assert secret.encode() not in cloudpickle.dumps((driver.actor_cfg, driver.bank_ref))
