@@ -43,23 +43,13 @@ def main(argv: list[str] | None = None) -> int:
                                     *args.overrides])
     driver = Driver(cfg, RunDir.create(cfg))
     rng = random.Random(args.seed)
-    pushed: list[str] = []
     trained: Counter[str] = Counter()
     kills: Counter[str] = Counter()
     try:
         driver.setup()
-        push, commit = driver.bank.push_group, driver.bank.commit
-
-        def push_group(group):
-            out = push(group)
-            pushed.append(group.group_id)
-            return out
-
-        def commit_(batch, step):
-            commit(batch, step)
-            trained.update(g.group_id for g in batch.fresh)
-
-        driver.bank.push_group, driver.bank.commit = push_group, commit_
+        # pushed: the receipts of the groups the rollout actors stored; trained: the bank's own
+        # done list (commit appends each group it moves out of pending)
+        done_before = driver.bank.r.llen(driver.bank.keys.done)
         end = time.monotonic() + args.minutes * 60
 
         def killer():
@@ -80,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - t0
         thread.join(timeout=60)
         stats = driver.bank.stats()
+        pushed = [r.group_id for r in driver.receipts if r.ok]
+        done = driver.bank.r.lrange(driver.bank.keys.done, 0, -1)[::-1][done_before:]
+        trained.update(g.decode() for g in done)
         # every killed actor came back: all of them answer now
         ray.get([a.ping.remote() for a in driver.rollouts] +
                 [a.heads.remote() for a in driver.rewards.actors.values()], timeout=300)
