@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,7 +55,10 @@ class RewardActor:
         return self._invalid
 
     def score(self, frames: Tensor, prompts: list[str], images: Tensor | None = None) -> Scores:
-        """frames uint8 [B, F, H, W, 3], prompts [B], images uint8 [B, H, W, 3] or None → Scores [B, H]."""
+        """frames uint8 [B, F, H, W, 3], prompts [B], images uint8 [B, H, W, 3] or None → Scores [B, H].
+
+        frames may come as a numpy array (what RewardClient puts): a view of the object store."""
+        frames, images = _tensor(frames), None if images is None else _tensor(images)
         # 1. Check the request.
         if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [B, F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
@@ -80,6 +85,15 @@ class RewardActor:
             self._invalid += int(bad.sum())
             log.warning("%s: %d of %d rows had non-finite scores", self.cfg.name, int(bad.sum()), B)
         return Scores(heads, values)
+
+
+def _tensor(x) -> Tensor:
+    """A torch view of a numpy array from the object store (read-only: scorers only read frames)."""
+    if isinstance(x, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array"
+            return torch.from_numpy(x)
+    return x
 
 
 def create_reward_actor(cfg: RewardModelConfig, pool: PoolConfig, factory: ModelFactory | None = None):
@@ -158,8 +172,9 @@ class RewardClient:
         """Scores of every model side by side, [B, Σ heads]; raises RewardTimeout / RewardFailed."""
         import ray
 
-        frames_ref = ray.put(frames)                 # one copy shared by every model and retry
-        images_ref = None if images is None else ray.put(images)
+        # one copy shared by every model and retry; numpy, so readers map it instead of unpickling
+        frames_ref = ray.put(frames.contiguous().numpy())
+        images_ref = None if images is None else ray.put(images.contiguous().numpy())
 
         def submit(m: str, attempt: int, avoid: int | None = None):
             i = self._pick(m, avoid)
