@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller latents and fewer steps")
+    ap.add_argument("--gpu", action="store_true", help="accepted for run_all; the stubs run on the CPU either way")
     ap.add_argument("--out", default=None, help="append the figures to this markdown file")
     args = ap.parse_args(argv)
     root = tempfile.mkdtemp(prefix="vgrpo-bench-dp-")

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ["bench_sampler", "bench_learner", "bench_bank", "bench_async"]
+BENCHES = ["bench_sampler", "bench_learner", "bench_bank", "bench_async", "bench_dataplane"]
 OUT = Path(__file__).with_name("results.md")
 OUT_GPU = Path(__file__).with_name("results_gpu.md")
 
