@@ -23,7 +23,8 @@ DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 
 class Section(BaseModel):
     """A config section: typed, strict about unknown keys, validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN/inf are never meaningful here (a NaN reward weight would poison every advantage)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -51,8 +52,8 @@ class ModelConfig(Section):
 class ScheduleConfig(Section):
     steps: int = Field(16, ge=1, le=1000)
     """T, the number of sampling steps."""
-    shift: float = Field(3.0, gt=0.0)
-    """Time shift s in σ' = s·σ / (1 + (s-1)·σ)."""
+    shift: float = Field(5.0, gt=0.0)
+    """Time shift s in σ' = s·σ / (1 + (s-1)·σ); 5 as the Wan/HunyuanVideo recipes use."""
     sigmas: list[float] | None = None
     """Explicit schedule σ_0 … σ_T (decreasing, 1 → 0); overrides steps and shift."""
 
@@ -74,7 +75,11 @@ class SDEConfig(Section):
     eta: float | None = Field(None, ge=0.0, le=10.0)
     """Noise level η; None takes the scheme's default (flow 0.7, sage 0.5, dance 0.25, cps 0.7)."""
     flow_first_step: Literal["sigma1", "clamp"] = "sigma1"
-    """FlowGRPO's σ=1 step: use σ_1 in g (their code) or clamp 1-σ at c (paper regime b)."""
+    """FlowGRPO's σ=1 step, g = η·√(σ_k/(1-σ̄)): σ̄ = σ_1 in the denominator (their code), or
+    clamp that 1-σ at c (the SAGE paper's regime b)."""
+    cps_log_prob: Literal["mse", "gaussian"] = "mse"
+    """CPS log-prob: upstream's -mean((x'-μ)²) (default, so clipping matches upstream), or the
+    full element-averaged Gaussian."""
     clamp_c: float = Field(3e-3, gt=0.0, lt=0.5)
     """c in σ̃ = min(σ, 1-c) inside the precise variance's log."""
 
@@ -88,17 +93,23 @@ class SamplerConfig(Section):
     """G, rollouts per condition."""
     shared_noise: bool = True
     """Members of a group share the initial noise (TAGRPO needs this)."""
-    initial_noise: Literal["group", "condition"] = "group"
+    initial_noise: Literal["group", "condition"] = "condition"
     """`condition`: every group of a condition starts from the same noise (seeded by the condition),
-    so bank entries share it with fresh groups and trajectory alignment compares like with like."""
+    so bank entries share it with fresh groups and trajectory alignment compares like with like.
+    `group`: fresh noise per group (the baselines' setting; not allowed with alignment on)."""
     train_steps: Literal["fraction", "threshold", "all"] = "fraction"
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
+    """With train_steps=fraction, each sample trains floor(fraction·n) of its n eligible steps
+    (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6)."""
+    step_draw: Literal["per_sample", "per_group"] = "per_sample"
+    """Draw the trained subset per sample (upstream FlowGRPO/DanceGRPO) or once per group."""
     sigma_threshold: float = Field(0.9, ge=0.0, le=1.0)
     """With train_steps=threshold, train steps with σ_k above this (TAGRPO: t > 900/1000)."""
     untrained_steps: Literal["scheme", "ode"] = "scheme"
     """How steps that are not trained run: with the scheme, or as ODE (MixGRPO-style window)."""
-    ode_last_steps: int = Field(1, ge=0)
-    """Run the last n steps deterministically (never trained); a stochastic last step adds pure noise."""
+    ode_last_steps: int = Field(0, ge=0)
+    """Run the last n steps deterministically (never trained). 0 samples every step with the
+    scheme, as upstream FlowGRPO, DanceGRPO and CPS do."""
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
     timeout_s: float = Field(900.0, gt=0.0)
@@ -137,6 +148,8 @@ class KLConfig(Section):
     anchor_period: int = Field(10, ge=1)
     """N: optimizer steps between refreshes of the moving anchor."""
     d_step: Literal["k1", "exact"] = "k1"
+    """k1: mean(logp_old - logp_θ). exact: the Gaussian KL to the policy that sampled each row,
+    from the mean μ_old the rollout recorded (recorded only when this is on)."""
     schedule: Literal["constant", "two_stage", "milder", "adaptive"] = "two_stage"
     lam: float = Field(1e-5, ge=0.0, le=100.0)
     """λ_KL for the constant schedule."""
@@ -153,9 +166,16 @@ class KLConfig(Section):
 
 
 class AlignConfig(Section):
+    """TAGRPO's trajectory alignment. A RECONSTRUCTION: the paper's equations are lost
+    (docs/algorithm.md). Weighting J_align by the equalizer's w_k is this project's choice."""
+
     enabled: bool = True
     gamma: float = Field(1.0, ge=0.0)
     """γ in L_total = L + γ·J_align."""
+    form: Literal["loglik", "clipped"] = "clipped"
+    """Reconstructed J_align: `loglik` = -mean[A⁺·log π(x⁺|x^i) + A⁻·log π(x⁻|x^i)] (unbounded);
+    `clipped` = the clipped GRPO surrogate on r± = π_θ/π_old of the winner's/loser's next latent
+    (bounded; needs the sampling policy's mean μ_old, which rollouts then record)."""
 
 
 class BankConfig(Section):
@@ -268,6 +288,33 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
 
+    @property
+    def records_mu_old(self) -> bool:
+        """Rollouts keep the sampling policy's mean μ_old per recorded step (exact D_step, bounded J_align)."""
+        return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
+
+    @model_validator(mode="after")
+    def _alignment_needs_shared_noise(self) -> RunConfig:
+        # J_align steps member i toward the winner's next latent; that only means something when
+        # they started from the same noise (the group's, and the bank entries' of the condition)
+        if self.align.enabled and (self.sampler.initial_noise != "condition" or not self.sampler.shared_noise):
+            raise ValueError(
+                "align.enabled=true needs shared starting noise: set sampler.initial_noise=condition and "
+                f"sampler.shared_noise=true (got initial_noise={self.sampler.initial_noise!r}, "
+                f"shared_noise={self.sampler.shared_noise}), or align.enabled=false")
+        return self
+
+
+def reconstruction_notes(cfg: RunConfig) -> list[str]:
+    """One line per part of this config whose math is a reconstruction, not a published formula."""
+    notes = []
+    if cfg.align.enabled:
+        notes.append(f"align (form={cfg.align.form}): TAGRPO's J_align is a RECONSTRUCTION (the paper's "
+                     "equations are lost); weighting it by the equalizer's w_k is this project's choice")
+    if cfg.kl.schedule == "adaptive":
+        notes.append("kl.schedule=adaptive: the λ_KL update rule is a RECONSTRUCTION (its appendix is lost)")
+    return notes
+
 
 # --- loading -------------------------------------------------------------------------
 
@@ -279,6 +326,10 @@ class ConfigError(ValueError):
 def _describe(err: dict[str, Any]) -> str:
     path = ".".join(str(p) for p in err["loc"]) or "<root>"
     kind, value = err["type"], err.get("input")
+    if kind == "value_error" and not err["loc"]:  # a cross-field rule: its message names the fields
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    if kind == "finite_number":
+        return f"{path} = {value!r}: must be a finite number (NaN and inf are not allowed)"
     if kind == "extra_forbidden":
         return f"{path}: unknown key (check the spelling; `vgrpo config show` lists the keys)"
     if kind == "literal_error":

@@ -26,7 +26,8 @@ from memory_bank.tensorfile import dumps, loads
 FORMAT = "1"
 SCHEMES = frozenset(get_args(SchemeName))
 STATUSES = frozenset({"fresh", "banked"})
-TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V
+TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V, "mu_old" when recorded
+OPTIONAL_TENSORS = ("image", "mu_old")
 REQUIRED = (
     "format", "id", "condition", "prompt", "group", "member", "seed", "version", "created",
     "scheme", "eta", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
@@ -61,6 +62,8 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
                "final_latents": traj.final_latents}
     if traj.condition.image is not None:
         tensors["image"] = traj.condition.image
+    if traj.mu_old is not None:
+        tensors["mu_old"] = traj.mu_old
     blob = dumps(tensors)
     meta = {
         "format": FORMAT,
@@ -83,6 +86,8 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
         "composite": repr(float(composite)),
         "status": status,
     }
+    if traj.trained_steps is not None:
+        meta["trained_steps"] = json.dumps([int(k) for k in traj.trained_steps])
     return meta, blob
 
 
@@ -131,6 +136,9 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{len(sigmas) - 2}")
     if len(scores) != len(heads):
         raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
+    trained_steps = _json_list(m, "trained_steps", int) if "trained_steps" in m else None
+    if trained_steps is not None and not set(trained_steps) <= set(steps):
+        raise CorruptEntry(f"field 'trained_steps' {trained_steps} is not a subset of 'step_indices' {steps}")
 
     # 2. Blob: safetensors only (no pickle), exactly the expected tensors and shapes.
     if not isinstance(blob, (bytes, bytearray, memoryview)):
@@ -139,7 +147,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         t = loads(blob, copy=copy)
     except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
-    extra, absent = set(t) - {*TENSORS, "image"}, set(TENSORS) - set(t)
+    extra, absent = set(t) - {*TENSORS, *OPTIONAL_TENSORS}, set(TENSORS) - set(t)
     if extra or absent:
         raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
     x, x_next, logp_old, final = (t[k] for k in TENSORS)
@@ -156,6 +164,9 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
             raise CorruptEntry(f"tensor {k!r} has dtype {t[k].dtype}, expected floating point")
     if not torch.isfinite(logp_old).all():
         raise CorruptEntry("tensor 'logp_old' has non-finite values")
+    mu_old = t.get("mu_old")
+    if mu_old is not None and (mu_old.shape != x.shape or not mu_old.is_floating_point()):
+        raise CorruptEntry(f"tensor 'mu_old' {mu_old.dtype} {tuple(mu_old.shape)}: expected float {tuple(x.shape)}")
     image = t.get("image")
     if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
         raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
@@ -166,7 +177,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         group_id=m["group"], member=member, seed=seed, scheme=m["scheme"], eta=eta,
         guidance_scale=cfg_scale, policy_version=version, sigmas=sigmas, step_indices=steps,
         x=x, x_next=x_next, logp_old=logp_old, final_latents=final, frames=None,
-        trained_times=trained, bank_id=eid,
+        trained_times=trained, bank_id=eid, trained_steps=trained_steps, mu_old=mu_old,
     )
     return Entry(id=eid, trajectory=traj, heads=heads,
                  scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
