@@ -25,5 +25,10 @@ def register(sub) -> None:
 def show_config(args) -> int:
     from common.config import load_config, to_yaml
 
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    print(to_yaml(cfg), end="")
+    if any(m.name == "qsave" for m in cfg.rewards.models):
+        from reward_worker.prompts import QSAVE_NOTE
+
+        print(f"# note: {QSAVE_NOTE}.")
     return 0
