@@ -281,7 +281,7 @@ def test_hpsv3_real_template_from_the_wheel(hpsv3_model):
 # --- upstream text is never in the repository, and is refused when absent -------------
 
 
-def test_missing_upstream_templates_are_one_line_errors(tmp_path):
+def test_missing_upstream_templates_are_one_line_errors(tmp_path, monkeypatch):
     with pytest.raises(prompts.TemplateError, match=r"git clone https://github.com/KwaiVGI/VideoAlign"):
         prompts.videoalign_template(None)
     with pytest.raises(prompts.TemplateError, match=r"prompt_template.py: not found"):
@@ -291,6 +291,10 @@ def test_missing_upstream_templates_are_one_line_errors(tmp_path):
         prompts.videoalign_template(str(tmp_path))
     with pytest.raises(prompts.TemplateError, match="pip install --no-deps hpsv3"):
         prompts.hpsv3_template(str(tmp_path / "nowhere"))
+    monkeypatch.setattr(prompts.importlib.util, "find_spec", lambda name: None)     # wheel not installed
+    with pytest.raises(prompts.TemplateError, match=r"^HPSv3 needs upstream's instruction text: pip install "
+                                                    r"--no-deps hpsv3"):
+        prompts.hpsv3_template()
 
 
 def test_real_videoalign_checkpoint_without_checkout_is_refused(tmp_path):

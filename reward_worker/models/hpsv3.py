@@ -86,11 +86,11 @@ class HPSv3(RewardModel):
         # 1. Locate the safetensors file (a folder holding it, or the file), and upstream's text.
         if cfg.path is None:
             raise qi.RewardLoadError(f"rewards.models[].path is not set; point it at {CHECKPOINT_FILE}")
-        template = prompts.hpsv3_template(cfg.template_path)
         root = qi.local_dir(cfg.path, "rewards.models[].path")
         ckpt = root / CHECKPOINT_FILE if root.is_dir() else root
         if not ckpt.is_file():
             raise qi.RewardLoadError(f"{ckpt}: not found; download MizzenAI/HPSv3 ({CHECKPOINT_FILE}) there")
+        template = prompts.hpsv3_template(cfg.template_path)
         # 2. Base tokenizer and config; then build, load strictly, move.
         base = qi.local_dir(cfg.base_path or BASE_MODEL, "rewards.models[].base_path")
         tokenizer = AutoTokenizer.from_pretrained(base)
