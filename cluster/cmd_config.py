@@ -28,5 +28,9 @@ def show_config(args) -> int:
     cfg = load_config(args.config, args.overrides)
     for note in reconstruction_notes(cfg):
         print(f"# NOTE {note}")
+    if any(m.name == "qsave" for m in cfg.rewards.models):
+        from reward_worker.prompts import QSAVE_NOTE
+
+        print(f"# NOTE {QSAVE_NOTE}.")
     print(to_yaml(cfg), end="")
     return 0

@@ -202,6 +202,8 @@ class BankConfig(Section):
 
 class RewardModelConfig(Section):
     name: Literal["toy", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
+    """qsave: Q-Save's weights and prompt are not public; its rubric and answer format here are
+    this project's reconstruction, for a Qwen3-VL checkpoint you supply."""
     path: str | None = None
     """Local directory or hub id of the checkpoint (not needed for toy)."""
     weights: dict[str, float] = Field(default_factory=dict)
@@ -213,15 +215,29 @@ class RewardModelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the scorer runs; auto takes a GPU when the actor has one."""
     base_path: str | None = None
-    """The base VLM's config and tokenizer (dir or hub id); None takes the model's published base."""
+    """The base VLM's config and tokenizer (dir or hub id). None takes the model's published
+    base (VideoAlign: its model_config.json; HPSv3: Qwen2-VL-7B-Instruct; Q-Save: path)."""
+    template_path: str | None = None
+    """Upstream's prompt template, read at run time (never shipped here). VideoAlign: a checkout
+    of github.com/KwaiVGI/VideoAlign (required). HPSv3: None reads the installed `hpsv3` wheel
+    (`pip install --no-deps hpsv3`)."""
     video_fps: float = Field(16.0, gt=0.0)
     """Frame rate of the decoded videos handed to the scorer."""
-    sample_fps: float = Field(2.0, gt=0.0)
-    """Frames per second the scorer samples (VideoAlign, HPSv3 and Q-Save read 2 fps)."""
+    sample_fps: float | None = Field(None, gt=0.0)
+    """Frames per second the scorer samples. None: VideoAlign takes its model_config.json
+    (2 fps as released), HPSv3 and Q-Save 2 fps."""
     head_norm: dict[str, tuple[float, float]] | None = None
-    """Per-head (mean, std) applied as (s - mean) / std; None takes the model's published values."""
+    """Per-head (mean, std) applied as (s - mean) / std. None: VideoAlign takes its
+    model_config.json `inference_config`; the others are not normalised."""
     max_new_tokens: int = Field(64, ge=1)
     """Q-Save: tokens the evaluator may write for its scores."""
+
+    @model_validator(mode="after")
+    def _qsave_needs_a_path(self) -> RewardModelConfig:
+        if self.name == "qsave" and self.path is None:
+            raise ValueError("Q-Save's weights are not public: set path to your Qwen3-VL Q-Save "
+                             "checkpoint, or remove the qsave entry")
+        return self
 
 
 class RewardsConfig(Section):
@@ -338,6 +354,8 @@ def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"]
     if kind == "missing":
         return f"{path}: required field is missing"
+    if kind == "value_error" and isinstance(value, dict):      # a section-level check: no repr
+        return f"{path}: {msg.removeprefix('Value error, ')}"
     return f"{path} = {value!r}: {msg}"
 
 
