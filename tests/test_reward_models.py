@@ -317,7 +317,7 @@ def test_qsave_is_marked_as_a_reconstruction_and_needs_a_path(capsys):
     class Args:
         config, overrides = "configs/wan22_i2v_tagrpo.yaml", ["rewards.models=[{name: qsave, path: /q}]"]
     assert show_config(Args) == 0
-    assert "# note: Q-Save's rubric and answer format are this project's reconstruction" in capsys.readouterr().out
+    assert "# NOTE Q-Save's rubric and answer format are this project's reconstruction" in capsys.readouterr().out
 
 
 def test_tagrpo_config_runs_as_written():
