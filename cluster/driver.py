@@ -266,26 +266,29 @@ class Driver:
         group.scores = scores
         group.composite = self.rewards.composite(scores)
         t0 = time.monotonic()
-        while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0):
+        while not (self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0)
+                   and self._bank("push_group", self._push, group)):  # False: full, wait again
             if self.stop_requested.is_set():
                 return False
-        self._bank("push_group", self._push, group)
         self.timers["store"] += time.monotonic() - t0
         self.counts["groups_produced"] += 1
         self.counts["videos"] += group.size
         return True
 
-    def _push(self, group: Group) -> None:
-        from memory_bank.errors import DuplicateGroup
+    def _push(self, group: Group) -> bool:
+        from memory_bank.errors import BankFull, DuplicateGroup
 
         try:
             self.bank.push_group(group)
+        except BankFull:
+            return False
         except DuplicateGroup:
             if not getattr(self, "_pushing_again", False):
                 raise
             # a retry after a dropped connection: the first try got through
         finally:
             self._pushing_again = False
+        return True
 
     def _pull(self, n: int, version: int):
         self.bank.requeue_pending()  # a pull whose answer was lost left its groups pending
