@@ -82,6 +82,7 @@ class Driver:
         from cluster.pools import actor_options, in_group, init_ray, placement_group_for
         from learner.actor import LearnerGroup
         from memory_bank.connect import connect_bank
+        from memory_bank.ownership import claim_namespace
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
 
@@ -95,6 +96,8 @@ class Driver:
                                                     for r in ("rollout", "reward", "learner")})
         # 2. the memory bank: a configured Redis, or an embedded redis-server for this run
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
+        self.lease = claim_namespace(self.bank, str(self.run_dir.path.resolve()), resume=resume is not None)
+        self.bank.expect_step(cfg.train.groups_per_step)  # one step's groups must fit bank.max_bytes
         # 3. pools: a placement group keeps the rollout pool's actors together
         n_roll = max(1, cfg.pools.rollout.num_actors)
         self.rollout_pg = placement_group_for(cfg.pools.rollout, "rollout", n_roll)
@@ -596,6 +599,8 @@ class Driver:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.rollout_pg)
+        if getattr(self, "lease", None) is not None:
+            self.lease.release()
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
         if getattr(self, "ray_handle", None) is not None:

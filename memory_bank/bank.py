@@ -380,11 +380,14 @@ class MemoryBank:
         return out
 
     @_reachable
-    def clear(self) -> int:
-        """Delete every key of this namespace (tests, or starting a run afresh)."""
+    def clear(self, keep_lease: bool = False) -> int:
+        """Delete every key of this namespace (tests, or starting a run afresh); keep_lease
+        keeps the run-ownership lease (memory_bank.ownership) of the caller."""
         n = 0
         batch: list[bytes] = []
         for key in self.r.scan_iter(match=self.keys.pattern, count=500):
+            if keep_lease and key.decode("utf-8", "replace") == self.keys.lease:
+                continue
             batch.append(key)
             if len(batch) >= 500:
                 n += self.r.delete(*batch)
