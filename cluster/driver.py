@@ -120,7 +120,11 @@ class Driver:
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), step, data cursor, counters,
         the bank's per-condition entries; then reconcile the fresh queue with the stream."""
+        from memory_bank.dump import restore_bank
+        from memory_bank.dump import step_dir as bank_step_dir
+
         extra = self.learner.load_checkpoint(ckpt)
+        self.note(restore_bank(self.bank, bank_step_dir(ckpt, int(extra["step"]))))  # before any requeue
         self.step = int(extra["step"])
         self.cursor = int(extra["cursor"])
         self.counts.update({k: int(v) for k, v in (extra.get("counts") or {}).items()})
@@ -563,6 +567,7 @@ class Driver:
         watermark. None when the learner is gone (the last checkpoint stands)."""
         from safetensors.torch import save_file
 
+        from memory_bank.dump import dump_bank
         from memory_bank.errors import BankUnavailable
 
         if self.learner_lost:
@@ -577,6 +582,8 @@ class Driver:
             extra["bank"] = None
             self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
+        if (lost := dump_bank(self.bank, path)) is not None:  # the bank's data rides along
+            self.note(lost)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
         save_file(payload, str(path / "policy.safetensors"))
