@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
 
@@ -186,7 +194,20 @@ class BankConfig(Section):
     clear_stale: bool = False
     """Delete data a dead run left in the namespace (reported and refused by default)."""
     redis_url_file: str | None = None
-    """File holding the Redis URL (read where the bank connects), e.g. a mounted secret."""
+    """File holding the Redis URL (read where the bank connects), e.g. a mounted secret. With it or
+    redis_url_env the password travels by reference: a pickled config never carries it."""
+    _url_withheld: bool = PrivateAttr(False)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (Ray actor arguments, the object store) without redis_url, which holds the
+        password: a process that needs the URL resolves it from redis_url_file or redis_url_env
+        (memory_bank.connect.resolve_redis_url), and is told so when neither is set."""
+        state = super().__getstate__()
+        if self.redis_url is None:
+            return state
+        private = {**(state.get("__pydantic_private__") or {}), "_url_withheld": True}
+        return {**state, "__dict__": {**state["__dict__"], "redis_url": None},
+                "__pydantic_private__": private}
 
 
 class RewardModelConfig(Section):
