@@ -290,7 +290,8 @@ class MemoryBank:
         """Every consumer's pending groups back to fresh: only for the namespace's owner taking
         over from a dead run (memory_bank.ownership), when no other consumer is live."""
         k = self.keys
-        n = int(self.scripts.requeue_all(keys=[k.consumers, k.fresh], args=[f"{k._g}:pending:"]))
+        n = int(self.scripts.requeue_all(keys=[k.consumers, k.fresh, f"{k._g}:pending"],
+                                         args=[f"{k._g}:pending:"]))
         if n:
             log.info("bank: requeued %d pending groups of earlier consumers", n)
         return n

@@ -47,10 +47,12 @@ while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
 return n
 """
 
-# KEYS: consumers, fresh. ARGV: pending key prefix. Every consumer's pending groups back to
-# fresh: only for the namespace's owner taking over from a dead run (it holds the lease).
+# KEYS: consumers, fresh, the single pending list of banks written before consumer ids.
+# ARGV: pending key prefix. Every consumer's pending groups back to fresh: only for the
+# namespace's owner taking over from a dead run (it holds the lease).
 REQUEUE_ALL = """
 local n = 0
+while redis.call('LMOVE', KEYS[3], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
 for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local key = ARGV[1] .. c
   while redis.call('LMOVE', key, KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
