@@ -209,3 +209,14 @@ def test_two_consumers_racing_train_each_group_once_with_no_corrupt_read(redis_s
     assert (st["corrupt"], st["committed"], st["fresh"], st["pending"]) == (0, n, 0, 0)
     producer.r.delete(seen, f"{seen}:n")
     producer.clear()
+
+
+def test_clear_stale_bank_flag_sets_the_config_field(monkeypatch, tmp_path):
+    import cluster.train_cmd as train_cmd
+    from cluster.cli import build_parser
+
+    seen = {}
+    monkeypatch.setattr(train_cmd, "_run", lambda cfg, run_dir, resume, evaluate: seen.update(cfg=cfg) or 0)
+    for flag, want in (([], False), (["--clear-stale-bank"], True)):
+        args = build_parser().parse_args(["train", *flag, f"run.root={tmp_path}", "run.name=flag"])
+        assert args.func(args) == 0 and seen["cfg"].bank.clear_stale is want
