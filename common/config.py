@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
 
@@ -193,11 +201,33 @@ class BankConfig(Section):
     max_staleness: int = Field(8, ge=0)
     """Entries more than this many policy versions old are not used for training."""
     max_bytes: int = Field(2 << 30, ge=1 << 20)
-    """Producers wait when the bank holds this many bytes (backpressure)."""
+    """Bound on every stored byte: banked entries are evicted (oldest first) to make room, and
+    producers wait while queued groups fill it. One training step of groups must fit: the first
+    group pushed is measured and a smaller bound is refused with both numbers."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
     outage_s: float = Field(60.0, gt=0.0)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
+    lease_ttl_s: float = Field(30.0, gt=0.0)
+    """A run owns its namespace through a lease key with this TTL, renewed every third of it;
+    a second driver on a live namespace is refused, a dead run's lease expires after it."""
+    clear_stale: bool = False
+    """Delete data a dead run left in the namespace (reported and refused by default)."""
+    redis_url_file: str | None = None
+    """File holding the Redis URL (read where the bank connects), e.g. a mounted secret. With it or
+    redis_url_env the password travels by reference: a pickled config never carries it."""
+    _url_withheld: bool = PrivateAttr(False)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (Ray actor arguments, the object store) without redis_url, which holds the
+        password: a process that needs the URL resolves it from redis_url_file or redis_url_env
+        (memory_bank.connect.resolve_redis_url), and is told so when neither is set."""
+        state = super().__getstate__()
+        if self.redis_url is None:
+            return state
+        private = {**(state.get("__pydantic_private__") or {}), "_url_withheld": True}
+        return {**state, "__dict__": {**state["__dict__"], "redis_url": None},
+                "__pydantic_private__": private}
 
 
 class RewardModelConfig(Section):

@@ -2,6 +2,9 @@
 
 Bytes read from Redis are untrusted: decoding never unpickles, checks every field and
 shape, and raises only `CorruptEntry` (naming the field) on anything it does not accept.
+Numbers are accepted only in the form `encode` writes them (`str(int)`, `repr(float)`), so a
+damaged field is never read as another number. `encode` decodes its own output before it
+returns, so everything it writes reads back, exactly.
 Frames are not stored: the learner needs latents, log-probs and rewards, not video.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ from memory_bank.keys import check_eid
 from memory_bank.tensorfile import dumps, loads
 
 FORMAT = "1"
+_INT = re.compile(r"(0|-?[1-9][0-9]*)")   # str(int) and nothing else
 SCHEMES = frozenset(get_args(SchemeName))
 STATUSES = frozenset({"fresh", "banked"})
 TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V, "mu_old" when recorded
@@ -64,6 +69,11 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
         tensors["image"] = traj.condition.image
     if traj.mu_old is not None:
         tensors["mu_old"] = traj.mu_old
+    for field in ("id", "prompt"):
+        _utf8(getattr(traj.condition, field), f"condition.{field}")
+    _utf8(traj.group_id, "group_id")
+    for h in heads:
+        _utf8(h, "heads")
     blob = dumps(tensors)
     meta = {
         "format": FORMAT,
@@ -88,7 +98,19 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
     }
     if traj.trained_steps is not None:
         meta["trained_steps"] = json.dumps([int(k) for k in traj.trained_steps])
+    try:  # what decode would refuse (non-finite log-probs, a step outside sigmas, ...) is refused here
+        decode(meta, blob, copy=False)
+    except CorruptEntry as e:
+        raise ValueError(f"group {traj.group_id!r} member {traj.member}: cannot be stored: {e}") from None
     return meta, blob
+
+
+def _utf8(v: str, field: str) -> None:
+    """Redis stores UTF-8: a string that cannot be encoded (a lone surrogate) is refused here."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} {v!r} is not valid Unicode text (it cannot be stored as UTF-8)") from None
 
 
 def decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool = True) -> Entry:
@@ -196,10 +218,9 @@ def _text(v: Any, field: Any) -> str:
 
 
 def _int(m: dict[str, str], f: str) -> int:
-    try:
-        return int(m[f])
-    except ValueError:
-        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected an integer") from None
+    if len(m[f]) > 40 or not _INT.fullmatch(m[f]):
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected an integer")
+    return int(m[f])
 
 
 def _float(m: dict[str, str], f: str) -> float:
@@ -209,6 +230,8 @@ def _float(m: dict[str, str], f: str) -> float:
         raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected a number") from None
     if not math.isfinite(v):
         raise CorruptEntry(f"field {f!r} is not finite: {v}")
+    if repr(v) != m[f]:
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, not a number as written by encode")
     return v
 
 
