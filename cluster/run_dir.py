@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common.config import RunConfig, save_config
 
 
@@ -59,8 +61,18 @@ class RunDir:
         """uint8 [F, H, W, 3] → samples/videos/<tag>_step<step>.gif, and a video in each tracker."""
         from cluster.tracking import Tracker
 
+        tracker = self.tracker or Tracker([])
         path = self.samples / "videos" / f"{tag.replace('/', '_')}_step{step:06d}.gif"
-        (self.tracker or Tracker([])).video(tag, frames, path, step, self.video_fps)
+        tracker.video(tag, frames, path, step, self.video_fps)
+        if tag == "videos/before":
+            self._before = frames
+        elif tag == "videos/after" and getattr(self, "_before", None) is not None \
+                and self._before.shape == frames.shape:
+            # the same pairs side by side: before on the left, after on the right
+            gap = np.full((*frames.shape[:2], 4, 3), 255, np.uint8)
+            both = np.concatenate([self._before, gap, frames], axis=2)
+            tracker.video("videos/before_after", both, path.with_name(f"before_after_step{step:06d}.gif"),
+                          step, self.video_fps)
         return path
 
     # --- status: what `vgrpo runs` reports -----------------------------------------------------

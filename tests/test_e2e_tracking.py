@@ -50,7 +50,7 @@ def test_train_logs_every_metric_and_videos_to_tensorboard_and_wandb(ray_session
     run = tmp_path / "runs" / "tracked"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    video_tags = {"videos/before": 0, "videos/train": STEPS, "videos/after": STEPS}
+    video_tags = {"videos/before": 0, "videos/train": STEPS, "videos/after": STEPS, "videos/before_after": STEPS}
 
     # 1. TensorBoard: every metric at its step, the videos as animated GIFs, the reward curve
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
