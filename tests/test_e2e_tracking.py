@@ -87,11 +87,21 @@ def test_train_logs_every_metric_and_videos_to_tensorboard_and_wandb(ray_session
         assert media.read_bytes()[:6] == b"GIF89a"
     assert history[STEPS]["reward_curve._type"] == "image-file"
 
-    # 3. `vgrpo runs` reports it finished, with its last reward and before → after result
+    # 3. the before/after summary: W&B run summary, TensorBoard scalars at the last step
+    summary = json.loads((run / "summary.json").read_text())
+    wb_summary: dict = {}
+    for r in records:
+        if r["type"] == "summary":
+            wb_summary.update(r["summary"].get("update", {}))
+    for when in ("before", "after"):
+        value = summary[when]["composite_mean"]
+        assert wb_summary[f"{when}/composite_mean"] == pytest.approx(value, rel=1e-9)
+        assert ea.Scalars(f"{when}/composite_mean")[-1].value == pytest.approx(value, rel=1e-5)
+
+    # 4. `vgrpo runs` reports it finished, with its last reward and before → after result
     capsys.readouterr()
     assert main(["runs", str(tmp_path / "runs"), "--json"]) == 0
     (listed,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    summary = json.loads((run / "summary.json").read_text())
     assert listed["status"] == "finished" and listed["reason"] is None
     assert (listed["step"], listed["steps"]) == (STEPS, STEPS)
     assert listed["reward"] == rows[-1]["reward_mean"]
