@@ -300,5 +300,9 @@ def step_videos(driver) -> None:
     if not every or driver.step % every:
         return
     pairs = eval_pairs(driver.cfg, driver.cfg.log.video_pairs)
-    frames = sample_pairs(driver.rollouts, pairs).numpy()
+    try:
+        frames = sample_pairs(driver.rollouts, pairs).numpy()
+    except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on
+        log.warning("step %d: no sample video (%s: %s)", driver.step, type(e).__name__, e)
+        return
     driver.run_dir.log_video("videos/train", video_grid(frames, per_row=min(len(pairs), 4)), driver.step)

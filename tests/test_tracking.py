@@ -164,3 +164,38 @@ def test_only_the_driver_imports_a_tracker():
                 offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
                               if any(n == m or n.startswith(m + ".") for m in TRACKER_MODULES)]
     assert offenders == []
+
+
+def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeypatch):
+    """Every log.video_every steps one tiled video of the fixed pairs; a failed sampling is skipped."""
+    import types
+
+    import torch
+
+    import cluster.evaluate
+    from cluster.run_dir import RunDir
+    from cluster.tracking import step_videos
+
+    cfg = load_config(None, [f"run.root={tmp_path}", "run.name=v", "log.video_every=2", "log.video_pairs=3"])
+    asked = []
+
+    def sample_pairs(rollouts, pairs):
+        asked.append(pairs)
+        if rollouts == "restarting":
+            raise RuntimeError("actor restarting")
+        return torch.zeros(len(pairs), 2, 16, 16, 3, dtype=torch.uint8)
+
+    monkeypatch.setattr(cluster.evaluate, "sample_pairs", sample_pairs)
+    driver = types.SimpleNamespace(cfg=cfg, run_dir=RunDir.create(cfg), rollouts=[], step=0)
+    for step in (1, 2, 3, 4):
+        driver.step = step
+        step_videos(driver)
+    driver.rollouts, driver.step = "restarting", 6
+    step_videos(driver)  # logs a warning, raises nothing
+    videos = sorted(p.name for p in (driver.run_dir.samples / "videos").iterdir())
+    assert videos == ["videos_train_step000002.gif", "videos_train_step000004.gif"]
+    from cluster.prompts import load_prompts
+    from common.toyworld import eval_seeds
+
+    first_seed = eval_seeds(cfg.train.eval_seeds)[0]  # three prompts at their first seed
+    assert asked == [[(c.prompt, first_seed) for c in load_prompts(cfg.train.eval_prompts)[:3]]] * 3
