@@ -125,7 +125,7 @@ def test_backends_store_metrics_videos_and_masked_config_and_resume_the_same_run
     for key in expected[1]:
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
         assert got == pytest.approx({s: v[key] for s, v in expected.items()}, rel=1e-12)
-    (art,) = client.list_artifacts(run.info.run_id, "videos/videos/train")
+    (art,) = client.list_artifacts(run.info.run_id, "videos/train")
     assert art.path.endswith("v.gif")
 
 
@@ -133,8 +133,13 @@ def test_a_broken_backend_is_dropped_and_the_others_go_on(tmp_path):
     class Broken:
         name = "broken"
 
+        closed: list = []
+
         def metrics(self, values, step):
             raise ConnectionError("server gone")
+
+        def close(self, state):
+            self.closed.append(state)
 
     class Keeps:
         name = "keeps"
@@ -147,10 +152,12 @@ def test_a_broken_backend_is_dropped_and_the_others_go_on(tmp_path):
     tracker.metrics({"step": 1, "loss": 0.5})
     tracker.metrics({"step": 2, "loss": 0.25})
     assert [type(b).__name__ for b in tracker.backends] == ["Keeps"]
+    assert Broken.closed == ["failed"]
     assert Keeps.seen == [(1, {"loss": 0.5}), (2, {"loss": 0.25})]
 
 
-TRACKER_MODULES = {"wandb", "tensorboard", "mlflow", "tensorboardX", "torch.utils.tensorboard", "cluster.tracking"}
+TRACKER_MODULES = {"wandb", "tensorboard", "mlflow", "tensorboardX", "torch.utils.tensorboard", "cluster.tracking",
+                   "cluster.trackers"}
 
 
 def test_only_the_driver_imports_a_tracker():
