@@ -206,3 +206,44 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
 
     first_seed = eval_seeds(cfg.train.eval_seeds)[0]  # three prompts at their first seed
     assert asked == [[(c.prompt, first_seed) for c in load_prompts(cfg.train.eval_prompts)[:3]]] * 3
+
+
+def test_a_backend_that_cannot_start_fails_in_one_line_and_closes_the_others(tmp_path, monkeypatch):
+    import cluster.trackers
+
+    closed = []
+
+    class Opens:
+        name = "tensorboard"
+
+        def __init__(self, *a):
+            pass
+
+        def close(self, state):
+            closed.append(state)
+
+    class NoLogin:
+        def __init__(self, *a):
+            raise PermissionError("api_key not configured (no-tty)\nsecond line")
+
+    monkeypatch.setattr(cluster.trackers, "BACKENDS", {"tensorboard": Opens, "wandb": NoLogin})
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with pytest.raises(ConfigError) as e:
+        Tracker.open(load_config(None, ["log.backends=[tensorboard,wandb]"]), tmp_path)
+    assert str(e.value) == ("log.backends: wandb could not start (PermissionError: api_key not configured "
+                            "(no-tty)); fix that or drop 'wandb' from log.backends")
+    assert closed == ["failed"]
+
+
+@pytest.mark.parametrize("override, field", [("log.video_every=-1", "log.video_every"),
+                                             ("log.backends=[jsonl,comet]", "log.backends.1"),
+                                             ("log.wandb.mode=cloud", "log.wandb.mode")])
+def test_log_config_rejects_bad_values_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"^config: {field}"):
+        load_config(None, [override])
+
+
+def test_jsonl_is_implied_and_trackers_listed_once():
+    cfg = load_config(None, ["log.backends=[wandb,tensorboard,wandb]"])
+    assert cfg.log.trackers == ["wandb", "tensorboard"]
+    assert load_config(None, []).log.trackers == []
