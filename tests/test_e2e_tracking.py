@@ -26,9 +26,10 @@ def numeric(row: dict) -> dict[str, float]:
             and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def wandb_records(run_dir: Path) -> list[dict]:
+def wandb_records(run_dir: Path, log: Path | None = None) -> list[dict]:
     """The offline run's transaction log, decoded by wandb's own reader (`wandb leet inspect`)."""
-    (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    if log is None:
+        (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -108,3 +109,20 @@ def test_train_logs_every_metric_and_videos_to_tensorboard_and_wandb(ray_session
     assert (listed["before"], listed["after"]) == (summary["before"]["composite_mean"],
                                                    summary["after"]["composite_mean"])
     assert listed["wall_s"] >= rows[-1]["time_s"]
+
+    # 5. `vgrpo resume` continues the same W&B run (its id kept in the run directory) and TensorBoard
+    assert main(["resume", str(run), f"train.steps={STEPS + 1}", "--no-eval"]) == 0
+    logs = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2 and len({p.name for p in logs}) == 1  # two sessions of one run id
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == STEPS + 1
+    resumed = wandb_records(run, logs[-1])
+    assert [r["run"]["run_id"] for r in resumed if r["type"] == "run"] == [meta["run_id"]]
+    later = {r["history"]["step"]["num"]: r["history"]["item"] for r in resumed if r["type"] == "history"}
+    assert later[STEPS + 1]["reward_mean"] == pytest.approx(last["reward_mean"], rel=1e-9)
+    ea = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("reward_mean")] == list(range(1, STEPS + 2))
+    capsys.readouterr()
+    main(["runs", str(tmp_path / "runs"), "--json"])
+    assert json.loads(capsys.readouterr().out)["step"] == STEPS + 1
