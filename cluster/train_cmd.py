@@ -84,17 +84,24 @@ def _run(cfg, run_dir, resume, evaluate: bool) -> int:
             f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise
     finally:
-        driver.teardown()
-        if run_dir.tracker is not None:
-            run_dir.tracker.close("finished" if state == "finished" else
-                                  "interrupted" if reason and "interrupted" in reason else "failed")
-        if resume is None and state != "finished" and not any(run_dir.checkpoints.glob("step_*")):
-            import shutil
+        try:
+            driver.teardown()
+        finally:
+            _close(run_dir, console, fresh=resume is None, state=state, reason=reason)
 
-            shutil.rmtree(run_dir.path, ignore_errors=True)
-            console.print(f"removed {run_dir.path}: the run failed before its first checkpoint")
-        else:
-            run_dir.set_status(state, reason)
+
+def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> None:
+    """Close the trackers; record how the run ended, or remove a new run that never checkpointed."""
+    if run_dir.tracker is not None:
+        run_dir.tracker.close("finished" if state == "finished" else
+                              "interrupted" if reason and "interrupted" in reason else "failed")
+    if fresh and state != "finished" and not any(run_dir.checkpoints.glob("step_*")):
+        import shutil
+
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        console.print(f"removed {run_dir.path}: the run failed before its first checkpoint")
+    else:
+        run_dir.set_status(state, reason)
 
 
 def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:

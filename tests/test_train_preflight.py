@@ -65,3 +65,31 @@ def test_a_run_that_fails_while_starting_is_removed(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no GPU"):
         _train(tmp_path)
     assert made and not made[0].exists()
+
+
+def test_a_run_stopped_by_a_fault_is_kept_with_its_reason(tmp_path, monkeypatch, capsys):
+    """The driver stops cleanly after its checkpoint: the run stays, status.json says why."""
+    import json
+
+    from cluster.driver import Driver
+
+    def run(self, progress=None):
+        self.step = 1
+        self.run_dir.log({"step": 1, "time_s": 1.0, "reward_mean": 0.5})
+        self.stop_reason = "the learner died (RayActorError)"
+
+    def checkpoint(self):
+        (self.run_dir.checkpoints / f"step_{self.step:08d}").mkdir()
+
+    for name, fn in {"setup": lambda self, resume=None: None, "run": run, "checkpoint": checkpoint,
+                     "heads": lambda self: [], "teardown": lambda self: None}.items():
+        monkeypatch.setattr(Driver, name, fn)
+    assert _train(tmp_path, "--no-eval") == 1
+    run_dir = tmp_path / "runs" / "r"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], status["reason"]) == ("stopped", "the learner died (RayActorError)")
+    capsys.readouterr()
+    assert main(["runs", str(tmp_path / "runs"), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert (listed["status"], listed["reason"], listed["step"], listed["reward"]) == \
+        ("stopped", "the learner died (RayActorError)", 1, 0.5)
