@@ -51,8 +51,11 @@ def describe(path: Path) -> dict[str, Any]:
     from cluster.run_dir import RunDir
 
     rd = RunDir(path)
-    cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
-    steps = (cfg.get("train") or {}).get("steps")
+    try:
+        cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
+        steps = (cfg.get("train") or {}).get("steps")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):  # a hand-edited config: list it anyway
+        steps = None
     last = _last_row(rd.metrics_file)
     status = rd.read_status()
     state, reason = status.get("state", "unknown"), status.get("reason")
@@ -61,7 +64,10 @@ def describe(path: Path) -> dict[str, Any]:
     sessions = status.get("sessions") or []
     wall = sum((end if end is not None else (time.time() if state == "running" else start)) - start
                for start, end in sessions) if sessions else last.get("time_s")
-    summary = json.loads(rd.summary_file.read_text()) if rd.summary_file.is_file() else {}
+    try:
+        summary = json.loads(rd.summary_file.read_text())
+    except (OSError, ValueError):
+        summary = {}
     return {"run": path.name, "path": str(path), "step": last.get("step", 0), "steps": steps,
             "status": state, "reason": reason, "reward": last.get("reward_mean"),
             "before": (summary.get("before") or {}).get("composite_mean"),

@@ -77,3 +77,13 @@ def test_runs_on_a_missing_root_says_so_in_one_line(tmp_path, capsys):
     assert main(["runs", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nope: no such folder" in err
+
+
+def test_runs_lists_a_run_whose_files_are_damaged(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.yaml").write_text("train: [unclosed\n")
+    (broken / "summary.json").write_text("{not json")
+    (broken / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.2}\n{"step": 2, "rew')  # cut by a kill
+    r = _listed(capsys, tmp_path)["broken"]
+    assert (r["step"], r["steps"], r["status"], r["reward"], r["after"]) == (1, None, "unknown", 0.2, None)
