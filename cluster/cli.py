@@ -21,6 +21,7 @@ COMMANDS = [
     "cluster.sde_report",
     "cluster.train_cmd",
     "cluster.eval_cmd",
+    "cluster.runs_cmd",
     "cluster.compare_cmd",
     "cluster.bench_cmd",
     "cluster.toy_cmd",

@@ -29,6 +29,7 @@ import numpy as np
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
+from cluster.tracking import eval_grid, step_videos
 from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
@@ -530,6 +531,7 @@ class Driver:
             progress.update(record)
         if self.step % 5 == 0 or self.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
+        step_videos(self)  # every log.video_every steps: the fixed eval pairs as one video
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
 
@@ -556,6 +558,7 @@ class Driver:
         for i in range(min(gifs, len(pairs))):
             k = i * len(seeds)  # the first seed of each prompt
             write_gif(frames[k].numpy(), self.run_dir.samples / f"{label}_{i}_{pairs[k][0].replace(' ', '_')}.gif")
+        self.run_dir.log_video(f"videos/{label}", eval_grid(frames.numpy(), len(seeds), self.cfg.log.video_pairs), self.step)
         self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s, "
                   f"composite {composite.mean():.3f}")
         return result

@@ -318,6 +318,46 @@ class RunDirConfig(Section):
     """Run directory name; None uses a timestamp."""
 
 
+BackendName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class WandbConfig(Section):
+    project: str = "vgrpo"
+    entity: str | None = None
+    """W&B team or user; None takes the logged-in default."""
+    name: str | None = None
+    """Run name shown in W&B; None takes the run directory's name."""
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline"] | None = None
+    """None follows $WANDB_MODE (online when unset); offline writes the run under RUN_DIR/wandb
+    for `wandb sync` later."""
+
+
+class MlflowConfig(Section):
+    tracking_uri: str | None = None
+    """None logs to a file store in RUN_DIR/mlruns (set $MLFLOW_TRACKING_URI or this for a server)."""
+    experiment: str = "vgrpo"
+
+
+class LogConfig(Section):
+    backends: list[BackendName] = Field(default_factory=lambda: ["jsonl"])
+    """Experiment trackers that get every metrics.jsonl row and the sample videos. metrics.jsonl
+    is always written; each other backend is an extra: pip install 'vgrpo[tensorboard]'."""
+    video_every: int = Field(0, ge=0)
+    """Every this many steps, sample the fixed evaluation pairs and log them as one video (0: only
+    before and after training)."""
+    video_pairs: int = Field(4, ge=1)
+    """How many evaluation pairs the periodic video shows (the first seed of each prompt first)."""
+    video_fps: float = Field(4.0, gt=0.0)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+    @property
+    def trackers(self) -> list[str]:
+        """The backends besides jsonl, each once, in the order given."""
+        return [b for b in dict.fromkeys(self.backends) if b != "jsonl"]
+
+
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -333,6 +373,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
 
     @property
     def records_mu_old(self) -> bool:
