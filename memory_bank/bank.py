@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 import torch
 
+from common.actor_metrics import count_bank_evictions
 from common.config import BankConfig
 from common.types import Group, Scores, TrainBatch, Trajectory
 from memory_bank import codec
@@ -199,6 +200,8 @@ class MemoryBank:
             if eid not in evicted:   # the script never recreates a deleted entry either
                 self.scripts.touch(keys=[k.meta(eid)], args=[1, status], client=pipe)
         self._delete_entries(sorted(evicted), pipe)
+        # trimmed by capacity or the byte bound (members of a skipped step were never banked)
+        count_bank_evictions(len(evicted - ({e for ks in keeps for e in ks} if mode in ('skip', 'drop') else set())))
 
     @_reachable
     def queued_ids(self) -> list[str]:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kuberay_rules import rayjob_errors
 
 ROOT = Path(__file__).resolve().parents[1]
