@@ -82,12 +82,13 @@ def missing_from(samples, needs: dict[str, set[str]]) -> list[str]:
     return out
 
 
-def missing_actor_series(samples, pools: dict[str, str]) -> list[str]:
+def missing_actor_series(samples, pools: dict[str, str], old_workers: set[str]) -> list[str]:
+    """Actor-owned series from worker processes of this run (not from earlier tests' actors)."""
     out = []
     for role, names in ACTOR_OWNED.items():
         for name in names:
             if not any(n == name and lab.get("role") == role and lab.get("pool") == pools[role]
-                       for n, lab in samples):
+                       and lab.get("WorkerId") not in old_workers for n, lab in samples):
                 out.append(f"{name}{{role={role}, pool={pools[role]}}}")
     return out
 
@@ -126,12 +127,13 @@ def test_every_dashboard_query_finds_its_series_after_a_short_run(ray_session, t
         f"train.prompts={prompts}", "train.mode=async", "train.steps=3", "train.groups_per_step=2",
         "train.eval_seeds=1", "train.checkpoint_every=3", "sampler.group_size=4", "schedule.steps=6",
         "bank.capacity=2", "optim.micro_batch=4", f"run.root={tmp_path}", "run.name=metrics"])
+    url = metrics_url()
+    old_workers = {lab.get("WorkerId") for _, lab in scrape(url)}
     driver = Driver(cfg, RunDir.create(cfg))
     try:
         driver.setup()
         driver.run()
         assert driver.step == 3
-        url = metrics_url()
         queries = dashboard_needs()
         assert len(queries) >= 30
 
@@ -140,7 +142,7 @@ def test_every_dashboard_query_finds_its_series_after_a_short_run(ray_session, t
             for title, _expr, needs in queries:
                 required = {n: labels for n, labels in needs.items() if n not in EVENT_COUNTERS}
                 missing += [f"{title}: {m}" for m in missing_from(samples, required)]
-            return missing + missing_actor_series(samples, {r: r for r in ACTOR_OWNED})
+            return missing + missing_actor_series(samples, {r: r for r in ACTOR_OWNED}, old_workers)
 
         samples, missing = wait_for(url, check)
         assert not missing, "not in Ray's scrape:\n" + "\n".join(missing)
