@@ -82,6 +82,7 @@ class Driver:
         from cluster.pools import actor_options, in_group, init_ray, placement_group_for
         from learner.actor import LearnerGroup
         from memory_bank.connect import connect_bank
+        from memory_bank.ownership import claim_namespace
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
 
@@ -95,6 +96,8 @@ class Driver:
                                                     for r in ("rollout", "reward", "learner")})
         # 2. the memory bank: a configured Redis, or an embedded redis-server for this run
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
+        self.lease = claim_namespace(self.bank, str(self.run_dir.path.resolve()), resume=resume is not None)
+        self.bank.expect_step(cfg.train.groups_per_step)  # one step's groups must fit bank.max_bytes
         # 3. pools: a placement group keeps the rollout pool's actors together
         n_roll = max(1, cfg.pools.rollout.num_actors)
         self.rollout_pg = placement_group_for(cfg.pools.rollout, "rollout", n_roll)
@@ -117,7 +120,11 @@ class Driver:
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), step, data cursor, counters,
         the bank's per-condition entries; then reconcile the fresh queue with the stream."""
+        from memory_bank.dump import restore_bank
+        from memory_bank.dump import step_dir as bank_step_dir
+
         extra = self.learner.load_checkpoint(ckpt)
+        self.note(restore_bank(self.bank, bank_step_dir(ckpt, int(extra["step"]))))  # before any requeue
         self.step = int(extra["step"])
         self.cursor = int(extra["cursor"])
         self.counts.update({k: int(v) for k, v in (extra.get("counts") or {}).items()})
@@ -266,26 +273,29 @@ class Driver:
         group.scores = scores
         group.composite = self.rewards.composite(scores)
         t0 = time.monotonic()
-        while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0):
+        while not (self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0)
+                   and self._bank("push_group", self._push, group)):  # False: full, wait again
             if self.stop_requested.is_set():
                 return False
-        self._bank("push_group", self._push, group)
         self.timers["store"] += time.monotonic() - t0
         self.counts["groups_produced"] += 1
         self.counts["videos"] += group.size
         return True
 
-    def _push(self, group: Group) -> None:
-        from memory_bank.errors import DuplicateGroup
+    def _push(self, group: Group) -> bool:
+        from memory_bank.errors import BankFull, DuplicateGroup
 
         try:
             self.bank.push_group(group)
+        except BankFull:
+            return False
         except DuplicateGroup:
             if not getattr(self, "_pushing_again", False):
                 raise
             # a retry after a dropped connection: the first try got through
         finally:
             self._pushing_again = False
+        return True
 
     def _pull(self, n: int, version: int):
         self.bank.requeue_pending()  # a pull whose answer was lost left its groups pending
@@ -557,6 +567,7 @@ class Driver:
         watermark. None when the learner is gone (the last checkpoint stands)."""
         from safetensors.torch import save_file
 
+        from memory_bank.dump import dump_bank
         from memory_bank.errors import BankUnavailable
 
         if self.learner_lost:
@@ -571,6 +582,8 @@ class Driver:
             extra["bank"] = None
             self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
+        if (lost := dump_bank(self.bank, path)) is not None:  # the bank's data rides along
+            self.note(lost)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
         save_file(payload, str(path / "policy.safetensors"))
@@ -593,6 +606,8 @@ class Driver:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.rollout_pg)
+        if getattr(self, "lease", None) is not None:
+            self.lease.release()
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
         if getattr(self, "ray_handle", None) is not None:

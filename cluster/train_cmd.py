@@ -19,6 +19,8 @@ def register(sub) -> None:
         "step, writes a checkpoint and stops what the run started.")
     add_config_args(p)
     p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
+    p.add_argument("--clear-stale-bank", action="store_true",
+                   help="delete data a dead run left in bank.namespace (same as bank.clear_stale=true)")
     p.set_defaults(func=train)
 
     r = sub.add_parser(
@@ -35,7 +37,7 @@ def register(sub) -> None:
 def train(args) -> int:
     from common.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
     from cluster.run_dir import RunDir
 
     return _run(cfg, RunDir.create(cfg), resume=None, evaluate=not args.no_eval)
