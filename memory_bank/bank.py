@@ -162,6 +162,7 @@ class MemoryBank:
                            f"{self.cfg.max_bytes}; wait_for_space() until the learner pulls and "
                            "commits, or raise bank.max_bytes")
         self._delete_entries([_s(e) for e in out])   # banked entries evicted to make room
+        count_bank_evictions(len(out))
         return gid
 
     @_reachable

@@ -117,3 +117,18 @@ def test_bank_counts_only_trimmed_entries(bank, recorded):
         bank.commit(bank.pull(1, 0), step=i)
     assert len(bank.entries("c")) == 2
     assert recorded["bank"].value("vgrpo_bank_evictions_total") == 2
+
+
+@pytest.mark.parametrize("bank", [{"max_bytes": 2 << 20, "capacity": 16}], indirect=True)
+def test_every_banked_entry_is_kept_or_counted_as_evicted(bank, recorded):
+    """Under the byte bound, room is made at push and at commit; each entry that leaves the
+    bank is counted once, wherever it was evicted."""
+    from bank_helpers import make_group
+
+    rounds = 12
+    for i in range(rounds):  # distinct conditions: no capacity trims, only the byte bound
+        bank.push_group(make_group(f"c{i}", f"g{i}", seed=i))
+        bank.commit(bank.pull(1, 0), step=i + 1)
+    banked = bank.stats()["banked"]
+    evicted = recorded["bank"].value("vgrpo_bank_evictions_total")
+    assert evicted > 0 and evicted == 4 * rounds - banked
