@@ -3,10 +3,14 @@
 Layout: `<root>/step_00000042/{trainer.pt, extra.json}`. `trainer.pt` is the trainer's
 state dict (torch.save, read back with weights_only=True); `extra.json` holds what the
 driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` survive.
+
+`root` may also be an fsspec URI (s3://, gs://, …): common/storage.py then writes the same
+layout object by object, trainer.pt last, and the functions return URIs (str) instead of Paths.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -14,6 +18,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from common import storage
 
 PREFIX = "step_"
 STATE_FILE, EXTRA_FILE = "trainer.pt", "extra.json"
@@ -25,6 +31,8 @@ def step_dir(root: Path, step: int) -> Path:
 
 def list_checkpoints(root: str | os.PathLike, marker: str = STATE_FILE) -> list[Path]:
     """Complete checkpoints under root (step dirs holding `marker`), oldest first."""
+    if storage.is_uri(root):
+        return storage.list_steps(root, PREFIX, marker)
     root = Path(root)
     if not root.is_dir():
         return []
@@ -35,12 +43,15 @@ def list_checkpoints(root: str | os.PathLike, marker: str = STATE_FILE) -> list[
 
 def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int) -> Path:
     """Write step's checkpoint atomically, then drop all but the newest `keep`."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     try:
         extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable (data cursor, bank watermark): {e}") from None
+    if storage.is_uri(root):
+        files = {EXTRA_FILE: extra_json.encode(), STATE_FILE: lambda f: torch.save(state, f)}
+        return storage.save_step(root, f"{PREFIX}{step:08d}", files, STATE_FILE, keep, PREFIX)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -73,6 +84,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def load(path: str | os.PathLike, map_location="cpu") -> tuple[dict, dict, Path]:
     """(trainer state, extra, the dir read). Tensors only: nothing arbitrary is unpickled."""
+    if storage.is_uri(path):
+        d = storage.resolve_step(path, PREFIX, STATE_FILE)
+        state = torch.load(io.BytesIO(storage.read_bytes(storage.join(d, STATE_FILE))),
+                           map_location=map_location, weights_only=True)
+        extra_uri = storage.join(d, EXTRA_FILE)
+        return state, json.loads(storage.read_bytes(extra_uri)) if storage.exists(extra_uri) else {}, d
     d = resolve(path)
     state = torch.load(d / STATE_FILE, map_location=map_location, weights_only=True)
     extra_file = d / EXTRA_FILE
