@@ -573,7 +573,8 @@ class Driver:
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
-        save_file(payload, str(path / "policy.safetensors"))
+        save_file(payload, str(path / ".policy.safetensors.tmp"))  # then renamed: never seen half-written
+        (path / ".policy.safetensors.tmp").replace(path / "policy.safetensors")
         self.note(f"checkpoint written: {path}")
         return path
 
@@ -612,7 +613,8 @@ def check_model_path(cfg: RunConfig) -> None:
     if cfg.model.family == "toy":
         if path is not None and not Path(path).exists():
             raise ModelLoadError(f"model.path {path!r} does not exist")
-        return
+        from rollout_worker.models.toy import ToyVideoModel
+        return ToyVideoModel.check(cfg)  # damaged weights: one line here, not a traceback per actor
     if path is None:
         raise ModelLoadError(f"model.path is required for model.family = {cfg.model.family!r}")
     if is_local(path):

@@ -36,22 +36,24 @@ def train(args) -> int:
     from common.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from cluster.driver import check_model_path
     from cluster.run_dir import RunDir
 
+    check_model_path(cfg)  # before the run dir exists: a bad model leaves nothing behind
     return _run(cfg, RunDir.create(cfg), resume=None, evaluate=not args.no_eval)
 
 
 def resume(args) -> int:
     from cluster.run_dir import RunDir
     from common.config import ConfigError, load_config
+    from learner import dist_checkpoint
 
     run = Path(args.run_dir)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml", args.overrides)
     root = run / "checkpoints"
-    if not any(p.is_dir() and p.name.startswith("step_") for p in root.glob("step_*")):
-        raise ConfigError(f"{run}: no checkpoint to resume from in {root}")
+    dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
     return _run(cfg, RunDir(run), resume=root, evaluate=not args.no_eval)
 
 
