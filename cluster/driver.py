@@ -573,8 +573,7 @@ class Driver:
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         payload = {k: v.contiguous() for k, v in self.learner.weights_payload().items()}
-        save_file(payload, str(path / ".policy.safetensors.tmp"))  # then renamed: never seen half-written
-        (path / ".policy.safetensors.tmp").replace(path / "policy.safetensors")
+        save_file(payload, str(path / "policy.safetensors"))
         self.note(f"checkpoint written: {path}")
         return path
 

@@ -163,7 +163,10 @@ def verify_file(f: Path, keys: tuple[str, ...] = ()) -> None:
     problem = check_torch_file(f)
     if problem is not None:
         raise CheckpointError(f"{f}: {problem}; {set_aside_hint(f.parent)}")
-    state = load_state_file(f, mmap=True)  # mmap: the pickle is checked, the tensors are not read
+    try:
+        state = load_state_file(f, mmap=True)  # mmap: the pickle is checked, the tensors are not read
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {set_aside_hint(f.parent)}") from None
     lacking = [k for k in keys if k not in state]
     if lacking:
         raise CheckpointError(f"{f}: lacks {', '.join(lacking)} (not a trainer checkpoint); {set_aside_hint(f.parent)}")

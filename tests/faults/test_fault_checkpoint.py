@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -252,6 +253,8 @@ def test_sharded_checkpoint_damage_is_one_line(sharded, tmp_path):
     checkpoint.save(single, 1, {"version": 1}, {"step": 1, "cursor": 1}, keep=1)
     with pytest.raises(CheckpointError, match=r"single-rank checkpoint .*num_actors=1"):
         dist_checkpoint.verify_newest(single, WORLD)
+    with pytest.raises(CheckpointError, match=r"trainer.pt: lacks finetune, policy, optimizer, kl, rng"):
+        dist_checkpoint.verify_newest(single, 1)  # a whole torch file, but not a trainer's state
     _truncate(d / "rank00001.pt")
     before = _hashes(tmp_path)
     _assert_one_line(_vgrpo("resume", str(tmp_path / "run")), d / "rank00001.pt", "truncated")
@@ -260,3 +263,19 @@ def test_sharded_checkpoint_damage_is_one_line(sharded, tmp_path):
         dist_checkpoint.verify_newest(d.parent, WORLD)
     assert all(_hashes(tmp_path)[k] == v for k, v in before.items() if not k.endswith("meta.json"))
 
+
+
+def test_policy_that_does_not_fit_the_model_is_named(work):
+    """A whole safetensors file whose names are not the run's model (config edited after training)."""
+    from safetensors.torch import load_file
+
+    from cluster.eval_cmd import POLICY_FILE, load_policy, resolve_target
+
+    cfg, ckpt = resolve_target(str(work / "run"), None)
+    assert ckpt == work / "run/checkpoints" / NEWEST
+    load_policy(cfg, ckpt)  # the saved one fits
+    payload = load_file(str(ckpt / POLICY_FILE))
+    payload["blocks.99.not_a_weight"] = torch.zeros(2)
+    save_file(payload, str(ckpt / POLICY_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / POLICY_FILE)) + ": does not fit the run's model"):
+        load_policy(cfg, ckpt)
