@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
+	# HPSv3's instruction text is read from its wheel; its own deps pin an old transformers.
+	$(PY) -m pip install -q --no-deps hpsv3
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,7 +23,14 @@ def register(sub) -> None:
 
 
 def show_config(args) -> int:
-    from common.config import load_config, to_yaml
+    from common.config import load_config, reconstruction_notes, to_yaml
 
-    print(to_yaml(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    for note in reconstruction_notes(cfg):
+        print(f"# NOTE {note}")
+    if any(m.name == "qsave" for m in cfg.rewards.models):
+        from reward_worker.prompts import QSAVE_NOTE
+
+        print(f"# NOTE {QSAVE_NOTE}.")
+    print(to_yaml(cfg), end="")
     return 0

@@ -37,6 +37,7 @@ import numpy as np
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
+from cluster.tracking import eval_grid, step_videos
 from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
@@ -92,6 +93,7 @@ class Driver:
         self.published = 0                 # newest version the rollout actors may load
         self.actor_version: list[int] = []
         self.busy: dict[int, Flight] = {}  # rollout actor index -> its group in flight
+        self.group_bytes = 0               # the largest group the actors stored (bank space per group)
         self.receipts: deque[GroupReceipt] = deque(maxlen=100_000)  # what the actors reported
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {})
@@ -112,6 +114,7 @@ class Driver:
         from cluster.pools import actor_options, in_group, init_ray, placement_group_for
         from learner.actor import LearnerGroup
         from memory_bank.connect import connect_bank
+        from memory_bank.ownership import claim_namespace
         from memory_bank.ref import make_ref
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
@@ -127,9 +130,11 @@ class Driver:
         # 2. the memory bank: a configured Redis, or an embedded redis-server for this run. The
         #    driver's own connection does bookkeeping only; actors get the URL by reference.
         self.bank, self.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
+        self.lease = claim_namespace(self.bank, str(self.run_dir.path.resolve()), resume=resume is not None)
         self.bank_ref, self._secret_dir = make_ref(cfg.bank, self._bank_url())
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
+        self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
         # 3. pools: the reward pool first (rollout actors score with it), then the rollout pool
         reward_actors = create_reward_actors(cfg.rewards.models, cfg.pools.reward, self.reward_factory)
         self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models),
@@ -161,7 +166,11 @@ class Driver:
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), step, data cursor, counters,
         the bank's per-condition entries; then reconcile the fresh queue with the stream."""
+        from memory_bank.dump import restore_bank
+        from memory_bank.dump import step_dir as bank_step_dir
+
         extra = self.learner.load_checkpoint(ckpt)
+        self.note(restore_bank(self.bank, bank_step_dir(ckpt, int(extra["step"]))))  # before any requeue
         self.step = int(extra["step"])
         self.cursor = int(extra["cursor"])
         self.counts.update({k: int(v) for k, v in (extra.get("counts") or {}).items()})
@@ -324,13 +333,14 @@ class Driver:
             self.counts["reward_timeouts"] += rec.reward_timeouts
             self.counts["reward_failures"] += rec.reward_failures
         if rec.ok:
+            self.group_bytes = max(self.group_bytes, rec.latent_bytes)
             with self.lock:
                 self.open[rec.cursor] = rec.group_id
                 self.counts["groups_produced"] += 1
                 self.counts["videos"] += rec.size
             self.failed_in_row = 0
             return
-        if rec.failure == "bank_unavailable":
+        if rec.failure in ("bank_unavailable", "fatal"):
             raise StopRun(f"{rec.detail}; stopping")
         self.counts["groups_refilled"] += 1
         if rec.failure == "invalid":
@@ -371,7 +381,7 @@ class Driver:
         if self.published < self.step:  # the step's weights are not out yet
             return False
         waiting = self.counts["groups_produced"] - self.counts["groups_pulled"] + len(self.busy)
-        return waiting < ahead * gps and self._bank("has_space", self.bank.has_space)
+        return waiting < ahead * gps and self._has_space()
 
     def generate_round(self, n: int) -> list[GroupReceipt]:
         """sync: n groups stored at the current version, each actor fed as soon as it is free."""
@@ -379,19 +389,21 @@ class Driver:
         while len(stored) < n and not self.stop_requested.is_set():
             for i in range(len(self.rollouts)):
                 if i not in self.busy and len(stored) + len(self.busy) < n:
-                    if not self._bank("has_space", self.bank.has_space):
+                    if not self._has_space():
                         self._wait_for_space()
                     self._dispatch(i)
             stored += [r for r in self._collect(POLL_S) if r.ok]
         return stored
 
+    def _has_space(self) -> bool:
+        """Room in the bank for one more group of the size the actors reported (they push it)."""
+        return self._bank("has_space", self.bank.has_space, self.group_bytes)
+
     def _wait_for_space(self) -> None:
-        t0 = time.monotonic()
-        while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0):
+        # the bank logs while it stays full; a step that cannot fit was refused at its first push
+        while not self._bank("wait_for_space", self.bank.wait_for_space, timeout_s=5.0, nbytes=self.group_bytes):
             if self.stop_requested.is_set():
                 return
-            log.warning("bank holds %d of bank.max_bytes=%d bytes for %.0fs: waiting for the learner",
-                        self.bank.bytes_used(), self.cfg.bank.max_bytes, time.monotonic() - t0)
 
     def _bank(self, what: str, fn, *args, **kw):
         """A bank call (here or on the learner) retried with backoff while Redis is unreachable,
@@ -650,6 +662,7 @@ class Driver:
             progress.update(record)
         if self.step % 5 == 0 or self.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
+        step_videos(self)  # every log.video_every steps: the fixed eval pairs as one video
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
 
@@ -678,6 +691,7 @@ class Driver:
         for i in range(min(gifs, len(pairs))):
             k = i * len(seeds)  # the first seed of each prompt
             write_gif(frames[k].numpy(), self.run_dir.samples / f"{label}_{i}_{pairs[k][0].replace(' ', '_')}.gif")
+        self.run_dir.log_video(f"videos/{label}", eval_grid(frames.numpy(), len(seeds), self.cfg.log.video_pairs), self.step)
         self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s, "
                   f"composite {composite.mean():.3f}")
         return result
@@ -687,6 +701,7 @@ class Driver:
     def checkpoint(self) -> Path | None:
         """Learner state plus what a resume needs: step, cursor, open groups, counters, the bank's
         watermark. None when the learner is gone (the last checkpoint stands)."""
+        from memory_bank.dump import dump_bank
         from memory_bank.errors import BankUnavailable
 
         if self.learner_lost:
@@ -701,6 +716,8 @@ class Driver:
             extra["bank"] = None
             self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
+        if (lost := dump_bank(self.bank, path)) is not None:  # the bank's data rides along
+            self.note(lost)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         # (written by the learner's rank 0: the weights do not pass through the driver)
         self.learner.save_policy(path / "policy.safetensors")
@@ -723,6 +740,8 @@ class Driver:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.rollout_pg)
+        if getattr(self, "lease", None) is not None:
+            self.lease.release()
         if getattr(self, "redis", None) is not None:
             self.redis.stop()
         if self._secret_dir is not None:
@@ -744,7 +763,8 @@ def check_model_path(cfg: RunConfig) -> None:
     if cfg.model.family == "toy":
         if path is not None and not Path(path).exists():
             raise ModelLoadError(f"model.path {path!r} does not exist")
-        return
+        from rollout_worker.models.toy import ToyVideoModel
+        return ToyVideoModel.check(cfg)  # damaged weights: one line here, not a traceback per actor
     if path is None:
         raise ModelLoadError(f"model.path is required for model.family = {cfg.model.family!r}")
     if is_local(path):

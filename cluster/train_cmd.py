@@ -19,6 +19,8 @@ def register(sub) -> None:
         "step, writes a checkpoint and stops what the run started.")
     add_config_args(p)
     p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
+    p.add_argument("--clear-stale-bank", action="store_true",
+                   help="delete data a dead run left in bank.namespace (same as bank.clear_stale=true)")
     p.set_defaults(func=train)
 
     r = sub.add_parser(
@@ -33,63 +35,107 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
+    from cluster.driver import check_model_path
+    from cluster.preflight import preflight
+    from cluster.run_dir import RunDir
     from common.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
-    from cluster.run_dir import RunDir
-
+    cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
+    preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
+    check_model_path(cfg)
     return _run(cfg, RunDir.create(cfg), resume=None, evaluate=not args.no_eval)
 
 
 def resume(args) -> int:
+    from cluster.preflight import preflight
     from cluster.run_dir import RunDir
     from common.config import ConfigError, load_config
+    from learner import dist_checkpoint
 
     run = Path(args.run_dir)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml", args.overrides)
     root = run / "checkpoints"
-    if not any(p.is_dir() and p.name.startswith("step_") for p in root.glob("step_*")):
-        raise ConfigError(f"{run}: no checkpoint to resume from in {root}")
-    return _run(cfg, RunDir(run), resume=root, evaluate=not args.no_eval)
+    dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
+    preflight(cfg)
+    run_dir = RunDir(run)
+    run_dir.video_fps = cfg.log.video_fps
+    return _run(cfg, run_dir, resume=root, evaluate=not args.no_eval)
 
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:
+    """Set up, train, evaluate; status.json says how it ended. A new run that fails before it
+    wrote a checkpoint is removed again (nothing in it can be resumed)."""
     from rich.console import Console
 
     from cluster.driver import Driver
-    from cluster.evaluate import paired, summary_table
-    from cluster.progress import TrainProgress
+    from cluster.tracking import Tracker
 
     console = Console()
     console.print(f"[bold]vgrpo[/] run directory: {run_dir.path}")
     driver = Driver(cfg, run_dir, console=console)
+    run_dir.set_status("running")
+    state, reason = "stopped", None
     try:
         with console.status("starting Ray, Redis and the actors…"):
             driver.setup(resume=resume)
-        before = driver.evaluate("before") if evaluate and resume is None else None
-        with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
-            driver.run(progress)
-        driver.checkpoint()
-        if driver.stop_reason is not None:
-            # a fault the run could not ride out: one line, and how to continue
-            console.print(f"error: {driver.stop_reason}")
-            console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
-            return 1
-        if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
-            console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
-            return 130
-        if evaluate:
-            after = driver.evaluate("after")
-            summary = {"steps": driver.step, "after": after.to_dict()}
-            if before is not None:
-                console.print(summary_table(before, after, f"evaluation: {len(after.composite)} fixed "
-                                            "(prompt, seed) pairs, ODE sampling, before vs after"))
-                summary["before"] = before.to_dict()
-                summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
-            (run_dir.path / "summary.json").write_text(json.dumps(summary, indent=2))
-        console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
+        run_dir.attach(Tracker.open(cfg, run_dir.path, resume_step=driver.step if resume else None))
+        code, state, reason = _train(cfg, run_dir, driver, console, resume, evaluate)
+        return code
+    except BaseException as e:
+        reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+            f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise
     finally:
-        driver.teardown()
-    return 0
+        try:
+            driver.teardown()
+        finally:
+            _close(run_dir, console, fresh=resume is None, state=state, reason=reason)
+
+
+def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> None:
+    """Close the trackers; record how the run ended, or remove a new run that never checkpointed."""
+    if run_dir.tracker is not None:
+        run_dir.tracker.close("finished" if state == "finished" else
+                              "interrupted" if reason and "interrupted" in reason else "failed")
+    if fresh and state != "finished" and not any(run_dir.checkpoints.glob("step_*")):
+        import shutil
+
+        shutil.rmtree(run_dir.path, ignore_errors=True)
+        console.print(f"removed {run_dir.path}: the run failed before its first checkpoint")
+    else:
+        run_dir.set_status(state, reason)
+
+
+def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
+    """(exit code, final state, reason) of the training and evaluation proper."""
+    from cluster.evaluate import paired, summary_table
+    from cluster.progress import TrainProgress
+
+    before = driver.evaluate("before") if evaluate and resume is None else None
+    with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
+        driver.run(progress)
+    driver.checkpoint()
+    if driver.stop_reason is not None:
+        # a fault the run could not ride out: one line, and how to continue
+        console.print(f"error: {driver.stop_reason}")
+        console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+        return 1, "stopped", driver.stop_reason
+    if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
+        console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+        return 130, "stopped", f"interrupted (Ctrl-C) at step {driver.step}"
+    if evaluate:
+        after = driver.evaluate("after")
+        summary = {"steps": driver.step, "after": after.to_dict()}
+        if before is not None:
+            console.print(summary_table(before, after, f"evaluation: {len(after.composite)} fixed "
+                                        "(prompt, seed) pairs, ODE sampling, before vs after"))
+            summary["before"] = before.to_dict()
+            summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
+        run_dir.summary_file.write_text(json.dumps(summary, indent=2))
+        if run_dir.tracker is not None:
+            run_dir.tracker.summary({f"{when}/{k}": v for when in ("before", "after") if when in summary
+                                     for k, v in summary[when].items()}, driver.step)
+    console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
+    return 0, "finished", None

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
 
@@ -23,7 +31,8 @@ DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 
 class Section(BaseModel):
     """A config section: typed, strict about unknown keys, validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN/inf are never meaningful here (a NaN reward weight would poison every advantage)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -51,8 +60,8 @@ class ModelConfig(Section):
 class ScheduleConfig(Section):
     steps: int = Field(16, ge=1, le=1000)
     """T, the number of sampling steps."""
-    shift: float = Field(3.0, gt=0.0)
-    """Time shift s in σ' = s·σ / (1 + (s-1)·σ)."""
+    shift: float = Field(5.0, gt=0.0)
+    """Time shift s in σ' = s·σ / (1 + (s-1)·σ); 5 as the Wan/HunyuanVideo recipes use."""
     sigmas: list[float] | None = None
     """Explicit schedule σ_0 … σ_T (decreasing, 1 → 0); overrides steps and shift."""
 
@@ -74,7 +83,11 @@ class SDEConfig(Section):
     eta: float | None = Field(None, ge=0.0, le=10.0)
     """Noise level η; None takes the scheme's default (flow 0.7, sage 0.5, dance 0.25, cps 0.7)."""
     flow_first_step: Literal["sigma1", "clamp"] = "sigma1"
-    """FlowGRPO's σ=1 step: use σ_1 in g (their code) or clamp 1-σ at c (paper regime b)."""
+    """FlowGRPO's σ=1 step, g = η·√(σ_k/(1-σ̄)): σ̄ = σ_1 in the denominator (their code), or
+    clamp that 1-σ at c (the SAGE paper's regime b)."""
+    cps_log_prob: Literal["mse", "gaussian"] = "mse"
+    """CPS log-prob: upstream's -mean((x'-μ)²) (default, so clipping matches upstream), or the
+    full element-averaged Gaussian."""
     clamp_c: float = Field(3e-3, gt=0.0, lt=0.5)
     """c in σ̃ = min(σ, 1-c) inside the precise variance's log."""
 
@@ -88,17 +101,23 @@ class SamplerConfig(Section):
     """G, rollouts per condition."""
     shared_noise: bool = True
     """Members of a group share the initial noise (TAGRPO needs this)."""
-    initial_noise: Literal["group", "condition"] = "group"
+    initial_noise: Literal["group", "condition"] = "condition"
     """`condition`: every group of a condition starts from the same noise (seeded by the condition),
-    so bank entries share it with fresh groups and trajectory alignment compares like with like."""
+    so bank entries share it with fresh groups and trajectory alignment compares like with like.
+    `group`: fresh noise per group (the baselines' setting; not allowed with alignment on)."""
     train_steps: Literal["fraction", "threshold", "all"] = "fraction"
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
+    """With train_steps=fraction, each sample trains floor(fraction·n) of its n eligible steps
+    (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6)."""
+    step_draw: Literal["per_sample", "per_group"] = "per_sample"
+    """Draw the trained subset per sample (upstream FlowGRPO/DanceGRPO) or once per group."""
     sigma_threshold: float = Field(0.9, ge=0.0, le=1.0)
     """With train_steps=threshold, train steps with σ_k above this (TAGRPO: t > 900/1000)."""
     untrained_steps: Literal["scheme", "ode"] = "scheme"
     """How steps that are not trained run: with the scheme, or as ODE (MixGRPO-style window)."""
-    ode_last_steps: int = Field(1, ge=0)
-    """Run the last n steps deterministically (never trained); a stochastic last step adds pure noise."""
+    ode_last_steps: int = Field(0, ge=0)
+    """Run the last n steps deterministically (never trained). 0 samples every step with the
+    scheme, as upstream FlowGRPO, DanceGRPO and CPS do."""
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
     timeout_s: float = Field(900.0, gt=0.0)
@@ -137,6 +156,8 @@ class KLConfig(Section):
     anchor_period: int = Field(10, ge=1)
     """N: optimizer steps between refreshes of the moving anchor."""
     d_step: Literal["k1", "exact"] = "k1"
+    """k1: mean(logp_old - logp_θ). exact: the Gaussian KL to the policy that sampled each row,
+    from the mean μ_old the rollout recorded (recorded only when this is on)."""
     schedule: Literal["constant", "two_stage", "milder", "adaptive"] = "two_stage"
     lam: float = Field(1e-5, ge=0.0, le=100.0)
     """λ_KL for the constant schedule."""
@@ -153,9 +174,16 @@ class KLConfig(Section):
 
 
 class AlignConfig(Section):
+    """TAGRPO's trajectory alignment. A RECONSTRUCTION: the paper's equations are lost
+    (docs/algorithm.md). Weighting J_align by the equalizer's w_k is this project's choice."""
+
     enabled: bool = True
     gamma: float = Field(1.0, ge=0.0)
     """γ in L_total = L + γ·J_align."""
+    form: Literal["loglik", "clipped"] = "clipped"
+    """Reconstructed J_align: `loglik` = -mean[A⁺·log π(x⁺|x^i) + A⁻·log π(x⁻|x^i)] (unbounded);
+    `clipped` = the clipped GRPO surrogate on r± = π_θ/π_old of the winner's/loser's next latent
+    (bounded; needs the sampling policy's mean μ_old, which rollouts then record)."""
 
 
 class BankConfig(Section):
@@ -173,15 +201,39 @@ class BankConfig(Section):
     max_staleness: int = Field(8, ge=0)
     """Entries more than this many policy versions old are not used for training."""
     max_bytes: int = Field(2 << 30, ge=1 << 20)
-    """Producers wait when the bank holds this many bytes (backpressure)."""
+    """Bound on every stored byte: banked entries are evicted (oldest first) to make room, and
+    producers wait while queued groups fill it. One training step of groups must fit: the first
+    group pushed is measured and a smaller bound is refused with both numbers."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
     outage_s: float = Field(60.0, gt=0.0)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
+    lease_ttl_s: float = Field(30.0, gt=0.0)
+    """A run owns its namespace through a lease key with this TTL, renewed every third of it;
+    a second driver on a live namespace is refused, a dead run's lease expires after it."""
+    clear_stale: bool = False
+    """Delete data a dead run left in the namespace (reported and refused by default)."""
+    redis_url_file: str | None = None
+    """File holding the Redis URL (read where the bank connects), e.g. a mounted secret. With it or
+    redis_url_env the password travels by reference: a pickled config never carries it."""
+    _url_withheld: bool = PrivateAttr(False)
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickled (Ray actor arguments, the object store) without redis_url, which holds the
+        password: a process that needs the URL resolves it from redis_url_file or redis_url_env
+        (memory_bank.connect.resolve_redis_url), and is told so when neither is set."""
+        state = super().__getstate__()
+        if self.redis_url is None:
+            return state
+        private = {**(state.get("__pydantic_private__") or {}), "_url_withheld": True}
+        return {**state, "__dict__": {**state["__dict__"], "redis_url": None},
+                "__pydantic_private__": private}
 
 
 class RewardModelConfig(Section):
     name: Literal["toy", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
+    """qsave: Q-Save's weights and prompt are not public; its rubric and answer format here are
+    this project's reconstruction, for a Qwen3-VL checkpoint you supply."""
     path: str | None = None
     """Local directory or hub id of the checkpoint (not needed for toy)."""
     weights: dict[str, float] = Field(default_factory=dict)
@@ -193,15 +245,29 @@ class RewardModelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the scorer runs; auto takes a GPU when the actor has one."""
     base_path: str | None = None
-    """The base VLM's config and tokenizer (dir or hub id); None takes the model's published base."""
+    """The base VLM's config and tokenizer (dir or hub id). None takes the model's published
+    base (VideoAlign: its model_config.json; HPSv3: Qwen2-VL-7B-Instruct; Q-Save: path)."""
+    template_path: str | None = None
+    """Upstream's prompt template, read at run time (never shipped here). VideoAlign: a checkout
+    of github.com/KwaiVGI/VideoAlign (required). HPSv3: None reads the installed `hpsv3` wheel
+    (`pip install --no-deps hpsv3`)."""
     video_fps: float = Field(16.0, gt=0.0)
     """Frame rate of the decoded videos handed to the scorer."""
-    sample_fps: float = Field(2.0, gt=0.0)
-    """Frames per second the scorer samples (VideoAlign, HPSv3 and Q-Save read 2 fps)."""
+    sample_fps: float | None = Field(None, gt=0.0)
+    """Frames per second the scorer samples. None: VideoAlign takes its model_config.json
+    (2 fps as released), HPSv3 and Q-Save 2 fps."""
     head_norm: dict[str, tuple[float, float]] | None = None
-    """Per-head (mean, std) applied as (s - mean) / std; None takes the model's published values."""
+    """Per-head (mean, std) applied as (s - mean) / std. None: VideoAlign takes its
+    model_config.json `inference_config`; the others are not normalised."""
     max_new_tokens: int = Field(64, ge=1)
     """Q-Save: tokens the evaluator may write for its scores."""
+
+    @model_validator(mode="after")
+    def _qsave_needs_a_path(self) -> RewardModelConfig:
+        if self.name == "qsave" and self.path is None:
+            raise ValueError("Q-Save's weights are not public: set path to your Qwen3-VL Q-Save "
+                             "checkpoint, or remove the qsave entry")
+        return self
 
 
 class RewardsConfig(Section):
@@ -252,6 +318,46 @@ class RunDirConfig(Section):
     """Run directory name; None uses a timestamp."""
 
 
+BackendName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class WandbConfig(Section):
+    project: str = "vgrpo"
+    entity: str | None = None
+    """W&B team or user; None takes the logged-in default."""
+    name: str | None = None
+    """Run name shown in W&B; None takes the run directory's name."""
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline"] | None = None
+    """None follows $WANDB_MODE (online when unset); offline writes the run under RUN_DIR/wandb
+    for `wandb sync` later."""
+
+
+class MlflowConfig(Section):
+    tracking_uri: str | None = None
+    """None logs to a file store in RUN_DIR/mlruns (set $MLFLOW_TRACKING_URI or this for a server)."""
+    experiment: str = "vgrpo"
+
+
+class LogConfig(Section):
+    backends: list[BackendName] = Field(default_factory=lambda: ["jsonl"])
+    """Experiment trackers that get every metrics.jsonl row and the sample videos. metrics.jsonl
+    is always written; each other backend is an extra: pip install 'vgrpo[tensorboard]'."""
+    video_every: int = Field(0, ge=0)
+    """Every this many steps, sample the fixed evaluation pairs and log them as one video (0: only
+    before and after training)."""
+    video_pairs: int = Field(4, ge=1)
+    """How many evaluation pairs the periodic video shows (the first seed of each prompt first)."""
+    video_fps: float = Field(4.0, gt=0.0)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+    @property
+    def trackers(self) -> list[str]:
+        """The backends besides jsonl, each once, in the order given."""
+        return [b for b in dict.fromkeys(self.backends) if b != "jsonl"]
+
+
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -267,6 +373,34 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @property
+    def records_mu_old(self) -> bool:
+        """Rollouts keep the sampling policy's mean μ_old per recorded step (exact D_step, bounded J_align)."""
+        return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
+
+    @model_validator(mode="after")
+    def _alignment_needs_shared_noise(self) -> RunConfig:
+        # J_align steps member i toward the winner's next latent; that only means something when
+        # they started from the same noise (the group's, and the bank entries' of the condition)
+        if self.align.enabled and (self.sampler.initial_noise != "condition" or not self.sampler.shared_noise):
+            raise ValueError(
+                "align.enabled=true needs shared starting noise: set sampler.initial_noise=condition and "
+                f"sampler.shared_noise=true (got initial_noise={self.sampler.initial_noise!r}, "
+                f"shared_noise={self.sampler.shared_noise}), or align.enabled=false")
+        return self
+
+
+def reconstruction_notes(cfg: RunConfig) -> list[str]:
+    """One line per part of this config whose math is a reconstruction, not a published formula."""
+    notes = []
+    if cfg.align.enabled:
+        notes.append(f"align (form={cfg.align.form}): TAGRPO's J_align is a RECONSTRUCTION (the paper's "
+                     "equations are lost); weighting it by the equalizer's w_k is this project's choice")
+    if cfg.kl.schedule == "adaptive":
+        notes.append("kl.schedule=adaptive: the λ_KL update rule is a RECONSTRUCTION (its appendix is lost)")
+    return notes
 
 
 # --- loading -------------------------------------------------------------------------
@@ -279,6 +413,10 @@ class ConfigError(ValueError):
 def _describe(err: dict[str, Any]) -> str:
     path = ".".join(str(p) for p in err["loc"]) or "<root>"
     kind, value = err["type"], err.get("input")
+    if kind == "value_error" and not err["loc"]:  # a cross-field rule: its message names the fields
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    if kind == "finite_number":
+        return f"{path} = {value!r}: must be a finite number (NaN and inf are not allowed)"
     if kind == "extra_forbidden":
         return f"{path}: unknown key (check the spelling; `vgrpo config show` lists the keys)"
     if kind == "literal_error":
@@ -287,6 +425,8 @@ def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"]
     if kind == "missing":
         return f"{path}: required field is missing"
+    if kind == "value_error" and isinstance(value, dict):      # a section-level check: no repr
+        return f"{path}: {msg.removeprefix('Value error, ')}"
     return f"{path} = {value!r}: {msg}"
 
 

@@ -24,11 +24,22 @@ LOG_2PI = math.log(2.0 * math.pi)
 # --- schedule ------------------------------------------------------------------------
 
 
+def _fp32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """σ_0 = 1 > σ_1 > … > σ_T = 0, stored explicitly so a rollout can carry it."""
+    """σ_0 = 1 > σ_1 > … > σ_T = 0, stored explicitly so a rollout can carry it.
+
+    Every σ is held at fp32 precision: the learner reads them as fp32 tensors, so the sampler's
+    Python floats must be the same numbers for a replayed step to give log r = 0 exactly.
+    """
 
     sigmas: tuple[float, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "sigmas", tuple(_fp32(v) for v in self.sigmas))
 
     @classmethod
     def linear(cls, steps: int, shift: float = 1.0) -> Schedule:
@@ -104,6 +115,14 @@ class Scheme:
         """|∂μ/∂v| per step, for the gradient norm equalizer."""
         raise NotImplementedError
 
+    def log_prob(self, x_next: Tensor, mu: Tensor, std) -> Tensor:
+        """log π(x'|x) per sample [B]: the element-averaged Gaussian (module-level `log_prob`)."""
+        return log_prob(x_next, mu, std)
+
+    def logp_scale(self, std: Tensor) -> Tensor:
+        """|∂ log π / ∂μ| per unit noise: 1/std for the Gaussian (the equalizer's N_k divides by it)."""
+        return 1.0 / std
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(eta={self.eta})"
 
@@ -144,10 +163,11 @@ class Dance(Scheme):
 
 
 class Flow(Scheme):
-    """FlowGRPO: std = g·√Δ with g = η·√(σ̄/(1-σ̄)); μ = x - Δ·v - (g²·Δ / 2σ)·ε̂.
+    """FlowGRPO: std = g·√Δ with g = η·√(σ_k/(1-σ̄)); μ = x - Δ·v - (g²·Δ / 2σ_k)·ε̂.
 
-    At σ_k = 1, g is undefined. `first_step="sigma1"` uses σ̄ = σ_1 there (FlowGRPO's code);
-    `first_step="clamp"` uses 1-σ ≥ c instead (the SAGE paper's regime b).
+    At σ_k = 1 the denominator vanishes. `first_step="sigma1"` uses σ̄ = σ_1 there, in the
+    denominator only (FlowGRPO's code); `first_step="clamp"` clamps that same 1-σ at c instead
+    (the SAGE paper's regime b). Elsewhere σ̄ = σ_k.
     """
 
     name = "flow"
@@ -160,13 +180,14 @@ class Flow(Scheme):
         self.first_step, self.sigma1, self.clamp_c = first_step, sigma1, clamp_c
 
     def g(self, sigma) -> Tensor:
+        """g = η·√(σ_k / (1-σ̄)): σ̄ replaces σ_k in the denominator only, as upstream does."""
         s = _as_batch(sigma)
         if self.first_step == "clamp":
             return self.eta * (s / (1 - s).clamp_min(self.clamp_c)).sqrt()
         if self.sigma1 is None:
             raise ValueError("flow with first_step='sigma1' needs sigma1 (σ_1 of the schedule)")
         s_bar = torch.where(s >= 1.0, torch.full_like(s, self.sigma1), s)
-        return self.eta * (s_bar / (1 - s_bar)).sqrt()
+        return self.eta * (s / (1 - s_bar)).sqrt()
 
     def std(self, sigma, sigma_next):
         delta = _as_batch(sigma) - _as_batch(sigma_next)
@@ -183,9 +204,30 @@ class Flow(Scheme):
 
 
 class CPS(Scheme):
-    """Coefficients-preserving: std = σ_{k+1}·sin(η·π/2), μ = (1-σ_{k+1})·x̂0 + √(σ_{k+1}² - std²)·ε̂."""
+    """Coefficients-preserving: std = σ_{k+1}·sin(η·π/2), μ = (1-σ_{k+1})·x̂0 + √(σ_{k+1}² - std²)·ε̂.
+
+    Log-prob: upstream's `-mean((x'-μ)²)` by default (`log_prob_form="mse"`, no scale or
+    normaliser, so ratios and clipping match upstream); `"gaussian"` uses the full Gaussian.
+    """
 
     name = "cps"
+
+    def __init__(self, eta: float = 0.7, log_prob_form: str = "mse"):
+        super().__init__(eta)
+        if log_prob_form not in ("mse", "gaussian"):
+            raise ValueError(f"log_prob_form must be 'mse' or 'gaussian', got {log_prob_form!r}")
+        self.log_prob_form = log_prob_form
+
+    def log_prob(self, x_next, mu, std):
+        if self.log_prob_form == "gaussian":
+            return log_prob(x_next, mu, std)
+        sq = ((_f32(x_next) - _f32(mu)) ** 2).flatten(1).mean(1)   # [B]
+        std = torch.as_tensor(std, dtype=torch.float32, device=sq.device)
+        return torch.where(std > 0, -sq, torch.zeros_like(sq))    # a step with std 0 carries none
+
+    def logp_scale(self, std):
+        # ∂(-(x'-μ)²)/∂μ = 2·(x'-μ) ≈ 2·std·z
+        return 1.0 / std if self.log_prob_form == "gaussian" else 2.0 * std
 
     def std(self, sigma, sigma_next):
         return _as_batch(sigma_next) * math.sin(self.eta * math.pi / 2)
@@ -216,9 +258,10 @@ class Sage(Scheme):
         self.clamp_c = clamp_c
 
     def variance(self, sigma, sigma_next) -> Tensor:
-        """Σ_k in float64: the log and -Δ nearly cancel on small steps, so fp32 would lose it."""
-        s = torch.as_tensor(sigma, dtype=torch.float64)
-        s1 = torch.as_tensor(sigma_next, dtype=torch.float64)
+        """Σ_k in float64 (the log and -Δ nearly cancel on small steps, so fp32 would lose it)."""
+        # σ is rounded to fp32 first, as the learner holds it, so both sides compute the same Σ
+        s = torch.as_tensor(sigma, dtype=torch.float32).double()
+        s1 = torch.as_tensor(sigma_next, dtype=torch.float32).double()
         s_tilde = s.clamp_max(1 - self.clamp_c)
         var = self.eta**2 * (torch.log1p((s_tilde - s1) / (1 - s_tilde)) - (s - s1))
         return var.clamp_min(0)
@@ -239,7 +282,8 @@ SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, S
 
 
 def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None = None,
-                flow_first_step: str = "sigma1", clamp_c: float = 3e-3) -> Scheme:
+                flow_first_step: str = "sigma1", clamp_c: float = 3e-3,
+                cps_log_prob: str = "mse") -> Scheme:
     """Build a scheme by name. `schedule` provides σ_1 for FlowGRPO's first-step trick."""
     from common.config import DEFAULT_ETA
 
@@ -251,13 +295,15 @@ def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None =
         return Flow(eta, first_step=flow_first_step, sigma1=sigma1, clamp_c=clamp_c)
     if name == "sage":
         return Sage(eta, clamp_c=clamp_c)
+    if name == "cps":
+        return CPS(eta, log_prob_form=cps_log_prob)
     return SCHEMES[name](eta)
 
 
 def scheme_from_config(cfg, schedule: Schedule) -> Scheme:
     """From a common.config.RunConfig."""
     return make_scheme(cfg.sde.scheme, cfg.sde.resolved_eta, schedule,
-                       cfg.sde.flow_first_step, cfg.sde.clamp_c)
+                       cfg.sde.flow_first_step, cfg.sde.clamp_c, cfg.sde.cps_log_prob)
 
 
 # --- the shared step operations ------------------------------------------------------
@@ -304,8 +350,8 @@ def gaussian_kl(mu_a: Tensor, mu_b: Tensor, std, eps: float = 1e-6) -> Tensor:
 
 
 def grad_scale(scheme: Scheme, sigma, sigma_next) -> Tensor:
-    """N_k = |∂μ/∂v| / std_k, the per-step scale of ∂ log π / ∂v."""
-    return scheme.dmu_dv(sigma, sigma_next).abs() / scheme.std(sigma, sigma_next)
+    """N_k = |∂μ/∂v| / std_k (Gaussian log-prob), the per-step scale of ∂ log π / ∂v."""
+    return scheme.dmu_dv(sigma, sigma_next).abs() * scheme.logp_scale(scheme.std(sigma, sigma_next))
 
 
 def equalizer_weights(scheme: Scheme, schedule: Schedule, steps: list[int] | None = None) -> Tensor:

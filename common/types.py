@@ -25,9 +25,12 @@ class Condition:
 class Trajectory:
     """One member of a group: the trained transitions of its SDE rollout.
 
-    Only trained steps are stored. `x[j] → x_next[j]` is step `step_indices[j]`, from
+    Only recorded steps are stored. `x[j] → x_next[j]` is step `step_indices[j]`, from
     σ = sigmas[k] to sigmas[k+1]; `logp_old[j]` is its element-averaged log-prob under the
-    policy that sampled it, computed from exactly these stored tensors.
+    policy that sampled it, computed from exactly these stored tensors. A group records the
+    same steps for every member: each member's trained steps, plus every step trajectory
+    alignment may need a winner's or loser's next latent at. `trained_steps` says which of
+    them this member trains (None: all).
     """
 
     condition: Condition
@@ -45,6 +48,8 @@ class Trajectory:
     logp_old: Tensor               # [K] fp32
     final_latents: Tensor          # [C, F, H, W]
     frames: Tensor | None = None   # uint8 [F, H, W, 3] decoded video
+    trained_steps: list[int] | None = None  # subset of step_indices this member trains; None = all
+    mu_old: Tensor | None = None   # [K, C, F, H, W] fp32 sampling policy's mean μ_old per recorded step
     trained_times: int = 0         # how often the learner has used it
     bank_id: str | None = None     # memory-bank entry id, set when read back from the bank
 
@@ -52,8 +57,13 @@ class Trajectory:
     def num_steps(self) -> int:
         return len(self.step_indices)
 
+    def trains(self, k: int) -> bool:
+        return self.trained_steps is None or k in self.trained_steps
+
     def nbytes(self) -> int:
         ts = [self.x, self.x_next, self.logp_old, self.final_latents]
+        if self.mu_old is not None:
+            ts.append(self.mu_old)
         if self.frames is not None:
             ts.append(self.frames)
         return sum(t.numel() * t.element_size() for t in ts)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
 from common.actors import kill_and_wait
 from common.config import RunConfig
 from common.types import PullReceipt, TrainBatch, TrainStats
@@ -103,6 +104,7 @@ class LearnerRank:
 
     # --- verbs -------------------------------------------------------------------------
 
+    @exports_train_step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         reduce = self._sum if self.world_size > 1 else None
         stats = self.trainer.train_step(batch, rank=self.rank, world_size=self.world_size, reduce=reduce)
@@ -171,6 +173,7 @@ class LearnerRank:
         dist.all_reduce(out)
         return out.cpu()
 
+    @exports_weights_payload
     def weights_payload(self) -> dict[str, Tensor] | None:
         """Full tensors on rank 0 (adapter only with LoRA), None elsewhere. Collective."""
         if self.world_size == 1:
@@ -202,6 +205,7 @@ class LearnerRank:
 
             save_file({k: v.detach().cpu().contiguous() for k, v in payload.items()}, path)
 
+    @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None) -> PublishReport | None:
         """Gather the payload (all ranks) and push it from rank 0 to `actors`."""
         payload = self.weights_payload()

@@ -4,23 +4,43 @@
 
 The statistics run over a "stats set" (the fresh group, or the group plus its bank entries)
 and are applied to every member that trains (fresh and bank). std is the population std,
-as the baselines' `np.std`. A group whose rewards are all equal gets A = 0 everywhere.
+as the baselines' `np.std`. A group whose rewards are all equal gets A = 0 exactly, everywhere.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 ADV_EPS = 1e-8
+NO_SIGNAL_RTOL = 1e-6  # a spread below this (relative to the rewards' scale) is fp32 rounding, not signal
+
+
+def no_signal(ref: Tensor) -> Tensor:
+    """Per column of the stats set [M] or [M, H]: True where its values carry no signal.
+
+    Equal rewards that went through fp32 arithmetic can differ by an ulp; (R - mean) / (std + 1e-8)
+    would blow those ulps up to |A| ≈ 1, all of one sign. So a spread within a relative 1e-6
+    counts as none.
+    """
+    ref = ref.double()
+    spread = ref.amax(0) - ref.amin(0)
+    scale = ref.abs().amax(0).clamp_min(1.0)
+    return spread <= NO_SIGNAL_RTOL * scale
 
 
 def normalize(values: Tensor, stats_mask: Tensor) -> Tensor:
-    """(values - mean) / (std + 1e-8), with mean and std over values[stats_mask]. [N] or [N, H]"""
-    ref = values[stats_mask]                                    # [M] or [M, H]
+    """(values - mean) / (std + 1e-8), with mean and std over values[stats_mask]. [N] or [N, H]
+
+    Computed in float64 (then returned as fp32), and exactly 0 in every column whose stats set
+    carries no signal.
+    """
+    ref = values[stats_mask].double()                           # [M] or [M, H]
     mean, std = ref.mean(0), ref.std(0, unbiased=False)
-    return (values - mean) / (std + ADV_EPS)
+    adv = (values.double() - mean) / (std + ADV_EPS)
+    return torch.where(no_signal(ref), torch.zeros_like(adv), adv).float()
 
 
 def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
@@ -45,6 +65,6 @@ def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
     return adv.clamp(-adv_clip, adv_clip)
 
 
-def is_zero_std(rewards: Tensor, stats_mask: Tensor, tol: float = 1e-6) -> bool:
+def is_zero_std(rewards: Tensor, stats_mask: Tensor) -> bool:
     """A group whose rewards carry no signal (every advantage is 0)."""
-    return bool(rewards[stats_mask].float().std(unbiased=False) <= tol)
+    return bool(no_signal(rewards[stats_mask]))

@@ -3,6 +3,9 @@
     L       = mean_{i,k}[ w_k·max(-A_i·r, -A_i·clip(r, 1-ε, 1+ε)) ] + λ_KL·(β_anchor·D_anchor + β_step·D_step)
     L_total = L + γ·J_align
 
+J_align is a RECONSTRUCTION (TAGRPO's equations are lost; docs/algorithm.md), in two forms
+(`align.form`); weighting it by the equalizer's w_k is this project's choice.
+
 `compute_loss` is a pure function of the policy's velocity function and one micro-batch
 (anchor velocities come in precomputed). Every mean over (i, k) is a sum divided by the
 batch-wide count, so summing the micro-batch losses (and the ranks' gradients) gives the
@@ -19,7 +22,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
-from common.sde import Scheme, gaussian_kl, log_prob
+from common.sde import Scheme, gaussian_kl
 from learner.rows import MicroBatch
 from rollout_worker.models.base import Cond
 
@@ -34,11 +37,12 @@ class LossConfig:
     beta_step: float
     d_step: Literal["k1", "exact"]
     gamma: float          # 0 with alignment off
+    align_form: Literal["loglik", "clipped"] = "clipped"
 
     @classmethod
     def from_run(cls, cfg: RunConfig) -> LossConfig:
         return cls(cfg.grpo.clip_eps, cfg.kl.strategy, cfg.kl.beta_anchor, cfg.kl.beta_step,
-                   cfg.kl.d_step, cfg.align.gamma if cfg.align.enabled else 0.0)
+                   cfg.kl.d_step, cfg.align.gamma if cfg.align.enabled else 0.0, cfg.align.form)
 
     @property
     def anchor(self) -> str | None:
@@ -50,23 +54,23 @@ class LossConfig:
         return self.strategy in ("step", "dual")
 
     @property
-    def needs_prev(self) -> bool:
-        """The exact D_step compares with the policy before the last optimizer step."""
-        return self.uses_step and self.d_step == "exact"
+    def needs_mu_old(self) -> bool:
+        """The sampling policy's mean per row: the exact D_step, or the bounded J_align."""
+        return (self.uses_step and self.d_step == "exact") or (self.gamma > 0 and self.align_form == "clipped")
 
 
 def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Scheme,
                  lc: LossConfig, lam_kl: float, n_rows: int, n_align: int,
-                 anchor_v: Tensor | None = None, prev_v: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 anchor_v: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (this micro-batch's share of L_total, detached sums for the step's stats).
 
     cond: the micro-batch's encoded conditions (rows aligned with mb).
-    anchor_v, prev_v: velocities of the D_anchor anchor and the previous policy on mb.x, no grad.
+    anchor_v: velocity of the D_anchor anchor on mb.x, no grad.
     """
     if lc.anchor is not None and anchor_v is None:
         raise ValueError(f"kl.strategy={lc.strategy!r} needs the {lc.anchor!r} anchor's velocity (anchor_v)")
-    if lc.needs_prev and prev_v is None:
-        raise ValueError("kl.d_step='exact' needs the previous policy's velocity (prev_v)")
+    if lc.needs_mu_old and mb.mu_old is None:
+        raise ValueError("kl.d_step='exact' and align.form='clipped' need the rollout's recorded μ_old")
     m = mb.mask                                                            # [B] 0 on padding
     std = scheme.std(mb.sigma, mb.sigma_next).to(mb.x.device)              # [B]
 
@@ -74,7 +78,7 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
     x = mb.x.float()                                                       # stored latents may be bf16
     new_v = velocity_fn(x, mb.sigma, cond)                                 # [B, C, F, H, W]
     new_mu = scheme.mean(mb.x, new_v, mb.sigma, mb.sigma_next)             # [B, C, F, H, W] fp32
-    new_logp = log_prob(mb.x_next, new_mu, std)                            # [B]
+    new_logp = scheme.log_prob(mb.x_next, new_mu, std)                     # [B]
 
     # 2. clipped surrogate (section 3), weighted per step by the equalizer (section 4)
     logratio = new_logp - mb.logp_old                                      # [B]
@@ -89,9 +93,8 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
     if lc.anchor is not None:
         anchor_mu = scheme.mean(mb.x, anchor_v, mb.sigma, mb.sigma_next)
         d_anchor = gaussian_kl(new_mu, anchor_mu, std)                     # [B]
-    if lc.needs_prev:
-        prev_mu = scheme.mean(mb.x, prev_v, mb.sigma, mb.sigma_next)
-        d_step = gaussian_kl(new_mu, prev_mu, std)                         # [B] exact
+    if lc.uses_step and lc.d_step == "exact":
+        d_step = gaussian_kl(new_mu, mb.mu_old, std)                       # [B] to the sampling policy
     else:
         d_step = mb.logp_old - new_logp                                    # [B] k1
     beta_anchor = lc.beta_anchor if lc.anchor is not None else 0.0
@@ -101,10 +104,16 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
     # 4. trajectory alignment (section 6): step from x^i_k to the winner's / loser's x_{k+1}
     align_loss = torch.zeros((), device=new_logp.device)
     if lc.gamma > 0 and n_align > 0:
-        logp_pos = log_prob(mb.x_pos, new_mu, std)                         # [B]
-        logp_neg = log_prob(mb.x_neg, new_mu, std)                         # [B]
-        j = mb.a_pos * logp_pos + mb.a_neg * logp_neg
-        # the equalizer weights w_k too: unweighted, the 1/std² of low-noise steps dominates
+        logp_pos = scheme.log_prob(mb.x_pos, new_mu, std)                  # [B]
+        logp_neg = scheme.log_prob(mb.x_neg, new_mu, std)                  # [B]
+        if lc.align_form == "clipped":  # the clipped surrogate on r± = π_θ(x±|x^i) / π_old(x±|x^i)
+            r_pos = (logp_pos - scheme.log_prob(mb.x_pos, mb.mu_old, std)).exp()
+            r_neg = (logp_neg - scheme.log_prob(mb.x_neg, mb.mu_old, std)).exp()
+            j = (torch.min(mb.a_pos * r_pos, mb.a_pos * r_pos.clamp(1 - lc.clip_eps, 1 + lc.clip_eps))
+                 + torch.min(mb.a_neg * r_neg, mb.a_neg * r_neg.clamp(1 - lc.clip_eps, 1 + lc.clip_eps)))
+        else:                           # the log-likelihood form: unbounded in the loser's direction
+            j = mb.a_pos * logp_pos + mb.a_neg * logp_neg
+        # the equalizer weights w_k too (this project's choice): unweighted, low-noise steps dominate
         align_loss = -(m * mb.align_mask * mb.weight * j).sum() / n_align
 
     loss = policy_loss + kl_loss + lc.gamma * align_loss

@@ -25,13 +25,15 @@ class Rows:
     x: Tensor            # [N, C, F, H, W] x^i_k
     x_next: Tensor       # [N, C, F, H, W] x^i_{k+1}
     logp_old: Tensor     # [N]
+    mu_old: Tensor | None  # [N, C, F, H, W] the sampling policy's mean at x^i_k (when recorded)
     sigma: Tensor        # [N] σ_k
     sigma_next: Tensor   # [N] σ_{k+1}
     adv: Tensor          # [N] A_i
     weight: Tensor       # [N] w_k (1 with the equalizer off)
     cond_idx: Tensor     # [N] long, index into `conditions`
-    pos_row: Tensor      # [N] long, the winner's row at the same step (-1: none)
-    neg_row: Tensor      # [N] long, the loser's row at the same step (-1: none)
+    targets: Tensor      # [M, C, F, H, W] every recorded x_{k+1} of the batch (J_align's x±_{k+1})
+    pos_row: Tensor      # [N] long, the winner's x⁺_{k+1} at the row's step k in `targets` (-1: none)
+    neg_row: Tensor      # [N] long, the loser's x⁻_{k+1} in `targets` (-1: none)
     a_pos: Tensor        # [N] A⁺ of the row's group
     a_neg: Tensor        # [N] A⁻
     conditions: list[Condition]
@@ -60,12 +62,13 @@ class MicroBatch:
     weight: Tensor       # [B]
     a_pos: Tensor        # [B]
     a_neg: Tensor        # [B]
-    align_mask: Tensor   # [B] 1 where both winner and loser share step k
+    align_mask: Tensor   # [B] 1 where both winner and loser recorded step k
     mask: Tensor         # [B] 1 for real rows, 0 for padding (keeps ranks in lockstep)
     cond_idx: Tensor     # [B] long
+    mu_old: Tensor | None = None  # [B, C, F, H, W] fp32
 
     def to(self, device) -> MicroBatch:
-        return MicroBatch(**{k: v.to(device) for k, v in self.__dict__.items()})
+        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
 def _head_weights(cfg: RunConfig, heads: list[str]) -> Tensor:
@@ -83,14 +86,21 @@ def _scheme_of(trajs: list[Trajectory], cfg: RunConfig) -> Scheme:
                              f"on another schedule than {t0.group_id}/{t0.member}; one batch needs one "
                              f"scheme and schedule")
     return make_scheme(t0.scheme, t0.eta, Schedule.explicit(t0.sigmas), cfg.sde.flow_first_step,
-                       cfg.sde.clamp_c)
+                       cfg.sde.clamp_c, cfg.sde.cps_log_prob)
 
 
 def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
-    """Advantages (section 3), equalizer weights (section 4) and align targets (section 6) per row."""
+    """Advantages (section 3), equalizer weights (section 4) and align targets (section 6) per row.
+
+    A row is a (member, step) the member trains; `targets` holds every recorded next latent, so a
+    winner's x⁺_{k+1} is found even at a step the winner itself does not train.
+    """
     g_cfg = cfg.grpo
-    cols: dict[str, list] = {k: [] for k in ("x", "x_next", "logp_old", "k", "adv", "cond", "member")}
-    a_pos_rows, a_neg_rows, win_lose = [], [], []
+    need_mu = cfg.records_mu_old
+    cols: dict[str, list] = {k: [] for k in ("x", "x_next", "logp_old", "mu_old", "k", "adv", "cond", "win", "lose")}
+    a_pos_rows, a_neg_rows = [], []
+    targets: list[Tensor] = []
+    target_at: dict[tuple[int, int], int] = {}   # (member, k) -> index into targets
     all_trajs: list[Trajectory] = []
     fresh_rewards, fresh_adv, zero_std = [], [], []
     for gi, group in enumerate(batch.fresh):
@@ -120,27 +130,38 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
         win, lose = int(rewards.argmax()), int(rewards.argmin())
         base = len(all_trajs)
         for mi, t in enumerate(trajs):
+            if need_mu and t.mu_old is None:
+                raise ValueError(f"trajectory {t.group_id}/{t.member} has no recorded μ_old, which "
+                                 f"kl.d_step=exact and align.form=clipped need; it was sampled with "
+                                 f"another config")
             for j, k in enumerate(t.step_indices):
+                target_at[(base + mi, int(k))] = len(targets)
+                targets.append(t.x_next[j])
+                if not t.trains(k):
+                    continue
                 cols["x"].append(t.x[j])
                 cols["x_next"].append(t.x_next[j])
                 cols["logp_old"].append(t.logp_old[j].float())
+                if need_mu:
+                    cols["mu_old"].append(t.mu_old[j].float())
                 cols["k"].append(int(k))
                 cols["adv"].append(adv[mi])
                 cols["cond"].append(gi)
-                cols["member"].append(base + mi)
+                cols["win"].append(base + win)
+                cols["lose"].append(base + lose)
                 a_pos_rows.append(adv[win])
                 a_neg_rows.append(adv[lose])
-                win_lose.append((base + win, base + lose))
         all_trajs.extend(trajs)
     if not all_trajs:
         raise ValueError("empty TrainBatch: no fresh groups")
+    if not cols["x"]:
+        raise ValueError("the TrainBatch has no trained steps (check sampler.train_steps)")
     scheme = _scheme_of(all_trajs, cfg)
     sigmas = all_trajs[0].sigmas
 
-    # 4. row lookups for the winner's and loser's transition at the same step k
-    where = {(m, k): r for r, (m, k) in enumerate(zip(cols["member"], cols["k"], strict=True))}
-    pos_row = [where.get((w, k), -1) for (w, _), k in zip(win_lose, cols["k"], strict=True)]
-    neg_row = [where.get((lo, k), -1) for (_, lo), k in zip(win_lose, cols["k"], strict=True)]
+    # 4. the winner's and loser's next latent at each row's step k
+    pos_row = [target_at.get((w, k), -1) for w, k in zip(cols["win"], cols["k"], strict=True)]
+    neg_row = [target_at.get((lo, k), -1) for lo, k in zip(cols["lose"], cols["k"], strict=True)]
 
     ks = torch.tensor(cols["k"])
     if g_cfg.equalizer:
@@ -150,6 +171,7 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
         weight = torch.ones(len(ks))
     sig = torch.tensor(sigmas, dtype=torch.float32)
     b_rewards, b_adv = torch.cat(fresh_rewards), torch.cat(fresh_adv)
+    found = sum(1 for p, q in zip(pos_row, neg_row, strict=True) if p >= 0 and q >= 0)
     stats = {
         "reward_mean": float(b_rewards.mean()),
         "reward_std": float(b_rewards.std(unbiased=False)),
@@ -157,11 +179,16 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
         "zero_std_frac": sum(zero_std) / len(zero_std),
         "num_rows": float(len(ks)),
     }
+    if cfg.align.enabled:
+        stats["align/rows_wanted"] = float(len(ks))
+        stats["align/rows_used"] = float(found)
     return Rows(
         x=torch.stack(cols["x"]), x_next=torch.stack(cols["x_next"]),
-        logp_old=torch.stack(cols["logp_old"]), sigma=sig[ks], sigma_next=sig[ks + 1],
+        logp_old=torch.stack(cols["logp_old"]),
+        mu_old=torch.stack(cols["mu_old"]) if need_mu else None,
+        sigma=sig[ks], sigma_next=sig[ks + 1],
         adv=torch.stack(cols["adv"]).float(), weight=weight.float(), cond_idx=torch.tensor(cols["cond"]),
-        pos_row=torch.tensor(pos_row), neg_row=torch.tensor(neg_row),
+        targets=torch.stack(targets), pos_row=torch.tensor(pos_row), neg_row=torch.tensor(neg_row),
         a_pos=torch.stack(a_pos_rows).float(), a_neg=torch.stack(a_neg_rows).float(),
         conditions=[g.condition for g in batch.fresh], scheme=scheme, stats=stats,
     )
@@ -185,11 +212,17 @@ def micro_batches(rows: Rows, size: int, rank: int = 0, world_size: int = 1) -> 
     ok_align = (rows.pos_row >= 0) & (rows.neg_row >= 0)
     for start in range(0, len(idx), size):
         i, m = idx[start:start + size], mask[start:start + size]
-        pos = torch.where(rows.pos_row[i] >= 0, rows.pos_row[i], i)
-        neg = torch.where(rows.neg_row[i] >= 0, rows.neg_row[i], i)
+        own = rows.x_next[i]                                     # stands in where no target exists
+        pos = torch.where(_bcast(rows.pos_row[i] >= 0, own), rows.targets[rows.pos_row[i].clamp_min(0)], own)
+        neg = torch.where(_bcast(rows.neg_row[i] >= 0, own), rows.targets[rows.neg_row[i].clamp_min(0)], own)
         yield MicroBatch(
-            x=rows.x[i], x_next=rows.x_next[i], x_pos=rows.x_next[pos], x_neg=rows.x_next[neg],
+            x=rows.x[i], x_next=own, x_pos=pos, x_neg=neg,
             logp_old=rows.logp_old[i], sigma=rows.sigma[i], sigma_next=rows.sigma_next[i],
             adv=rows.adv[i], weight=rows.weight[i], a_pos=rows.a_pos[i], a_neg=rows.a_neg[i],
             align_mask=ok_align[i].float(), mask=m, cond_idx=rows.cond_idx[i],
+            mu_old=None if rows.mu_old is None else rows.mu_old[i],
         )
+
+
+def _bcast(flag: Tensor, like: Tensor) -> Tensor:
+    return flag.view(-1, *([1] * (like.dim() - 1)))

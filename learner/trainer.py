@@ -46,8 +46,6 @@ class Trainer:
         anchors = {"pi0", "moving"} if cfg.optim.finetune == "lora" else set()
         if self.loss_cfg.anchor is not None:
             anchors.add(self.loss_cfg.anchor)
-        if self.loss_cfg.needs_prev:
-            anchors.add("prev")
         self.model.trainable_module().to(self.device)
         self.policy = Policy(self.model, cfg.optim, sorted(anchors))
         # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01)
@@ -78,9 +76,7 @@ class Trainer:
         cond = cond_all.index(mb.cond_idx)
         # anchors first: swapping weights after the grad forward would corrupt backward
         anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond) if lc.anchor else None
-        prev_v = policy.anchor_velocity("prev", mb.x.float(), mb.sigma, cond) if lc.needs_prev else None
-        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align,
-                            anchor_v, prev_v)
+        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v)
 
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
@@ -108,12 +104,10 @@ class Trainer:
         if reduce is not None:
             sums = reduce(sums)
 
-        # 4. clip, remember the pre-step policy, step
+        # 4. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        if "prev" in policy.anchors:
-            policy.refresh("prev")
         self.optimizer.step()
         self.version += 1
 

@@ -1,9 +1,18 @@
 """MemoryBank: producers push scored groups, the learner pulls fresh groups plus banked
 entries of the same condition, then commits (TAGRPO memory bank, ALGORITHM.md section 6).
 
-Lifecycle of a group: push → `fresh` queue → pull → `pending` → commit → its members enter
-the condition's bank (per strategy) or are dropped. Pull/commit form a reliable queue: a
-learner crash between them leaves the group in `pending`, and `requeue_pending` returns it.
+Lifecycle of a group: push → `fresh` queue → pull → the consumer's `pending` → commit → its
+members enter the condition's bank (per strategy) or are dropped. Pull/commit form a reliable
+queue: a learner crash between them leaves the group in its `pending`, and `requeue_pending`
+(by the same consumer) or a new owner's `requeue_all_pending` returns it.
+
+Space: `bank.max_bytes` bounds every stored byte. Queued groups are never evicted, so a push
+that does not fit beside them raises `BankFull` (wait with `wait_for_space`); banked entries
+are a cache, evicted oldest first to make room.
+
+Reads and evictions are atomic with respect to each other: an entry's two keys are read in
+one MULTI/EXEC and deleted in one DEL, and an entry evicted between the index read and the
+fetch reads as gone (skipped), never as corrupt.
 """
 
 from __future__ import annotations
@@ -20,12 +29,20 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 import torch
 
+from common.actor_metrics import count_bank_evictions
 from common.config import BankConfig
 from common.types import Group, Scores, TrainBatch, Trajectory
 from memory_bank import codec
 from memory_bank.codec import Entry
-from memory_bank.errors import BankUnavailable, CorruptEntry, DuplicateGroup, UnscoredGroup
-from memory_bank.keys import DEAD_CAP, DONE_CAP, Keys, check_eid
+from memory_bank.errors import (
+    BankFull,
+    BankTooSmall,
+    BankUnavailable,
+    CorruptEntry,
+    DuplicateGroup,
+    UnscoredGroup,
+)
+from memory_bank.keys import DEAD_CAP, DONE_CAP, Keys, check_eid, check_name
 from memory_bank.scripts import Scripts
 
 log = logging.getLogger(__name__)
@@ -33,6 +50,8 @@ log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9
 """Over max_bytes, commit evicts the oldest banked entries down to this share of it."""
 SNAPSHOT_FORMAT = 1
+WAIT_LOG_S = 30.0
+"""While producers wait for space, one log line this often."""
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -49,15 +68,37 @@ def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-class MemoryBank:
-    """Redis-backed memory bank. One consumer (the learner), any number of producers."""
+def check_step_fits(groups_per_step: int, group_bytes: int, max_bytes: int) -> None:
+    """Refuse a bank that cannot hold one training step's groups: its producer would wait
+    forever for space that only that step's commit frees."""
+    need = groups_per_step * group_bytes
+    if need > max_bytes:
+        raise BankTooSmall(
+            f"bank.max_bytes={max_bytes} cannot hold one training step: train.groups_per_step="
+            f"{groups_per_step} x {group_bytes} bytes per group = {need} bytes; set bank.max_bytes "
+            f"to at least {need} or lower train.groups_per_step")
 
-    def __init__(self, client: redis.Redis, cfg: BankConfig):
+
+class MemoryBank:
+    """Redis-backed memory bank. Any number of producers and consumers; each consumer (an id
+    of [A-Za-z0-9_.-], random by default) owns its pending groups."""
+
+    def __init__(self, client: redis.Redis, cfg: BankConfig, consumer: str | None = None):
         self.r = client
         self.cfg = cfg
         self.keys = Keys(cfg.namespace)
         self.scripts = Scripts(client)
         self.dropped_ids: list[str] = []  # fresh groups dropped as corrupt by pull, for the caller to refill
+        self.consumer = check_name(consumer or uuid.uuid4().hex[:16], "consumer id")
+        self.groups_per_step: int | None = None
+        self.group_bytes = 0            # the largest group this producer pushed (space estimate)
+        self._wait_since: float | None = None
+        self._wait_logged = 0.0
+
+    def expect_step(self, groups_per_step: int) -> None:
+        """The driver's groups per step: push_group then refuses, at the first group, a bank
+        whose bank.max_bytes cannot hold one step (see check_step_fits)."""
+        self.groups_per_step = int(groups_per_step)
 
     def __repr__(self) -> str:  # never shows the connection (its URL holds the password)
         c = self.cfg
@@ -102,34 +143,65 @@ class MemoryBank:
             total += nbytes
             info += [eid, json.dumps({"b": nbytes, "c": float(meta["composite"]),
                                       "v": m.policy_version, "cond": group.condition.id})]
+        if self.groups_per_step is not None:
+            check_step_fits(self.groups_per_step, total, self.cfg.max_bytes)
         self.scripts.push(
-            keys=[k.group(gid), k.fresh, k.einfo, k.bytes, k.counts],
-            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g, *info],
+            keys=[k.group(gid), k.fresh, k.einfo, k.bytes, k.counts, k.qbytes, k.bankz, k.conds],
+            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g,
+                  self.cfg.max_bytes, k.cond_prefix, *info],
             client=pipe)
-        res = pipe.execute()[-1]
+        res, out = pipe.execute()[-1]
+        self.group_bytes = max(self.group_bytes, total)
         if res == -1:
             self._delete_entries(eids)
             raise DuplicateGroup(f"group_id {gid!r} is already queued in bank {k.namespace!r}: "
                                  "producers must use unique group ids")
+        if res == -2:
+            self._delete_entries(eids)
+            raise BankFull(f"bank {k.namespace!r} is full: queued groups hold {int(out)} bytes and "
+                           f"group {gid!r} needs {total} more, over bank.max_bytes="
+                           f"{self.cfg.max_bytes}; wait_for_space() until the learner pulls and "
+                           "commits, or raise bank.max_bytes")
+        self._delete_entries([_s(e) for e in out])   # banked entries evicted to make room
+        count_bank_evictions(len(out))
         return gid
 
     @_reachable
     def bytes_used(self) -> int:
         return int(self.r.get(self.keys.bytes) or 0)
 
-    def has_space(self) -> bool:
-        """False once the bank holds bank.max_bytes: producers should wait."""
-        return self.bytes_used() < self.cfg.max_bytes
+    @_reachable
+    def queued_bytes(self) -> int:
+        """Bytes of the groups waiting in fresh or pending (never evicted for space)."""
+        return int(self.r.get(self.keys.qbytes) or 0)
 
-    def wait_for_space(self, timeout_s: float, poll_s: float = 0.05) -> bool:
-        """Block until has_space() or timeout; returns has_space()."""
+    def has_space(self, nbytes: int | None = None) -> bool:
+        """Whether a group of nbytes (default: the largest this producer pushed) fits beside the
+        queued groups; banked entries make room by eviction."""
+        need = self.group_bytes if nbytes is None else nbytes
+        return self.queued_bytes() + max(need, 1) <= self.cfg.max_bytes
+
+    def wait_for_space(self, timeout_s: float, poll_s: float = 0.05, nbytes: int | None = None,
+                       log_every_s: float = WAIT_LOG_S) -> bool:
+        """Block until has_space(nbytes) or timeout; returns has_space(). While the bank stays
+        full, one log line every log_every_s (across calls) says so and for how long."""
         deadline = time.monotonic() + timeout_s
-        while not self.has_space():
-            left = deadline - time.monotonic()
+        while not self.has_space(nbytes):
+            now = time.monotonic()
+            if self._wait_since is None:
+                self._wait_since = self._wait_logged = now
+            elif now - self._wait_logged >= log_every_s:
+                self._wait_logged = now
+                log.warning("bank %r full for %.0fs: queued groups hold %d of bank.max_bytes=%d "
+                            "bytes; producers wait for the learner to pull and commit",
+                            self.keys.namespace, now - self._wait_since, self.queued_bytes(),
+                            self.cfg.max_bytes)
+            left = deadline - now
             if left <= 0:
                 return False
             time.sleep(min(poll_s, left))
             poll_s = min(poll_s * 1.5, 1.0)
+        self._wait_since = None
         return True
 
     # ------------------------------------------------------------------ the learner
@@ -140,8 +212,9 @@ class MemoryBank:
         k = self.keys
         # 1. Move up to n groups fresh → pending and read their records and their
         #    conditions' bank indexes, atomically, in one round trip.
-        groups, banks = self.scripts.pull(keys=[k.fresh, k.pending, k.einfo],
-                                          args=[n, k.group_prefix, k.cond_prefix])
+        groups, banks = self.scripts.pull(
+            keys=[k.fresh, k.pending(self.consumer), k.einfo, k.consumers],
+            args=[n, k.group_prefix, k.cond_prefix, self.consumer])
         batch = TrainBatch(fresh=[], bank=[], version=version)
         if not groups:
             return batch
@@ -177,8 +250,8 @@ class MemoryBank:
         pipe = self.r.pipeline(transaction=False)
         for grp, keep in zip(batch.fresh, keeps, strict=True):
             self.scripts.commit(
-                keys=[k.pending, k.group(grp.group_id), k.cond(grp.condition.id), k.einfo,
-                      k.bytes, k.counts, k.done, k.conds, k.bankz],
+                keys=[k.pending(self.consumer), k.group(grp.group_id), k.cond(grp.condition.id),
+                      k.einfo, k.bytes, k.counts, k.done, k.conds, k.bankz, k.qbytes],
                 args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
                       DONE_CAP, "committed", *keep], client=pipe)
         outs = pipe.execute()
@@ -200,6 +273,8 @@ class MemoryBank:
             if eid not in evicted:   # the script never recreates a deleted entry either
                 self.scripts.touch(keys=[k.meta(eid)], args=[1, status], client=pipe)
         self._delete_entries(sorted(evicted), pipe)
+        # trimmed by capacity or the byte bound (members of a skipped step were never banked)
+        count_bank_evictions(len(evicted - ({e for ks in keeps for e in ks} if mode in ('skip', 'drop') else set())))
 
     @_reachable
     def queued_ids(self) -> list[str]:
@@ -208,11 +283,32 @@ class MemoryBank:
 
     @_reachable
     def requeue_pending(self) -> int:
-        """Put groups pulled but never committed back at the head of the fresh queue (resume)."""
-        n = int(self.scripts.requeue(keys=[self.keys.pending, self.keys.fresh]))
+        """Put this consumer's groups pulled but never committed back at the head of the fresh
+        queue. Other consumers' pending groups are theirs (they may be training them now)."""
+        n = int(self.scripts.requeue(keys=[self.keys.pending(self.consumer), self.keys.fresh]))
         if n:
             log.info("bank: requeued %d pending groups", n)
         return n
+
+    @_reachable
+    def requeue_all_pending(self) -> int:
+        """Every consumer's pending groups back to fresh: only for the namespace's owner taking
+        over from a dead run (memory_bank.ownership), when no other consumer is live."""
+        k = self.keys
+        n = int(self.scripts.requeue_all(keys=[k.consumers, k.fresh, f"{k._g}:pending"],
+                                         args=[f"{k._g}:pending:"]))
+        if n:
+            log.info("bank: requeued %d pending groups of earlier consumers", n)
+        return n
+
+    @_reachable
+    def pending_ids(self) -> list[str]:
+        """Ids of the groups pulled but not committed, by any consumer."""
+        k = self.keys
+        out: list[str] = []
+        for c in sorted(_s(c) for c in self.r.smembers(k.consumers)):
+            out += [_s(g) for g in self.r.lrange(k.pending(c), 0, -1)]
+        return out
 
     # ------------------------------------------------------------------ inspection
     @_reachable
@@ -229,15 +325,17 @@ class MemoryBank:
         self.r.ping()
         latency_ms = (time.perf_counter() - t0) * 1e3
         pipe = self.r.pipeline(transaction=False)
-        pipe.llen(k.fresh).llen(k.pending).get(k.bytes).hgetall(k.counts)
-        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo)
-        fresh, pending, nbytes, counts, banked, conds, entries = pipe.execute()
+        pipe.llen(k.fresh).get(k.bytes).hgetall(k.counts)
+        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes)
+        fresh, nbytes, counts, banked, conds, entries, qbytes = pipe.execute()
+        pending = len(self.pending_ids())
         c = {_s(a): int(b) for a, b in counts.items()}
         return {
             "fresh": fresh, "pending": pending, "banked": banked, "entries": entries,
             "conditions": conds, "pushed": c.get("pushed", 0), "committed": c.get("committed", 0),
             "dropped": c.get("dropped", 0), "corrupt": c.get("corrupt", 0),
-            "bytes": int(nbytes or 0), "max_bytes": self.cfg.max_bytes,
+            "bytes": int(nbytes or 0), "queued_bytes": int(qbytes or 0),
+            "max_bytes": self.cfg.max_bytes,
             "redis_latency_ms": latency_ms,
         }
 
@@ -252,7 +350,7 @@ class MemoryBank:
         indexes = pipe.execute()
         return {
             "format": SNAPSHOT_FORMAT, "namespace": k.namespace, "time": time.time(),
-            "pending": [_s(g) for g in self.r.lrange(k.pending, 0, -1)],
+            "pending": self.pending_ids(),
             "banked": {cid: [_s(e) for e in ix] for cid, ix in zip(conds, indexes, strict=True)},
             "counts": {_s(a): int(b) for a, b in self.r.hgetall(k.counts).items()},
         }
@@ -272,7 +370,7 @@ class MemoryBank:
         if not isinstance(banked, dict) or not all(
                 isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
             raise ValueError("bank snapshot: field 'banked' must map condition id -> [entry id]")
-        requeued = self.requeue_pending()
+        requeued = self.requeue_all_pending()   # restoring is taking over: no consumer is live
         current = {_s(c) for c in self.r.smembers(k.conds)}
         kept = missing = 0
         evicted: list[str] = []
@@ -288,11 +386,14 @@ class MemoryBank:
         return out
 
     @_reachable
-    def clear(self) -> int:
-        """Delete every key of this namespace (tests, or starting a run afresh)."""
+    def clear(self, keep_lease: bool = False) -> int:
+        """Delete every key of this namespace (tests, or starting a run afresh); keep_lease
+        keeps the run-ownership lease (memory_bank.ownership) of the caller."""
         n = 0
         batch: list[bytes] = []
         for key in self.r.scan_iter(match=self.keys.pattern, count=500):
+            if keep_lease and key.decode("utf-8", "replace") == self.keys.lease:
+                continue
             batch.append(key)
             if len(batch) >= 500:
                 n += self.r.delete(*batch)
@@ -328,7 +429,7 @@ class MemoryBank:
         except ValueError:
             self._corrupt(f"group {gid!r}: record missing or incomplete")
             return None, []
-        fetched = self._fetch(eids + bank_eids, cid)
+        fetched = self._fetch(eids + bank_eids, cid, members=set(eids))
         own = set(eids)
         members = [e for eid, e in fetched if eid in own]
         bank = [e for eid, e in fetched if eid not in own]
@@ -374,8 +475,12 @@ class MemoryBank:
             self._evict_banked(cid, bad)
         return [e for e in bank if e.id not in bad], out
 
-    def _fetch(self, eids: list[str], cid: str) -> list[tuple[str, Entry]]:
-        """Decode entries (one round trip); corrupt ones are logged, counted and evicted."""
+    def _fetch(self, eids: list[str], cid: str, members: set[str] = frozenset()
+               ) -> list[tuple[str, Entry]]:
+        """Decode entries (one atomic round trip); corrupt ones are logged, counted and evicted.
+        A banked entry whose keys are both gone was evicted after the index was read: it is
+        skipped, not corrupt. A group member (`members`) is never evicted while queued, so a
+        gone member is corrupt."""
         good_ids, bad = [], []
         for eid in eids:
             try:
@@ -384,13 +489,17 @@ class MemoryBank:
             except ValueError:
                 self._corrupt(f"condition {cid!r}: foreign entry id {eid[:80]!r}")
                 bad.append(eid)
-        pipe = self.r.pipeline(transaction=False)
+        # MULTI/EXEC: no eviction's DEL can fall between an entry's meta and blob reads
+        pipe = self.r.pipeline(transaction=True)
         for eid in good_ids:
             pipe.hgetall(self.keys.meta(eid))
             pipe.get(self.keys.blob(eid))
         raw = pipe.execute() if good_ids else []
-        out = []
+        out, gone = [], []
         for i, eid in enumerate(good_ids):
+            if not raw[2 * i] and raw[2 * i + 1] is None and eid not in members:
+                gone.append(eid)
+                continue
             try:
                 # no copy: the blob is this call's own bytes, and pulled tensors are only read
                 # (the learner trains on what Ray serialises from them)
@@ -402,8 +511,10 @@ class MemoryBank:
             except CorruptEntry as err:
                 self._corrupt(f"entry {eid} of condition {cid!r}: {err}")
                 bad.append(eid)
-        if bad:
-            self._evict_banked(cid, bad)
+        if gone:
+            log.debug("bank: %d entries of condition %r evicted while being fetched", len(gone), cid)
+        if bad or gone:
+            self._evict_banked(cid, bad + gone)
         return out
 
     def _evict_banked(self, cid: str, eids: list[str]) -> None:
@@ -418,14 +529,15 @@ class MemoryBank:
         self.dropped_ids.append(gid)
         k = self.keys
         out = self.scripts.commit(
-            keys=[k.pending, k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts, k.dead,
-                  k.conds, k.bankz],
+            keys=[k.pending(self.consumer), k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts,
+                  k.dead, k.conds, k.bankz, k.qbytes],
             args=[gid, "drop", self.cfg.capacity, "-", int(self.cfg.max_bytes * LOW_WATERMARK),
                   k.cond_prefix, DEAD_CAP, "dropped"])
         self._delete_entries([_s(e) for e in out or []])
 
     def _delete_entries(self, eids: list[str], pipe=None) -> None:
-        """Delete entries' keys (distinct slots, so not atomic); runs `pipe` if given."""
+        """Delete entries' keys, each entry's two in one DEL (atomic against _fetch's MULTI);
+        runs `pipe` if given."""
         pipe = pipe if pipe is not None else self.r.pipeline(transaction=False)
         for eid in eids:
             try:

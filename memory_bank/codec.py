@@ -2,6 +2,9 @@
 
 Bytes read from Redis are untrusted: decoding never unpickles, checks every field and
 shape, and raises only `CorruptEntry` (naming the field) on anything it does not accept.
+Numbers are accepted only in the form `encode` writes them (`str(int)`, `repr(float)`), so a
+damaged field is never read as another number. `encode` decodes its own output before it
+returns, so everything it writes reads back, exactly.
 Frames are not stored: the learner needs latents, log-probs and rewards, not video.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,9 +28,11 @@ from memory_bank.keys import check_eid
 from memory_bank.tensorfile import dumps, loads
 
 FORMAT = "1"
+_INT = re.compile(r"(0|-?[1-9][0-9]*)")   # str(int) and nothing else
 SCHEMES = frozenset(get_args(SchemeName))
 STATUSES = frozenset({"fresh", "banked"})
-TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V
+TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V, "mu_old" when recorded
+OPTIONAL_TENSORS = ("image", "mu_old")
 REQUIRED = (
     "format", "id", "condition", "prompt", "group", "member", "seed", "version", "created",
     "scheme", "eta", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
@@ -61,6 +67,13 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
                "final_latents": traj.final_latents}
     if traj.condition.image is not None:
         tensors["image"] = traj.condition.image
+    if traj.mu_old is not None:
+        tensors["mu_old"] = traj.mu_old
+    for field in ("id", "prompt"):
+        _utf8(getattr(traj.condition, field), f"condition.{field}")
+    _utf8(traj.group_id, "group_id")
+    for h in heads:
+        _utf8(h, "heads")
     blob = dumps(tensors)
     meta = {
         "format": FORMAT,
@@ -83,7 +96,21 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
         "composite": repr(float(composite)),
         "status": status,
     }
+    if traj.trained_steps is not None:
+        meta["trained_steps"] = json.dumps([int(k) for k in traj.trained_steps])
+    try:  # what decode would refuse (non-finite log-probs, a step outside sigmas, ...) is refused here
+        decode(meta, blob, copy=False)
+    except CorruptEntry as e:
+        raise ValueError(f"group {traj.group_id!r} member {traj.member}: cannot be stored: {e}") from None
     return meta, blob
+
+
+def _utf8(v: str, field: str) -> None:
+    """Redis stores UTF-8: a string that cannot be encoded (a lone surrogate) is refused here."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} {v!r} is not valid Unicode text (it cannot be stored as UTF-8)") from None
 
 
 def decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool = True) -> Entry:
@@ -131,6 +158,9 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{len(sigmas) - 2}")
     if len(scores) != len(heads):
         raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
+    trained_steps = _json_list(m, "trained_steps", int) if "trained_steps" in m else None
+    if trained_steps is not None and not set(trained_steps) <= set(steps):
+        raise CorruptEntry(f"field 'trained_steps' {trained_steps} is not a subset of 'step_indices' {steps}")
 
     # 2. Blob: safetensors only (no pickle), exactly the expected tensors and shapes.
     if not isinstance(blob, (bytes, bytearray, memoryview)):
@@ -139,7 +169,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         t = loads(blob, copy=copy)
     except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
-    extra, absent = set(t) - {*TENSORS, "image"}, set(TENSORS) - set(t)
+    extra, absent = set(t) - {*TENSORS, *OPTIONAL_TENSORS}, set(TENSORS) - set(t)
     if extra or absent:
         raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
     x, x_next, logp_old, final = (t[k] for k in TENSORS)
@@ -156,6 +186,9 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
             raise CorruptEntry(f"tensor {k!r} has dtype {t[k].dtype}, expected floating point")
     if not torch.isfinite(logp_old).all():
         raise CorruptEntry("tensor 'logp_old' has non-finite values")
+    mu_old = t.get("mu_old")
+    if mu_old is not None and (mu_old.shape != x.shape or not mu_old.is_floating_point()):
+        raise CorruptEntry(f"tensor 'mu_old' {mu_old.dtype} {tuple(mu_old.shape)}: expected float {tuple(x.shape)}")
     image = t.get("image")
     if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
         raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
@@ -166,7 +199,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         group_id=m["group"], member=member, seed=seed, scheme=m["scheme"], eta=eta,
         guidance_scale=cfg_scale, policy_version=version, sigmas=sigmas, step_indices=steps,
         x=x, x_next=x_next, logp_old=logp_old, final_latents=final, frames=None,
-        trained_times=trained, bank_id=eid,
+        trained_times=trained, bank_id=eid, trained_steps=trained_steps, mu_old=mu_old,
     )
     return Entry(id=eid, trajectory=traj, heads=heads,
                  scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
@@ -185,10 +218,9 @@ def _text(v: Any, field: Any) -> str:
 
 
 def _int(m: dict[str, str], f: str) -> int:
-    try:
-        return int(m[f])
-    except ValueError:
-        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected an integer") from None
+    if len(m[f]) > 40 or not _INT.fullmatch(m[f]):
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected an integer")
+    return int(m[f])
 
 
 def _float(m: dict[str, str], f: str) -> float:
@@ -198,6 +230,8 @@ def _float(m: dict[str, str], f: str) -> float:
         raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, expected a number") from None
     if not math.isfinite(v):
         raise CorruptEntry(f"field {f!r} is not finite: {v}")
+    if repr(v) != m[f]:
+        raise CorruptEntry(f"field {f!r} is {m[f][:40]!r}, not a number as written by encode")
     return v
 
 

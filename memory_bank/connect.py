@@ -52,17 +52,40 @@ def client_from_url(url: str, allow_no_password: bool = False) -> redis.Redis:
     return redis.Redis.from_url(url, **client_kwargs())
 
 
+def resolve_redis_url(cfg: BankConfig) -> tuple[str | None, str]:
+    """(URL, where it came from): bank.redis_url in the process that loaded the config, else the
+    file bank.redis_url_file, else $bank.redis_url_env; (None, "") means an embedded server.
+    A config pickled into another process (a Ray actor) has no redis_url: it resolves the URL
+    here, from the file or the variable, so the password never travels in its arguments."""
+    if cfg.redis_url is not None:
+        return cfg.redis_url.get_secret_value(), "bank.redis_url"
+    if cfg.redis_url_file:
+        path = Path(cfg.redis_url_file).expanduser()
+        try:
+            url = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BankUnavailable(f"bank.redis_url_file {str(path)!r} cannot be read "
+                                  f"({type(e).__name__}): point it at a file holding the URL") from None
+        if not url:
+            raise BankUnavailable(f"bank.redis_url_file {str(path)!r} is empty: write the URL in it")
+        return url, f"bank.redis_url_file {str(path)!r}"
+    if os.environ.get(cfg.redis_url_env):
+        return os.environ[cfg.redis_url_env], f"${cfg.redis_url_env}"
+    if cfg._url_withheld:
+        raise BankUnavailable(
+            "bank.redis_url holds a password and is not sent to other processes: give this "
+            f"process the URL through bank.redis_url_file or ${cfg.redis_url_env}")
+    return None, ""
+
+
 def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None
                  ) -> tuple[MemoryBank, EmbeddedRedis | None]:
-    """bank.redis_url, else $bank.redis_url_env, else an embedded server (AOF in data_dir).
+    """resolve_redis_url(cfg), else an embedded server (AOF in data_dir).
 
     The caller owns the returned EmbeddedRedis (stop it at the end; it also stops at exit).
     Workers in other processes connect with `embedded.url`.
     """
-    url = cfg.redis_url.get_secret_value() if cfg.redis_url is not None else None
-    source = "bank.redis_url"
-    if not url and os.environ.get(cfg.redis_url_env):
-        url, source = os.environ[cfg.redis_url_env], f"${cfg.redis_url_env}"
+    url, source = resolve_redis_url(cfg)
     server = None
     if url:
         client = client_from_url(url, cfg.allow_no_password)

@@ -2,8 +2,9 @@
 
 Used when no Redis URL is configured. It always has a generated password (written to a
 0600 config file that is deleted once the server is up, so it never shows in `ps`),
-listens on 127.0.0.1 only, keeps no snapshot on disk, and appends to an AOF only when
-asked. It is stopped at interpreter exit.
+listens on 127.0.0.1 only, keeps no snapshot on disk, appends to an AOF only when asked, and
+has the commands the bank never needs disabled (DISABLED_COMMANDS). It is stopped at
+interpreter exit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from memory_bank.errors import BankUnavailable, RedisBinaryNotFound
 
 log = logging.getLogger(__name__)
 _NO_RETRY = Retry(NoBackoff(), 0)
+
+
+# Commands the bank never sends, disabled in the embedded server: a client that holds the
+# password still cannot reconfigure it (CONFIG SET dir/dbfilename writes files), crash or
+# stall it (DEBUG), wipe it, watch every command (MONITOR) or make it a replica.
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "SHUTDOWN", "FLUSHALL", "FLUSHDB", "KEYS", "MONITOR",
+                     "SLAVEOF", "REPLICAOF", "SYNC", "PSYNC", "MODULE", "MIGRATE", "SAVE",
+                     "BGSAVE", "ACL")
 
 
 def client_kwargs() -> dict:
@@ -130,6 +139,7 @@ class EmbeddedRedis:
             'save ""',  # no RDB snapshots: the bank is either ephemeral or on AOF
             f"appendonly {'yes' if self.aof else 'no'}", f"appendfsync {self.fsync}",
             "loglevel warning",
+            *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
         ]
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

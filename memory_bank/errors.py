@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common.config import ConfigError
+
 
 class BankError(Exception):
     """Base class for memory-bank errors."""
@@ -29,3 +31,19 @@ class BankUnavailable(BankError):
 
 class RedisBinaryNotFound(BankError):
     """No redis-server binary for the embedded server."""
+
+
+class BankFull(BankError):
+    """A push would take the bank over bank.max_bytes beside the groups already queued."""
+
+
+class BankTooSmall(BankError, ConfigError):
+    """bank.max_bytes cannot hold one training step's groups."""
+
+
+class NamespaceBusy(BankError, ConfigError):
+    """Another live run holds the namespace's lease."""
+
+
+class StaleBank(BankError, ConfigError):
+    """The namespace holds a dead run's data and bank.clear_stale is off."""

@@ -5,14 +5,17 @@ Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
   `ns:e:{eid}:meta` (hash of codec fields) and `ns:e:{eid}:blob` (safetensors bytes);
 - global structures, hash tag = namespace, so one Lua script can update them atomically:
   `ns:{ns}:fresh` list of group ids (FIFO, producers RPUSH),
-  `ns:{ns}:pending` list of groups pulled but not committed (reliable queue),
+  `ns:{ns}:pending:<consumer>` per consumer: groups it pulled but has not committed (reliable
+  queue; a consumer requeues only its own), `ns:{ns}:consumers` set of those consumer ids,
+  `ns:{ns}:lease` the live run's ownership lease (TTL), `ns:{ns}:owner` the run that owns the data,
   `ns:{ns}:done` / `ns:{ns}:dead` capped lists of committed / dropped groups,
   `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token,
   `ns:{ns}:c:<cid>` list: a condition's banked entry ids, oldest first,
   `ns:{ns}:einfo` hash eid -> JSON {b: bytes, c: composite, v: version, cond: cid},
   `ns:{ns}:bankz` zset of banked eids by bank order (global eviction under max_bytes),
   `ns:{ns}:conds` set of conditions with a non-empty index,
-  `ns:{ns}:bytes` counter, `ns:{ns}:counts` hash of counters.
+  `ns:{ns}:bytes` counter of every entry's bytes, `ns:{ns}:qbytes` counter of the bytes of
+  queued (fresh or pending) groups, `ns:{ns}:counts` hash of counters.
 Only the first `{...}` of a key is its hash tag, so ids after it may hold any character.
 """
 
@@ -45,9 +48,24 @@ class Keys:
     def fresh(self) -> str:
         return f"{self._g}:fresh"
 
+    def pending(self, consumer: str) -> str:
+        return f"{self._g}:pending:{check_name(consumer, 'consumer id')}"
+
     @property
-    def pending(self) -> str:
-        return f"{self._g}:pending"
+    def consumers(self) -> str:
+        return f"{self._g}:consumers"
+
+    @property
+    def lease(self) -> str:
+        return f"{self._g}:lease"
+
+    @property
+    def owner(self) -> str:
+        return f"{self._g}:owner"
+
+    @property
+    def qbytes(self) -> str:
+        return f"{self._g}:qbytes"
 
     @property
     def done(self) -> str:
@@ -102,6 +120,13 @@ class Keys:
     def pattern(self) -> str:
         """SCAN pattern for every key of this namespace."""
         return f"{self.namespace}:*"
+
+
+def check_name(name: str, what: str) -> str:
+    """Consumer ids (and namespaces) use [A-Za-z0-9_.-] only, so they never break a key."""
+    if not isinstance(name, str) or not _NAMESPACE.match(name):
+        raise ValueError(f"{what} {name!r} must match [A-Za-z0-9_.-]+")
+    return name
 
 
 def check_eid(eid: str) -> str:

@@ -9,34 +9,14 @@ from __future__ import annotations
 
 import redis
 
-# KEYS: group, fresh, einfo, bytes, counts
-# ARGV: gid, token, cid, version, total_bytes, n, then n × (eid, einfo_json)
-PUSH = """
-local token = redis.call('HGET', KEYS[1], 'token')
-if token then
-  if token == ARGV[2] then return 0 end   -- our own retried call: already queued
-  return -1                               -- another producer's group with this id
-end
-local eids = {}
-for i = 0, tonumber(ARGV[6]) - 1 do
-  redis.call('HSET', KEYS[3], ARGV[7 + 2 * i], ARGV[8 + 2 * i])
-  eids[#eids + 1] = ARGV[7 + 2 * i]
-end
-redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
-           'eids', table.concat(eids, ' '))
-redis.call('INCRBY', KEYS[4], ARGV[5])
-redis.call('HINCRBY', KEYS[5], 'pushed', 1)
-redis.call('RPUSH', KEYS[2], ARGV[1])
-return 1
-"""
-
-# KEYS: fresh, pending, einfo. ARGV: n, group_prefix, cond_prefix.
-# Reliable queue: a pulled group stays in `pending` until commit, so a learner crash loses
-# nothing (requeue puts it back). Returns, in one round trip, {groups, banks}:
-# groups[i] = {gid, cond, version, eids}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
+# KEYS: fresh, pending (the consumer's own), einfo, consumers. ARGV: n, group_prefix,
+# cond_prefix, consumer id. Reliable queue: a pulled group stays in its consumer's `pending`
+# until commit, so a learner crash loses nothing (requeue puts it back). Returns, in one
+# round trip, {groups, banks}: groups[i] = {gid, cond, version, eids}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
 # Group and condition keys are built here; they share the {ns} slot with KEYS.
 PULL = """
 local groups, conds, banks = {}, {}, {}
+redis.call('SADD', KEYS[4], ARGV[4])
 for _ = 1, tonumber(ARGV[1]) do
   local g = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not g then break end
@@ -59,15 +39,30 @@ end
 return {groups, banks}
 """
 
-# KEYS: pending, fresh. Oldest pending group ends up first in fresh, in its old order.
+# KEYS: pending (one consumer's), fresh. Its oldest pending group ends up first in fresh,
+# in its old order. Only the caller's own list: another live consumer's pulls stay its own.
 REQUEUE = """
 local n = 0
 while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
 return n
 """
 
-# Shared by COMMIT, EVICT and RESTORE: forget an entry's accounting, remember its id so
-# the caller deletes its keys. KEYS[E], KEYS[B], KEYS[Z] are einfo, bytes, bankz.
+# KEYS: consumers, fresh, the single pending list of banks written before consumer ids.
+# ARGV: pending key prefix. Every consumer's pending groups back to fresh: only for the
+# namespace's owner taking over from a dead run (it holds the lease).
+REQUEUE_ALL = """
+local n = 0
+while redis.call('LMOVE', KEYS[3], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
+for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local key = ARGV[1] .. c
+  while redis.call('LMOVE', key, KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
+  redis.call('SREM', KEYS[1], c)
+end
+return n
+"""
+
+# Shared by PUSH, COMMIT, EVICT and RESTORE: forget an entry's accounting, remember its id so
+# the caller deletes its keys. KEYS[E], KEYS[B], KEYS[Z], KEYS[S] are einfo, bytes, bankz, conds.
 _EVICT_FN = """
 local evicted = {}
 local function evict(eid)
@@ -82,6 +77,22 @@ local function evict(eid)
   redis.call('ZREM', KEYS[Z], eid)
   evicted[#evicted + 1] = eid
 end
+-- Evict the oldest banked entries (global bank order) until the bank holds at most `limit`
+-- bytes; queued groups' entries are never in bankz, so they are never evicted here.
+local function shrink(limit, cond_prefix)
+  while tonumber(redis.call('GET', KEYS[B]) or '0') > limit do
+    local oldest = redis.call('ZRANGE', KEYS[Z], 0, 0)[1]
+    if not oldest then return end
+    local info = redis.call('HGET', KEYS[E], oldest)
+    local ok, d = pcall(cjson.decode, info or '')
+    if ok and type(d) == 'table' and type(d['cond']) == 'string' then
+      local ckey = cond_prefix .. d['cond']
+      redis.call('LREM', ckey, 0, oldest)
+      if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[S], d['cond']) end
+    end
+    evict(oldest)
+  end
+end
 local function composite(eid)
   local info = redis.call('HGET', KEYS[E], eid)
   if not info then return 0 end
@@ -92,17 +103,49 @@ end
 """
 
 
-def _with_evict(body: str, e: int, b: int, z: int) -> str:
+def _with_evict(body: str, e: int, b: int, z: int, s: int) -> str:
     fn = _EVICT_FN.replace("KEYS[E]", f"KEYS[{e}]").replace("KEYS[B]", f"KEYS[{b}]")
-    return fn.replace("KEYS[Z]", f"KEYS[{z}]") + body
+    return fn.replace("KEYS[Z]", f"KEYS[{z}]").replace("KEYS[S]", f"KEYS[{s}]") + body
 
 
-# KEYS: pending, group, cond, einfo, bytes, counts, log (done or dead), conds, bankz
+# KEYS: group, fresh, einfo, bytes, counts, qbytes, bankz, conds
+# ARGV: gid, token, cid, version, total_bytes, n, max_bytes, cond_prefix,
+#       then n × (eid, einfo_json)
+# Enforces bank.max_bytes: queued (fresh + pending) groups are never evicted, so a group that
+# does not fit beside them is refused ({-2, queued bytes}); banked entries are a cache, so the
+# oldest are evicted to make room. Returns {1 | 0 (our own retry) | -1 (duplicate), evicted}.
+PUSH = _with_evict("""
+local token = redis.call('HGET', KEYS[1], 'token')
+if token then
+  if token == ARGV[2] then return {0, {}} end   -- our own retried call: already queued
+  return {-1, {}}                               -- another producer's group with this id
+end
+local total, limit = tonumber(ARGV[5]), tonumber(ARGV[7])
+local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
+if queued + total > limit then return {-2, queued} end
+shrink(limit - total, ARGV[8])
+local eids = {}
+for i = 0, tonumber(ARGV[6]) - 1 do
+  redis.call('HSET', KEYS[3], ARGV[9 + 2 * i], ARGV[10 + 2 * i])
+  eids[#eids + 1] = ARGV[9 + 2 * i]
+end
+redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
+           'eids', table.concat(eids, ' '), 'bytes', total)
+redis.call('INCRBY', KEYS[4], total)
+redis.call('INCRBY', KEYS[6], total)
+redis.call('HINCRBY', KEYS[5], 'pushed', 1)
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return {1, evicted}
+""", e=3, b=4, z=7, s=8)
+
+# KEYS: pending (the consumer's own), group, cond, einfo, bytes, counts, log (done or dead),
+#       conds, bankz, qbytes
 # ARGV: gid, mode (fifo | sdu | skip | drop), capacity, cid, low_bytes, cond_prefix,
 #       log_cap, counter, then the group's entry ids to bank.
 # Returns the evicted entry ids, or false when the group was not pending (exactly once).
 COMMIT = _with_evict("""
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return false end
+redis.call('DECRBY', KEYS[10], tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') or 0)
 local mode, cap, cid = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local keep = {}
 for i = 9, #ARGV do keep[ARGV[i]] = true end
@@ -144,23 +187,12 @@ if redis.call('LLEN', KEYS[3]) > 0 then redis.call('SADD', KEYS[8], cid)
 else redis.call('SREM', KEYS[8], cid) end
 -- 4. global byte bound: evict the oldest banked entries, never fresh or pending ones.
 -- Condition keys are built here; they share the {ns} slot with KEYS, so this is Cluster-safe.
-while tonumber(redis.call('GET', KEYS[5]) or '0') > tonumber(ARGV[5]) do
-  local oldest = redis.call('ZRANGE', KEYS[9], 0, 0)[1]
-  if not oldest then break end
-  local info = redis.call('HGET', KEYS[4], oldest)
-  local ok, d = pcall(cjson.decode, info or '')
-  if ok and type(d) == 'table' and type(d['cond']) == 'string' then
-    local ckey = ARGV[6] .. d['cond']
-    redis.call('LREM', ckey, 0, oldest)
-    if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[8], d['cond']) end
-  end
-  evict(oldest)
-end
+shrink(tonumber(ARGV[5]), ARGV[6])
 redis.call('HINCRBY', KEYS[6], ARGV[8], 1)
 redis.call('LPUSH', KEYS[7], ARGV[1])
 redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
 return evicted
-""", e=4, b=5, z=9)
+""", e=4, b=5, z=9, s=8)
 
 # KEYS: cond, einfo, bytes, conds, bankz. ARGV: cid, eids to remove from the index.
 EVICT = _with_evict("""
@@ -170,7 +202,7 @@ for i = 2, #ARGV do
 end
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[1]) end
 return evicted
-""", e=2, b=3, z=5)
+""", e=2, b=3, z=5, s=4)
 
 # KEYS: cond, einfo, bytes, conds, bankz, counts. ARGV: cid, the snapshot's eids in order.
 # Sets the index to the snapshot's entries that still exist; evicts entries banked since.
@@ -194,7 +226,7 @@ for _, eid in ipairs(want) do
 end
 if #want > 0 then redis.call('SADD', KEYS[4], ARGV[1]) else redis.call('SREM', KEYS[4], ARGV[1]) end
 return {#want, evicted}
-""", e=2, b=3, z=5)
+""", e=2, b=3, z=5, s=4)
 
 # KEYS: meta. ARGV: trained increment, new status or ''. Never recreates an evicted entry.
 TOUCH = """
@@ -223,6 +255,7 @@ class Scripts:
         self.push = Script(client, PUSH)
         self.pull = Script(client, PULL)
         self.requeue = Script(client, REQUEUE)
+        self.requeue_all = Script(client, REQUEUE_ALL)
         self.commit = Script(client, COMMIT)
         self.evict = Script(client, EVICT)
         self.restore = Script(client, RESTORE)

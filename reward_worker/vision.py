@@ -1,7 +1,8 @@
 """Video → Qwen-VL vision input, without torchvision.
 
 Three steps, as the Qwen-VL reward models were fed in training:
-1. sample frames at a target rate (2 fps): an even count, at least 4, at most 768;
+1. sample frames at a target rate (2 fps): the Qwen-VL video recipe (an even count, at least
+   4, at most 768, never more than the video has), or a plain stride for per-frame scorers;
 2. resize each frame to a multiple of the patch factor within a pixel budget (bicubic,
    antialiased, rounded back to uint8 as torchvision does on uint8 tensors);
 3. rescale, normalise and cut into flattened patches in the order the vision tower reads
@@ -47,21 +48,37 @@ QWEN3_VL = PatchSpec(patch_size=16, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
 def sample_indices(num_frames: int, video_fps: float, fps: float = 2.0, min_frames: int = 4,
                    max_frames: int = 768, frame_factor: int = 2) -> Tensor:
-    """Frame indices for sampling at `fps` a video of `num_frames` frames recorded at `video_fps`.
+    """Frame indices for sampling at `fps` a video of `num_frames` frames recorded at `video_fps`,
+    by the Qwen-VL video recipe VideoAlign was trained with.
 
-    The count is rounded to a multiple of `frame_factor` and kept in [min_frames, max_frames];
-    a video shorter than that repeats frames (evenly spaced, rounded indices). [N] int64
+    The count num_frames / video_fps · fps is clamped to [min_frames, max_frames] (the upper
+    bound never above the video's own length), then rounded to a multiple of `frame_factor`
+    and capped at the frame count; the indices are evenly spaced and rounded. [N] int64
     """
     if num_frames < 1:
         raise ValueError(f"a video needs at least one frame, got {num_frames}")
     if video_fps <= 0 or fps <= 0:
         raise ValueError(f"video_fps and fps must be positive, got {video_fps} and {fps}")
-    n = num_frames / video_fps * fps
-    n = frame_factor * round(n / frame_factor)
     lo = math.ceil(min_frames / frame_factor) * frame_factor
-    hi = math.floor(max_frames / frame_factor) * frame_factor
-    n = int(min(max(n, lo), hi))
+    hi = math.floor(min(max_frames, num_frames) / frame_factor) * frame_factor
+    n = min(max(num_frames / video_fps * fps, lo), hi)
+    n = min(round(n / frame_factor) * frame_factor, num_frames)
+    if n < frame_factor:
+        raise ValueError(f"a video of {num_frames} frame(s) is too short to sample; the scorer "
+                         f"needs at least {frame_factor}")
     return torch.linspace(0, num_frames - 1, n).round().long()
+
+
+def stride_indices(num_frames: int, video_fps: float, fps: float = 2.0) -> Tensor:
+    """The frames at times 0, 1/fps, 2/fps, … s (nearest earlier frame): a plain `fps` sampling
+    for scorers that rate frames one by one. [N] int64"""
+    if num_frames < 1:
+        raise ValueError(f"a video needs at least one frame, got {num_frames}")
+    if video_fps <= 0 or fps <= 0:
+        raise ValueError(f"video_fps and fps must be positive, got {video_fps} and {fps}")
+    step = video_fps / fps                                                   # frames per sample
+    n = math.floor((num_frames - 1) / step + 1e-9) + 1
+    return (torch.arange(n, dtype=torch.float64) * step + 1e-9).floor().long()
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
@@ -135,3 +152,13 @@ def image_patches(image: Tensor, spec: PatchSpec, height: int, width: int) -> tu
         raise ValueError(f"image size {height}x{width} is not a multiple of {spec.factor}")
     x = normalize(resize(image[None], height, width), spec)                  # [1, 3, h, w]
     return patchify(x, spec)
+
+
+def frame_patches(frames: Tensor, spec: PatchSpec, min_pixels: int, max_pixels: int) -> tuple[Tensor, Tensor]:
+    """Frames rated one by one as images: uint8 [n, H, W, 3] → (patches [n·N, D], grids [n, 3]).
+
+    Each frame keeps its aspect ratio within [min_pixels, max_pixels] (smart_resize)."""
+    h, w = smart_resize(frames.shape[1], frames.shape[2], spec.factor, min_pixels, max_pixels)
+    x = normalize(resize(frames, h, w), spec)                                # [n, 3, h, w]
+    out = [patchify(x[i:i + 1], spec) for i in range(x.shape[0])]
+    return torch.cat([p for p, _ in out]), torch.stack([g for _, g in out])

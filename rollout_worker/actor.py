@@ -32,6 +32,7 @@ import ray
 import torch
 from torch import Tensor
 
+from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt
@@ -72,6 +73,7 @@ class RolloutWorker:
             if record is not None:
                 self.set_weights(_resolve(record["weights"]), record["version"], record.get("checksum"))
 
+    @exports_generate
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
         return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                             group_id=group_id)
@@ -88,7 +90,13 @@ class RolloutWorker:
 
     def deliver(self, group_id: str) -> GroupReceipt:
         """Score the staged group with the reward pool and push it into the bank."""
-        from memory_bank.errors import BankError, BankUnavailable, DuplicateGroup
+        from memory_bank.errors import (
+            BankError,
+            BankFull,
+            BankTooSmall,
+            BankUnavailable,
+            DuplicateGroup,
+        )
         from reward_worker.actor import RewardFailed, RewardTimeout
 
         group, cursor, gen_s = self._staged.pop(group_id)
@@ -136,8 +144,12 @@ class RolloutWorker:
                                         f"memory bank unreachable for {outage_s:.0f}s during push_group ({e})")
                 time.sleep(min(delay, left))
                 delay, again = min(delay * 2, 5.0), True
-            except BankError as e:  # e.g. no room for it: the driver waits for space and draws it again
-                return self._failed(rec, "bank_full" if "max_bytes" in str(e) else "bank_error", str(e))
+            except BankTooSmall as e:  # one step cannot fit bank.max_bytes: no retry helps
+                return self._failed(rec, "fatal", str(e))
+            except BankFull as e:  # no room now: the driver waits for space and draws it again
+                return self._failed(rec, "bank_full", str(e))
+            except BankError as e:
+                return self._failed(rec, "bank_error", str(e))
         rec.seconds["store"] = time.monotonic() - t0
         return rec
 
@@ -162,8 +174,10 @@ class RolloutWorker:
             if self._bank_ref is None:
                 raise RuntimeError(f"rollout actor {self.actor_index} was created without a bank reference")
             self._bank = self._bank_ref.open()
+            self._bank.expect_step(self.cfg.train.groups_per_step)  # a step that cannot fit: refused at once
         return self._bank
 
+    @exports_weight_load
     def set_weights(self, payload: dict[str, Tensor] | PackedWeights, version: int,
                     checksum: str | None = None) -> bool:
         """Load a payload if its version is newer than ours; a stale push is ignored (returns False)."""

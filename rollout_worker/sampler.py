@@ -8,13 +8,14 @@ replays exactly.
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
 from torch import Tensor
 
 from common.config import RunConfig, SamplerConfig
-from common.sde import ODE, Schedule, Scheme, log_prob, make_scheme, sample_step, scheme_from_config
+from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
 from common.types import Condition, Group, Trajectory
 from rollout_worker.models.base import Cond, VideoModel
 
@@ -37,29 +38,60 @@ def transition_log_prob(model: VideoModel, scheme: Scheme, x: Tensor, x_next: Te
     """
     v = _velocity(model, x, sigma, cond)
     mu = scheme.mean(x.to(v.device, torch.float32), v, sigma, sigma_next)
-    return log_prob(x_next.to(mu.device), mu, scheme.std(sigma, sigma_next)), mu
+    return scheme.log_prob(x_next.to(mu.device), mu, scheme.std(sigma, sigma_next)), mu
 
 
-def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int,
-                         model: VideoModel | None = None) -> list[int]:
-    """The steps k whose transitions are trained, per `sampler.train_steps`.
+def trainable_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig,
+                    model: VideoModel | None = None) -> list[int]:
+    """Every step k a draw of `sampler.train_steps` can pick.
 
     Never a step with std 0 (no log-prob), never one of the last `ode_last_steps` (they run
-    as ODE), never one served by a frozen module (`model.trains_sigma`). `fraction` takes
-    round(fraction·n) of the n eligible steps (at least one) from a permutation seeded by `seed`.
+    as ODE), never one served by a frozen module (`model.trains_sigma`); with `threshold`, only
+    steps with σ_k above it.
     """
     last = schedule.steps - scfg.ode_last_steps
     eligible = [k for k in range(max(last, 0))
                 if _has_noise(scheme, *schedule.pair(k))
                 and (model is None or model.trains_sigma(schedule.sigmas[k]))]
-    if scfg.train_steps == "all" or not eligible:
-        return eligible
     if scfg.train_steps == "threshold":
         return [k for k in eligible if schedule.sigmas[k] > scfg.sigma_threshold]
-    n = max(1, round(scfg.train_fraction * len(eligible)))
+    return eligible
+
+
+def draw_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int, members: int = 1,
+                       model: VideoModel | None = None) -> list[list[int]]:
+    """The trained steps of each of `members` samples, per `sampler.train_steps` and `step_draw`.
+
+    `fraction` takes floor(fraction·n) of the n trainable steps (at least one) from a random
+    permutation seeded by `seed`: one per sample (`per_sample`, as upstream) or one shared by the
+    group (`per_group`).
+    """
+    steps = trainable_steps(schedule, scheme, scfg, model)
+    if scfg.train_steps != "fraction" or not steps:
+        return [list(steps) for _ in range(members)]
+    n = max(1, math.floor(scfg.train_fraction * len(steps) + 1e-9))
     gen = torch.Generator().manual_seed(seed + _PERM_SEED_OFFSET)
-    perm = torch.randperm(len(eligible), generator=gen)[:n]
-    return sorted(eligible[int(i)] for i in perm)
+    draws = 1 if scfg.step_draw == "per_group" else members
+    subsets = [sorted(steps[int(i)] for i in torch.randperm(len(steps), generator=gen)[:n])
+               for _ in range(draws)]
+    return subsets * members if scfg.step_draw == "per_group" else subsets
+
+
+def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int,
+                         model: VideoModel | None = None) -> list[int]:
+    """The first sample's trained steps (the group's, with step_draw=per_group)."""
+    return draw_trained_steps(schedule, scheme, scfg, seed, 1, model)[0]
+
+
+def recorded_steps(trained: list[list[int]], schedule: Schedule, scheme: Scheme, cfg: RunConfig,
+                   model: VideoModel | None = None) -> list[int]:
+    """Steps whose transitions a group stores: every member's trained steps and, with alignment
+    on, every step any member of any group of the condition may train (its winner's or loser's
+    next latent is the alignment target there, and the winner may be this group's member)."""
+    steps = set().union(*map(set, trained)) if trained else set()
+    if cfg.align.enabled:
+        steps |= set(trainable_steps(schedule, scheme, cfg.sampler, model))
+    return sorted(steps)
 
 
 def condition_seed(condition_id: str, run_seed: int) -> int:
@@ -76,11 +108,12 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     store = _LATENT_DTYPES[scfg.latent_dtype]
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
-    # 1. Schedule, scheme and the steps to train
+    # 1. Schedule, scheme, each member's trained steps and the steps the group records
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)
-    trained = select_trained_steps(schedule, scheme, scfg, seed, model)
-    trained_set = set(trained)
+    trained = draw_trained_steps(schedule, scheme, scfg, seed, G, model)
+    recorded = recorded_steps(trained, schedule, scheme, cfg, model)
+    recorded_set, keep_mu = set(recorded), cfg.records_mu_old
     ode_from = schedule.steps - scfg.ode_last_steps
 
     # 2. Encode the condition once; every member shares it
@@ -95,10 +128,10 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     x = _round(x.expand(G, *x.shape[1:]).clone(), store)  # [G, C, F, H, W]
 
     # 4. Denoising loop; the state keeps the stored dtype's values so stored steps replay exactly
-    xs, x_nexts, logps = [], [], []
+    xs, x_nexts, logps, mus = [], [], [], []
     for k in range(schedule.steps):
         sigma, sigma_next = schedule.pair(k)
-        step_scheme = scheme if k in trained_set or (k < ode_from and scfg.untrained_steps == "scheme") \
+        step_scheme = scheme if k in recorded_set or (k < ode_from and scfg.untrained_steps == "scheme") \
             else ODE()
         v = _velocity(model, x, sigma, cond)  # [G, C, F, H, W], CFG inside
         std = step_scheme.std(sigma, sigma_next)
@@ -107,15 +140,17 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
         else:
             x_next = mu = step_scheme.mean(x, v, sigma, sigma_next)
         x_next = _round(x_next, store)
-        if k in trained_set:
-            logps.append(log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
+        if k in recorded_set:
+            logps.append(step_scheme.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
             xs.append(x.to(store).cpu())
             x_nexts.append(x_next.to(store).cpu())
+            if keep_mu:
+                mus.append(mu.float().cpu())
         x = x_next
 
     # 5. Decode and record one Trajectory per member (each stacks its own K steps: one copy)
     frames = model.decode(x)  # uint8 [G, F, H, W, 3]
-    K = len(trained)
+    K = len(recorded)
 
     def steps_of(ts: list[Tensor], i: int, shape: tuple) -> Tensor:
         return torch.stack([t[i] for t in ts]) if K else torch.empty((0, *shape), dtype=store)
@@ -123,10 +158,12 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, scheme=scheme.name,
                    eta=scheme.eta, guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
-                   sigmas=list(schedule.sigmas), step_indices=list(trained),
+                   sigmas=list(schedule.sigmas), step_indices=list(recorded),
+                   trained_steps=list(trained[i]),
                    x=steps_of(xs, i, x.shape[1:]),               # [K, C, F, H, W]
                    x_next=steps_of(x_nexts, i, x.shape[1:]),     # [K, C, F, H, W]
                    logp_old=steps_of(logps, i, ()).float(),      # [K]
+                   mu_old=torch.stack([m[i] for m in mus]) if keep_mu and K else None,  # [K, C, F, H, W]
                    final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
         for i in range(G)
     ]

@@ -12,7 +12,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import Tensor, nn
 
-from common.sde import Schedule, log_prob, make_scheme, sample_step
+from common.sde import Schedule, make_scheme, sample_step
 from common.types import Condition, Group, Trajectory
 from rollout_worker.models.base import Cond, VideoModel
 
@@ -75,7 +75,7 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
     cond = model.encode([condition.prompt]).repeat(group_size)
     x = model.initial_noise(1, torch.Generator().manual_seed(seed)).repeat(group_size, 1, 1, 1, 1)
     gen = torch.Generator().manual_seed(seed + 1)
-    xs, xns, lps = [], [], []
+    xs, xns, lps, mus = [], [], [], []
     for k in range(steps):
         s, s1 = schedule.pair(k)
         sig = torch.full((group_size,), s)
@@ -87,7 +87,8 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
             if k in trained:
                 xs.append(x.clone())
                 xns.append(x_next.clone())
-                lps.append(log_prob(x_next, mu, std))
+                lps.append(scheme.log_prob(x_next, mu, std))
+                mus.append(mu.clone())
         x = x_next
     gid = group_id or f"{condition.id}-{seed}"
     members = [
@@ -95,7 +96,8 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
                    eta=scheme.eta, guidance_scale=1.0, policy_version=version,
                    sigmas=list(schedule.sigmas), step_indices=list(trained),
                    x=torch.stack([t[i] for t in xs]), x_next=torch.stack([t[i] for t in xns]),
-                   logp_old=torch.stack([t[i] for t in lps]), final_latents=x[i].clone())
+                   logp_old=torch.stack([t[i] for t in lps]), final_latents=x[i].clone(),
+                   mu_old=torch.stack([t[i] for t in mus]))
         for i in range(group_size)
     ]
     return Group(condition=condition, group_id=gid, policy_version=version, members=members)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import uuid
 
 import pytest
@@ -11,7 +14,8 @@ from bank_helpers import HEADS, make_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memory_bank.codec import REQUIRED, decode, encode
+from common.types import Condition, Trajectory
+from memory_bank.codec import REQUIRED, SCHEMES, decode, encode
 from memory_bank.errors import CorruptEntry
 
 
@@ -102,24 +106,138 @@ def test_pickle_and_garbage_blobs_rejected():
             decode(meta, blob)
 
 
-# ---- fuzz: nothing but CorruptEntry may escape decode ----------------------------------
+# ---- fuzz ---------------------------------------------------------------------------------
+# Valid input must round-trip exactly; anything else must raise CorruptEntry and nothing else.
+# Validity is judged independently: the blob by the safetensors library plus the entry's
+# shape rules restated here, the metadata by the format's rules restated here.
 
 _FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow])
 _VALID = _encoded()
+_FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-def _decode_or_corrupt(meta, blob):
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor: equal bits, NaN payloads included."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _decode_outcome(meta, blob):
+    """decode's result, or None for CorruptEntry; any other exception fails the test."""
     try:
-        decode(meta, blob)
+        return decode(meta, blob)
     except CorruptEntry:
-        pass
+        return None
+
+
+@st.composite
+def _trajectories(draw):
+    k = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 3), min_size=4, max_size=4)))   # [C, F, H, W]
+    dtype = draw(st.sampled_from(_FLOATS))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    x = torch.randn(k, *shape, generator=gen).to(dtype)
+    if x.numel() and draw(st.booleans()):      # latents may hold inf/nan; they are stored as is
+        x.reshape(-1)[0] = draw(st.sampled_from([float("nan"), float("inf"), -0.0]))
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    sigmas = draw(st.lists(finite, min_size=2, max_size=6))
+    steps = draw(st.lists(st.integers(0, len(sigmas) - 2), min_size=k, max_size=k))
+    heads = draw(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4))
+    image = (torch.randint(0, 256, (draw(st.integers(1, 4)), draw(st.integers(1, 4)), 3),
+                           dtype=torch.uint8, generator=gen) if draw(st.booleans()) else None)
+    cond = Condition(id=draw(st.text(max_size=20)), prompt=draw(st.text(max_size=60)), image=image)
+    traj = Trajectory(
+        condition=cond, group_id=draw(st.text(max_size=20)), member=draw(st.integers(0, 2**40)),
+        seed=draw(st.integers(-2**63, 2**64)), scheme=draw(st.sampled_from(sorted(SCHEMES))),
+        eta=draw(finite), guidance_scale=draw(finite), policy_version=draw(st.integers(-5, 2**40)),
+        sigmas=sigmas, step_indices=steps, x=x, x_next=torch.randn(k, *shape, generator=gen).to(dtype),
+        logp_old=torch.randn(k, generator=gen).to(draw(st.sampled_from(_FLOATS))),
+        final_latents=torch.randn(*shape, generator=gen).to(dtype), frames=None,
+        trained_times=draw(st.integers(0, 1000)))
+    scores = torch.tensor(draw(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                                        min_size=len(heads), max_size=len(heads))), dtype=torch.float32)
+    return traj, heads, scores, draw(finite)
+
+
+@_FUZZ
+@given(_trajectories())
+def test_fuzz_valid_entries_round_trip_exactly(case):
+    t, heads, scores, composite = case
+    eid = uuid.uuid4().hex
+    meta, blob = encode(eid, t, heads, scores, composite, status="banked")
+    e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)   # as Redis returns
+    r = e.trajectory
+    assert (e.id, r.bank_id, e.status, e.heads, e.composite) == (eid, eid, "banked", heads, composite)
+    assert _same(e.scores, scores)
+    for name in ("x", "x_next", "logp_old", "final_latents"):
+        assert _same(getattr(r, name), getattr(t, name)), name
+    assert (r.condition.id, r.condition.prompt) == (t.condition.id, t.condition.prompt)
+    assert (r.condition.image is None) == (t.condition.image is None)
+    assert r.condition.image is None or _same(r.condition.image, t.condition.image)
+    for f in ("group_id", "member", "seed", "scheme", "eta", "guidance_scale", "policy_version",
+              "sigmas", "step_indices", "trained_times"):
+        assert getattr(r, f) == getattr(t, f), f
+    assert math.copysign(1, r.eta) == math.copysign(1, t.eta)          # -0.0 stays -0.0
+
+
+def test_encode_refuses_what_decode_would_refuse():
+    grp = make_group()
+    cases = {
+        "logp_old": lambda t: setattr(t, "logp_old", torch.tensor([0.0, float("nan"), 0.0])),
+        "step_indices": lambda t: setattr(t, "step_indices", [0, 1, 8]),
+        "member": lambda t: setattr(t, "member", -1),
+        "sigmas": lambda t: setattr(t, "sigmas", [1.0, float("nan"), 0.0]),
+        "dtype": lambda t: setattr(t, "x", t.x.to(torch.int32)),
+        "Unicode": lambda t: setattr(t.condition, "prompt", "bad \ud800 text"),
+    }
+    for what, spoil in cases.items():
+        t = make_group().members[0]
+        spoil(t)
+        with pytest.raises(ValueError, match=what):
+            encode(uuid.uuid4().hex, t, HEADS, grp.scores.values[0], 1.0)
+
+
+def _reference_tensors(blob: bytes, k: int):
+    """The blob's tensors as the safetensors library reads them, when they form a valid entry
+    of k trained steps (the rules of codec.decode, restated); else None."""
+    try:
+        t = safetensors.torch.load(blob)
+    except Exception:  # noqa: BLE001 — the library refuses it: not a valid blob
+        return None
+    names = {"x", "x_next", "logp_old", "final_latents"}
+    if not names <= set(t) <= names | {"image"}:
+        return None
+    x = t["x"]
+    ok = (x.dim() == 5 and x.shape[0] == k and t["x_next"].shape == x.shape
+          and t["logp_old"].shape == (k,) and t["final_latents"].shape == x.shape[1:]
+          and all(t[n].is_floating_point() for n in names) and bool(torch.isfinite(t["logp_old"]).all()))
+    img = t.get("image")
+    ok = ok and (img is None or (img.dtype == torch.uint8 and img.dim() == 3 and img.shape[2] == 3))
+    return t if ok else None
+
+
+def _check_blob(blob: bytes) -> None:
+    meta = _VALID[3]
+    ref = _reference_tensors(blob, len(_VALID[1].step_indices))
+    got = _decode_outcome(meta, blob)
+    if ref is None:
+        assert got is None, "an invalid blob was accepted"
+        return
+    assert got is not None, "a valid blob was refused"
+    r = got.trajectory
+    for name in ("x", "x_next", "logp_old", "final_latents"):
+        assert _same(getattr(r, name), ref[name]), name
+    assert (r.condition.image is None) == ("image" not in ref)
 
 
 @_FUZZ
 @given(st.binary(max_size=4096))
 def test_fuzz_random_blob(blob):
-    _decode_or_corrupt(_VALID[3], blob)
+    _check_blob(blob)
 
 
 @_FUZZ
@@ -131,12 +249,99 @@ def test_fuzz_mutated_blob(data):
         i = data.draw(st.integers(0, min(len(blob) - 1, 600)))
         blob[i] = data.draw(st.integers(0, 255))
     cut = data.draw(st.sampled_from([len(blob), len(blob) // 2, 9]))
-    _decode_or_corrupt(_VALID[3], bytes(blob[:cut]))
+    _check_blob(bytes(blob[:cut]))
+
+
+def test_mutated_data_bytes_read_back_as_written():
+    """Flipped bytes in the tensor data (not the header) keep the entry valid: decode returns
+    exactly the flipped values, as the safetensors library reads them."""
+    blob = bytearray(_VALID[4])
+    for i in range(len(blob) - 1, len(blob) - 400, -37):
+        blob[i] ^= 0x5A
+    _check_blob(bytes(blob))
+    got = decode(_VALID[3], bytes(blob)).trajectory
+    assert _same(got.x, _VALID[1].x) and not _same(got.x_next, _VALID[1].x_next)  # x_next is last
 
 
 _text_or_bytes = st.one_of(st.text(max_size=40), st.binary(max_size=40),
-                           st.sampled_from(["1", "-1", "0.5", "nan", "[]", "[1, 2]", '["vq"]',
-                                            "1e999", "sage", "fresh", "true", "{}"]))
+                           st.sampled_from(["1", "-1", "0", "-0", "01", "1_0", " 1", "1.0",
+                                            "0.5", "5e-324", "nan", "inf", "1e999", "[]", "[1, 2]",
+                                            '["vq"]', "[0, 1, 2]", "[0.5, 0.25]", "[1e999]", "[true]",
+                                            "sage", "fresh", "banked", "true", "{}", "١٢"]))
+
+_INT_FIELDS = ("member", "seed", "version", "trained")
+_FLOAT_FIELDS = ("eta", "guidance_scale", "composite", "created")
+
+
+def _json_list(v: str, kind):
+    try:
+        out = json.loads(v)
+    except ValueError:
+        return None
+    if not isinstance(out, list) or any(isinstance(e, bool) for e in out):
+        return None
+    if kind is float:
+        if not all(isinstance(e, (int, float)) for e in out):
+            return None
+        try:
+            out = [float(e) for e in out]
+        except OverflowError:
+            return None
+        return out if all(math.isfinite(e) for e in out) else None
+    return out if all(isinstance(e, kind) for e in out) else None
+
+
+def _reference_meta(meta: dict):
+    """The parsed fields when `meta` (with the valid blob, K=3) is a valid entry, else None."""
+    m = {}
+    for key, v in meta.items():
+        try:
+            key = key.decode("utf-8") if isinstance(key, bytes) else key
+            m[key] = v.decode("utf-8") if isinstance(v, bytes) else v
+        except UnicodeDecodeError:
+            return None
+    if any(f not in m for f in REQUIRED) or m["format"] != "1" or m["scheme"] not in SCHEMES:
+        return None
+    if not re.fullmatch(r"[0-9a-f]{32}", m["id"]) or m["status"] not in ("fresh", "banked"):
+        return None
+    out = {}
+    for f in _INT_FIELDS:
+        if len(m[f]) > 40 or not re.fullmatch(r"-?[0-9]+", m[f]) or m[f] != str(int(m[f])):
+            return None
+        out[f] = int(m[f])
+    for f in _FLOAT_FIELDS:
+        try:
+            v = float(m[f])
+        except ValueError:
+            return None
+        if not math.isfinite(v) or repr(v) != m[f]:
+            return None
+        out[f] = v
+    out["sigmas"], out["step_indices"] = _json_list(m["sigmas"], float), _json_list(m["step_indices"], int)
+    out["heads"], out["scores"] = _json_list(m["heads"], str), _json_list(m["scores"], float)
+    if any(out[f] is None for f in ("sigmas", "step_indices", "heads", "scores")):
+        return None
+    if out["member"] < 0 or out["trained"] < 0 or len(out["sigmas"]) < 2 or not out["heads"]:
+        return None
+    if len(out["step_indices"]) != 3 or any(not 0 <= s < len(out["sigmas"]) - 1 for s in out["step_indices"]):
+        return None
+    if len(out["scores"]) != len(out["heads"]):
+        return None
+    return out
+
+
+def _check_meta(meta: dict) -> None:
+    ref = _reference_meta(meta)
+    got = _decode_outcome(meta, _VALID[4])
+    if ref is None:
+        assert got is None, "invalid metadata was accepted"
+        return
+    assert got is not None, "valid metadata was refused"
+    r = got.trajectory
+    assert (r.member, r.seed, r.policy_version, r.trained_times) == tuple(ref[f] for f in _INT_FIELDS)
+    assert (r.eta, r.guidance_scale, got.composite, got.created) == tuple(ref[f] for f in _FLOAT_FIELDS)
+    assert (r.sigmas, r.step_indices, got.heads) == (ref["sigmas"], ref["step_indices"], ref["heads"])
+    assert got.scores.tolist() == torch.tensor(ref["scores"], dtype=torch.float32).tolist()
 
 
 @_FUZZ
@@ -147,14 +352,15 @@ def test_fuzz_random_metadata(overrides, drop):
     meta.update(overrides)
     if drop and overrides:
         meta.pop(next(iter(overrides)))
-    _decode_or_corrupt(meta, _VALID[4])
+    _check_meta(meta)
 
 
 @_FUZZ
 @given(st.dictionaries(st.one_of(st.text(max_size=10), st.binary(max_size=10)),
                        _text_or_bytes, max_size=30), st.binary(max_size=256))
 def test_fuzz_random_everything(meta, blob):
-    _decode_or_corrupt(meta, blob)
+    with pytest.raises(CorruptEntry):     # never all 19 fields, never a valid blob
+        decode(meta, blob)
 
 
 def test_blob_format_is_safetensors_both_ways():

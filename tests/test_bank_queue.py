@@ -82,7 +82,7 @@ def test_requeue_after_consumer_crash(bank, redis_server):
     lost = bank.pull(3, version=0)          # the learner "crashes" before commit
     assert len(lost.fresh) == 3
     del lost
-    resumed = MemoryBank(redis_server.client(), bank.cfg)
+    resumed = MemoryBank(redis_server.client(), bank.cfg, consumer=bank.consumer)  # restarted
     assert resumed.requeue_pending() == 3
     batch = resumed.pull(10, version=0)
     assert [g.group_id for g in batch.fresh] == ["g0", "g1", "g2", "g3"]   # order kept

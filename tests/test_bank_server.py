@@ -49,7 +49,7 @@ def test_aof_restart_recovers_bank(tmp_path):
         before = {e.id: e.trajectory.x for e in bank.entries("c")}
         stats = bank.stats()
         server.restart()                             # same port and password, same AOF
-        bank2 = MemoryBank(server.client(), cfg)
+        bank2 = MemoryBank(server.client(), cfg, consumer=bank.consumer)
         assert {e.id for e in bank2.entries("c")} == set(before)
         for e in bank2.entries("c"):
             assert torch.equal(e.trajectory.x, before[e.id])

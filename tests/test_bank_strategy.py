@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from bank_helpers import make_group
+
+from memory_bank.errors import BankFull
 
 
 def _round(bank, cid: str, step: int, version: int = 0, composite=None, g: int = 2):
@@ -81,17 +81,21 @@ def test_bank_entries_carry_scores_in_group_head_order(bank):
         assert comp == e.composite
 
 
-@pytest.mark.parametrize("bank", [{"max_bytes": 1 << 20, "capacity": 16}], indirect=True)
+@pytest.mark.parametrize("bank", [{"max_bytes": 2 << 20, "capacity": 16}], indirect=True)
 def test_backpressure_and_fresh_never_evicted(bank):
     pushed = 0
-    while bank.has_space():
+    while bank.has_space():          # estimated with the largest group pushed so far
         bank.push_group(make_group(f"c{pushed}", f"g{pushed}", seed=pushed))
         pushed += 1
-    assert pushed >= 2 and bank.stats()["bytes"] >= bank.cfg.max_bytes
-    t0 = time.monotonic()
-    assert bank.wait_for_space(0.3) is False and time.monotonic() - t0 >= 0.3
-    bank.push_group(make_group("late", "late"))   # a finished group is still accepted
-    assert bank.stats()["fresh"] == pushed + 1
+        assert bank.stats()["bytes"] <= bank.cfg.max_bytes
+    assert pushed >= 2
+    assert bank.wait_for_space(0.2) is False
+    # push_group enforces the bound itself: a group that does not fit is refused, whole
+    with pytest.raises(BankFull, match=rf"over bank.max_bytes={bank.cfg.max_bytes}"):
+        bank.push_group(make_group("late", "late"))
+    st = bank.stats()
+    assert st["fresh"] == pushed and st["bytes"] <= bank.cfg.max_bytes
+    assert len(list(bank.r.scan_iter(match=f"{bank.keys.namespace}:e:*"))) == 2 * 4 * pushed
     # Training drains the queue; banked entries are evicted to make room, fresh ones never.
     trained = []
     step = 0
@@ -103,9 +107,12 @@ def test_backpressure_and_fresh_never_evicted(bank):
         bank.commit(batch, step)
         trained.append(batch.fresh[0].group_id)
         assert batch.fresh[0].size == 4
-    assert len(trained) == pushed + 1
-    assert bank.has_space() and bank.wait_for_space(0.1)
-    assert bank.stats()["bytes"] <= bank.cfg.max_bytes
+    assert len(trained) == pushed
+    assert bank.stats()["banked"] > 0 and bank.has_space() and bank.wait_for_space(0.1)
+    for i in range(pushed):          # a full bank of banked entries still takes new groups
+        bank.push_group(make_group("new", f"n{i}", seed=100 + i))
+        assert bank.stats()["bytes"] <= bank.cfg.max_bytes
+    assert bank.stats()["fresh"] == pushed
 
 
 @pytest.mark.parametrize("bank", [{"capacity": 4, "enabled": False}], indirect=True)

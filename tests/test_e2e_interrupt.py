@@ -53,6 +53,8 @@ def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     ckpts = sorted((tmp_path / "int" / "checkpoints").glob("step_*"))
     assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}"  # the step it finished was saved
+    status = json.loads((tmp_path / "int" / "status.json").read_text())  # what `vgrpo runs` reports
+    assert (status["state"], status["reason"]) == ("stopped", f"interrupted (Ctrl-C) at step {steps[-1]}")
     alive = _wait_gone(started, timeout_s=30)
     assert not alive, f"processes left behind: {alive}"
 

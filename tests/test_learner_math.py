@@ -65,7 +65,8 @@ def _traj(cond, gid, member, steps, seed, sigmas, version=0):
     return Trajectory(condition=cond, group_id=gid, member=member, seed=0, scheme="sage", eta=0.5,
                       guidance_scale=1.0, policy_version=version, sigmas=sigmas, step_indices=steps,
                       x=torch.randn(k, *SHAPE, generator=g), x_next=torch.randn(k, *SHAPE, generator=g),
-                      logp_old=torch.randn(k, generator=g), final_latents=torch.zeros(SHAPE))
+                      logp_old=torch.randn(k, generator=g), final_latents=torch.zeros(SHAPE),
+                      mu_old=torch.randn(k, *SHAPE, generator=g))
 
 
 def _batch(rewards, bank_rewards=(), steps=(0, 1), sigmas=None):
@@ -217,7 +218,8 @@ def test_alignment_term_is_weighted_by_the_equalizer():
     mb = MicroBatch(x=x, x_next=x, x_pos=x_pos, x_neg=x_neg, logp_old=torch.zeros(2), sigma=sigma,
                     sigma_next=sigma_next, adv=torch.zeros(2), weight=w, a_pos=a_pos, a_neg=a_neg,
                     align_mask=one, mask=one, cond_idx=torch.zeros(2, dtype=torch.long))
-    lc = LossConfig(clip_eps=0.2, strategy="none", beta_anchor=1.0, beta_step=0.0, d_step="k1", gamma=1.0)
+    lc = LossConfig(clip_eps=0.2, strategy="none", beta_anchor=1.0, beta_step=0.0, d_step="k1", gamma=1.0,
+                    align_form="loglik")
     _, s = compute_loss(mb, None, lambda x, sg, c: v, scheme, lc, 1.0, n_rows=2, n_align=2)
     j = a_pos * log_prob(x_pos, mu, std) + a_neg * log_prob(x_neg, mu, std)
     assert s["loss/align"].item() == pytest.approx(-(w * j).sum().item() / 2, rel=1e-5)

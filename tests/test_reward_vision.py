@@ -9,6 +9,7 @@ from reward_worker import vision as V
 
 
 def test_sample_indices_hand_computed():
+    # The Qwen-VL video recipe VideoAlign was trained with: clamp, round to even, cap at F.
     # 6 frames at 16 fps is 0.375 s: 0.75 frames at 2 fps → the minimum of 4, evenly spread.
     assert V.sample_indices(6, 16.0, 2.0).tolist() == [0, 2, 3, 5]
     # 81 frames at 16 fps: 10.125 → 10 frames (even), linspace(0, 80, 10) rounded.
@@ -21,12 +22,35 @@ def test_sample_indices_hand_computed():
     assert len(V.sample_indices(16_000, 16.0, 2.0)) == 768
 
 
-def test_sample_indices_short_video_repeats_and_rejects_bad_input():
-    assert V.sample_indices(1, 16.0).tolist() == [0, 0, 0, 0]
+def test_sample_indices_never_repeat_frames_and_reject_bad_input():
+    # A 3-frame video: the upper bound is its own length floored to even, so 2 frames, not 4.
+    assert V.sample_indices(3, 16.0).tolist() == [0, 2]
+    assert V.sample_indices(2, 16.0).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="too short"):
+        V.sample_indices(1, 16.0)
     with pytest.raises(ValueError, match="at least one frame"):
         V.sample_indices(0, 16.0)
     with pytest.raises(ValueError, match="positive"):
         V.sample_indices(10, 0.0)
+
+
+def test_stride_indices_one_frame_per_half_second():
+    # 53 frames at 16 fps (TAGRPO's videos): t = 0, 0.5, …, 3.0 s → frames 0, 8, …, 48.
+    assert V.stride_indices(53, 16.0, 2.0).tolist() == list(range(0, 49, 8))
+    # 24 fps → every 12th frame; a non-integer step takes the frame at or before each time.
+    assert V.stride_indices(25, 24.0, 2.0).tolist() == [0, 12, 24]
+    assert V.stride_indices(10, 5.0, 2.0).tolist() == [0, 2, 5, 7]
+    assert V.stride_indices(1, 16.0).tolist() == [0]
+
+
+def test_frame_patches_keep_aspect_and_match_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    frames = torch.randint(0, 256, (2, 56, 112, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    patches, grids = V.frame_patches(frames, V.QWEN2_VL, 8 * 28 * 28, 8 * 28 * 28)
+    ref = Qwen2VLImageProcessorPil(do_resize=False)(images=[f.numpy() for f in frames], return_tensors="pt")
+    assert grids.tolist() == ref["image_grid_thw"].tolist() == [[1, 4, 8]] * 2   # 56×112 kept, 2:1
+    torch.testing.assert_close(patches, ref["pixel_values"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("hw", [(480, 832), (16, 16), (720, 1280), (1080, 1920), (100, 3000), (29, 57)])

@@ -25,7 +25,7 @@ def run_cfg(**sections) -> RunConfig:
                       "max_sequence_length": 16},
             "schedule": {"steps": 6, "shift": 3.0},
             "sde": {"scheme": "sage"},
-            "sampler": {"group_size": 3, "train_steps": "all"}}
+            "sampler": {"group_size": 3, "train_steps": "all", "ode_last_steps": 1}}
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v}
     return RunConfig.model_validate(base)
@@ -56,19 +56,25 @@ def test_group_records_trained_steps_and_replays_exactly(wan22, latent_dtype):
         assert (m.scheme, m.eta, m.guidance_scale, m.policy_version, m.seed) == ("sage", 0.5, 2.0, 5, 3)
         # the chain is continuous: each stored x_{k+1} is the next stored x_k
         assert torch.equal(m.x[1:], m.x_next[:-1])
-        # replaying every stored transition with the same weights gives log r = 0
-        for j, k in enumerate(m.step_indices):
-            logp, _ = transition_log_prob(wan22, scheme, m.x[j:j + 1], m.x_next[j:j + 1],
-                                          *schedule.pair(k), cond)
-            assert abs(float(logp[0] - m.logp_old[j])) < 1e-5
-    # batched replay across members and steps (the learner's shape: σ per sample)
+    # replaying each step's batch as sampled, with σ per sample as the learner holds it (fp32
+    # tensors) and the same weights, gives log r = 0 exactly: same σ, same Σ, same operations
+    for j, k in enumerate(ks):
+        b_x = torch.stack([m.x[j] for m in group.members])
+        b_next = torch.stack([m.x_next[j] for m in group.members])
+        sig = torch.tensor([schedule.sigmas[k]] * group.size)
+        sig_next = torch.tensor([schedule.sigmas[k + 1]] * group.size)
+        logp, mu = transition_log_prob(wan22, scheme, b_x, b_next, sig, sig_next, cond.repeat(group.size))
+        assert torch.equal(logp, torch.stack([m.logp_old[j] for m in group.members]))
+    # batched across members and steps (a learner micro-batch): CPU GEMMs round differently for
+    # another batch size (measured ≈3e-7 on the velocity), so exactness holds only to that level
+
     b_x = torch.cat([m.x for m in group.members])
     b_next = torch.cat([m.x_next for m in group.members])
     sig = torch.tensor([schedule.sigmas[k] for _ in group.members for k in ks])
     sig_next = torch.tensor([schedule.sigmas[k + 1] for _ in group.members for k in ks])
     logp, _ = transition_log_prob(wan22, scheme, b_x, b_next, sig, sig_next, cond.repeat(len(b_x)))
     old = torch.cat([m.logp_old for m in group.members])
-    assert (logp - old).abs().max() < 1e-5
+    assert float((logp - old).abs().max()) < 1e-6
 
 
 def test_shared_noise_determinism_and_fresh_noise(wan22):
@@ -82,7 +88,7 @@ def test_shared_noise_determinism_and_fresh_noise(wan22):
     x0 = torch.stack([m.x[0] for m in a.members])
     assert torch.equal(x0[0], x0[1]) and torch.equal(x0[0], x0[2])
     assert not torch.equal(a.members[0].final_latents, a.members[1].final_latents)
-    fresh = sample_group(wan22, COND, run_cfg(sampler={"shared_noise": False}), seed=11, policy_version=0)
+    fresh = sample_group(wan22, COND, run_cfg(sampler={"shared_noise": False}, align={"enabled": False}), seed=11, policy_version=0)
     assert not torch.equal(fresh.members[0].x[0], fresh.members[1].x[0])
 
 
@@ -143,7 +149,7 @@ def test_sample_videos_is_deterministic_per_seed_and_batch_independent(wan22):
 
 def test_initial_noise_per_condition_is_shared_across_groups_but_step_noise_is_not(wan22):
     for mode, same_start in (("group", False), ("condition", True)):
-        cfg = run_cfg(sampler={"initial_noise": mode})
+        cfg = run_cfg(sampler={"initial_noise": mode}, align={"enabled": mode == "condition"})
         a = sample_group(wan22, COND, cfg, seed=1, policy_version=0)
         b = sample_group(wan22, COND, cfg, seed=2, policy_version=0)
         x0_a, x0_b = a.members[0].x[0], b.members[0].x[0]  # x at step 0 is the initial noise

@@ -266,10 +266,11 @@ def test_equalizer_flattens_per_step_gradient_norms(name):
         v = torch.randn(64, 32, generator=g, requires_grad=True)
         x_next, _, _ = sample_step(sc, x, v.detach(), s, s1, generator=g)
         mu = sc.mean(x, v, s, s1)
-        log_prob(x_next, mu, sc.std(s, s1)).sum().backward()
+        sc.log_prob(x_next, mu, sc.std(s, s1)).sum().backward()
         raw.append(v.grad.norm().item())
     raw = torch.tensor(raw)
     eq = raw * w
-    if name != "dance":  # dance's std ∝ √Δ keeps N_k nearly flat already
+    # dance's std ∝ √Δ keeps N_k nearly flat already; so does cps's upstream -mean((x'-μ)²)
+    if name not in ("dance", "cps"):
         assert raw.max() / raw.min() > 10, raw  # raw norms span an order of magnitude or more
     assert eq.max() / eq.min() < 3.0, eq  # equalized: within a small factor

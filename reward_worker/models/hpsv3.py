@@ -1,9 +1,14 @@
 """HPSv3: Qwen2-VL-7B + an MLP head (hidden → 1024 → 16 → 2) read at a `<|Reward|>` token.
 
-The head predicts (μ, σ) of a preference score; μ is the score. Images go in at 448×448.
-A video scores the mean over frames sampled at 2 fps. The released `HPSv3.safetensors` is a
-full state dict with transformers 4.4x names, remapped and loaded strictly (no `hpsv3`
-package: it pins an old transformers).
+The head predicts (μ, σ) of a preference score; μ is the score. Inputs follow the released
+recipe (MizzenAI/HPSv3 `inference.py`, read, not copied): one user turn holding the image and
+then upstream's instruction with the caption and its closing text, which carries
+`<|Reward|>`, so the token sits inside the user turn; each image keeps its aspect ratio and is
+resized to about 256·28² pixels (smart_resize with min = max = 256·28²). The instruction is
+read at run time from the `hpsv3` wheel (`reward_worker.prompts`), never imported.
+
+A video scores the mean μ over its frames sampled at 2 fps. The released `HPSv3.safetensors`
+is a full state dict with transformers 4.4x names, remapped and loaded strictly.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from common.config import RewardModelConfig
 from reward_worker import prompts
 from reward_worker.base import RewardModel
 from reward_worker.models import qwen_inputs as qi
-from reward_worker.vision import QWEN2_VL, image_patches, sample_indices
+from reward_worker.vision import QWEN2_VL, frame_patches, stride_indices
 
 log = logging.getLogger(__name__)
 
 BASE_MODEL = "Qwen/Qwen2-VL-7B-Instruct"
 REWARD_TOKEN = "<|Reward|>"
 CHECKPOINT_FILE = "HPSv3.safetensors"
-IMAGE_SIZE = 448
+PIXELS = 256 * 28 * 28
+"""Upstream's min = max pixel budget per image."""
 EMBED_KEY = "model.embed_tokens.weight"                    # released (legacy) name
 
 
@@ -45,10 +51,6 @@ def build_network(config, vocab_size: int | None = None):
     return vlm
 
 
-def released_state_dict(vlm) -> dict[str, Tensor]:
-    return qi.remap(vlm.state_dict(), qi.current_to_legacy)
-
-
 def load_released(vlm, state: dict[str, Tensor], source: str) -> None:
     missing, unexpected = vlm.load_state_dict(qi.remap(state, qi.legacy_to_current), strict=False)
     if missing or unexpected:
@@ -61,13 +63,17 @@ class HPSv3(RewardModel):
     name = "hpsv3"
     heads = ("HPS",)
 
-    def __init__(self, vlm, tokenizer, *, video_fps: float = 16.0, sample_fps: float = 2.0,
-                 norm: dict[str, tuple[float, float]] | None = None, device: torch.device | str = "cpu",
-                 image_size: int = IMAGE_SIZE):
+    def __init__(self, vlm, tokenizer, template: prompts.HPSv3Template, *, video_fps: float = 16.0,
+                 sample_fps: float | None = None, norm: dict[str, tuple[float, float]] | None = None,
+                 device: torch.device | str = "cpu", pixels: int = PIXELS):
+        """`template`: upstream's text (tests pass their own)."""
         self.vlm = vlm.eval()
         self.tokenizer = tokenizer
+        self.template = template
         (self.token_id,) = qi.add_special_tokens(tokenizer, (REWARD_TOKEN,))
-        self.video_fps, self.sample_fps, self.image_size = video_fps, sample_fps, image_size
+        if template.user_text("x").count(REWARD_TOKEN) != 1:
+            raise prompts.TemplateError(f"the HPSv3 template must hold one {REWARD_TOKEN}")
+        self.video_fps, self.sample_fps, self.pixels = video_fps, sample_fps or 2.0, pixels
         mean, std = (norm or {}).get("HPS", (0.0, 1.0))
         self.mean, self.std = float(mean), float(std)
         self.device = torch.device(device)
@@ -77,13 +83,14 @@ class HPSv3(RewardModel):
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoTokenizer
 
-        # 1. Locate the safetensors file (a folder holding it, or the file).
+        # 1. Locate the safetensors file (a folder holding it, or the file), and upstream's text.
         if cfg.path is None:
             raise qi.RewardLoadError(f"rewards.models[].path is not set; point it at {CHECKPOINT_FILE}")
         root = qi.local_dir(cfg.path, "rewards.models[].path")
         ckpt = root / CHECKPOINT_FILE if root.is_dir() else root
         if not ckpt.is_file():
             raise qi.RewardLoadError(f"{ckpt}: not found; download MizzenAI/HPSv3 ({CHECKPOINT_FILE}) there")
+        template = prompts.hpsv3_template(cfg.template_path)
         # 2. Base tokenizer and config; then build, load strictly, move.
         base = qi.local_dir(cfg.base_path or BASE_MODEL, "rewards.models[].base_path")
         tokenizer = AutoTokenizer.from_pretrained(base)
@@ -96,29 +103,33 @@ class HPSv3(RewardModel):
         vlm.to(device=device, dtype=qi.torch_dtype(cfg.dtype))
         vlm.rm_head.float()                              # trained in fp32 on a bf16 backbone
         log.info("HPSv3 loaded from %s on %s", ckpt, device)
-        return cls(vlm, tokenizer, video_fps=cfg.video_fps, sample_fps=cfg.sample_fps,
+        return cls(vlm, tokenizer, template, video_fps=cfg.video_fps, sample_fps=cfg.sample_fps,
                    norm=cfg.head_norm, device=device)
+
+    def inputs(self, images: Tensor, prompts_: list[str]) -> qi.QwenInputs:
+        """What the released processor would hand the model. images uint8 [N, H, W, 3], all one size."""
+        pix, grids = frame_patches(images, QWEN2_VL, self.pixels, self.pixels)  # [N·n, D], [N, 3]
+        n = pix.shape[0] // images.shape[0]
+        texts = [qi.chat(qi.placeholder("image", QWEN2_VL.tokens(g)) + self.template.user_text(p))
+                 for g, p in zip(grids, prompts_, strict=True)]
+        return qi.build_inputs(self.tokenizer, texts, list(pix.split(n)), list(grids), "image")
 
     @torch.no_grad()
     def score_images(self, images: Tensor, prompts_: list[str]) -> Tensor:
         """uint8 [N, H, W, 3] with a prompt each → μ fp32 [N]."""
-        pix, grids, texts = [], [], []
-        for image, prompt in zip(images, prompts_, strict=True):
-            p, g = image_patches(image, QWEN2_VL, self.image_size, self.image_size)
-            pix.append(p)
-            grids.append(g)
-            vision = qi.placeholder("image", QWEN2_VL.tokens(g))
-            texts.append(qi.chat(vision + prompts.hpsv3(prompt), assistant=REWARD_TOKEN))
-        ids, mask = qi.tokenize(self.tokenizer, texts, side="right")
-        hidden = qi.last_hidden(self.vlm, ids.to(self.device), mask.to(self.device),
-                                torch.cat(pix).to(self.device), torch.stack(grids).to(self.device), "image")
-        at = qi.read_at(hidden, ids.to(self.device), [self.token_id])[:, 0]      # [N, D]
-        return self.vlm.rm_head(at.float())[:, 0].cpu()                        # [N] μ
+        inputs = self.inputs(images, prompts_)
+        hidden = qi.last_hidden(self.vlm, inputs, self.device)
+        at = qi.read_at(hidden, inputs.input_ids.to(self.device), [self.token_id])[:, 0]   # [N, D]
+        return self.vlm.rm_head(at.float())[:, 0].cpu()                                   # [N] μ
+
+    def frame_indices(self, num_frames: int) -> Tensor:
+        """The frames scored: one every 1/sample_fps seconds from the first. [n]"""
+        return stride_indices(num_frames, self.video_fps, self.sample_fps)
 
     def score(self, frames: Tensor, prompts: list[str], images: Tensor | None = None) -> Tensor:
         """Mean μ over frames sampled at `sample_fps`. frames uint8 [B, F, H, W, 3] → [B, 1]"""
         B, F = frames.shape[:2]
-        idx = sample_indices(F, self.video_fps, self.sample_fps).unique()     # [n], no repeats
+        idx = self.frame_indices(F)                                             # [n]
         flat = frames[:, idx].flatten(0, 1)                                    # [B·n, H, W, 3]
         mu = self.score_images(flat, [p for p in prompts for _ in idx]).view(B, len(idx))
         return ((mu.mean(dim=1, keepdim=True) - self.mean) / self.std).float()

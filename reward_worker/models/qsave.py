@@ -1,8 +1,13 @@
 """Q-Save: a Qwen3-VL evaluator that writes its visual-quality, dynamic-quality and alignment
 scores as text. Prompt → generate → parse.
 
-An answer that does not parse is not a crash: that video's row is NaN (the reward actor
-counts it as an invalid member) and `parse_failures` goes up.
+Q-Save's weights and prompt are not public. Its rubric and answer format here
+(`prompts.qsave`, `parse_scores`) are this project's reconstruction, for a Qwen3-VL checkpoint
+the user supplies; scores from it are not the paper's Q-Save scores.
+
+An answer that does not parse is an invalid reward, not a crash: that video's row is NaN (the
+reward actor counts it as an invalid member), `parse_failures` goes up and the running total
+is logged.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from reward_worker.vision import QWEN3_VL, video_patches
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 MIN_PIXELS, MAX_PIXELS = 64 * 32 * 32, 192 * 32 * 32
 """Per-frame pixel budget (multiples of Qwen3-VL's 32-pixel token side)."""
 
@@ -64,10 +70,10 @@ class QSave(RewardModel):
     name = "qsave"
     heads = ("visual_quality", "dynamic_quality", "alignment")
 
-    def __init__(self, vlm, tokenizer, *, video_fps: float = 16.0, sample_fps: float = 2.0,
+    def __init__(self, vlm, tokenizer, *, video_fps: float = 16.0, sample_fps: float | None = None,
                  max_new_tokens: int = 64, device: torch.device | str = "cpu"):
         self.vlm, self.tokenizer = vlm, tokenizer
-        self.video_fps, self.sample_fps, self.max_new_tokens = video_fps, sample_fps, max_new_tokens
+        self.video_fps, self.sample_fps, self.max_new_tokens = video_fps, sample_fps or 2.0, max_new_tokens
         self.device = torch.device(device)
         self.parse_failures = 0
         self.last_answers: list[str] = []
@@ -79,11 +85,16 @@ class QSave(RewardModel):
         if cfg.path is None:
             raise qi.RewardLoadError("rewards.models[].path is not set; point it at the Q-Save model folder")
         root = qi.local_dir(cfg.path, "rewards.models[].path")
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        # The tokenizer comes from base_path when given (a fine-tune saved without one), else path.
+        tok_dir = qi.local_dir(cfg.base_path, "rewards.models[].base_path") if cfg.base_path else root
+        if not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+            raise qi.RewardLoadError(f"{tok_dir}: no tokenizer files; set rewards.models[].base_path to the "
+                                     "Qwen3-VL base it was fine-tuned from")
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         device = qi.resolve_device(cfg.device)
         vlm = Qwen3VLForConditionalGeneration.from_pretrained(root, dtype=qi.torch_dtype(cfg.dtype))
         vlm.to(device).eval()
-        log.info("Q-Save loaded from %s on %s", root, device)
+        log.info("Q-Save loaded from %s (tokenizer %s) on %s; %s", root, tok_dir, device, prompts.QSAVE_NOTE)
         return cls(vlm, tokenizer, video_fps=cfg.video_fps, sample_fps=cfg.sample_fps,
                    max_new_tokens=cfg.max_new_tokens, device=device)
 
@@ -120,7 +131,8 @@ class QSave(RewardModel):
             parsed = parse_scores(answer)
             if parsed is None:
                 self.parse_failures += 1
-                log.warning("Q-Save answer did not parse: %r", answer[:200])
+                log.warning("Q-Save answer did not parse (invalid reward; %d so far): %r",
+                            self.parse_failures, answer[:200])
                 parsed = (math.nan,) * len(self.heads)
             rows.append(parsed)
         return torch.tensor(rows, dtype=torch.float32).view(len(rows), len(self.heads))

@@ -6,6 +6,7 @@ only a tokenizer and the model, and tiny test models need no files.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -65,6 +66,30 @@ def tokenize(tokenizer, texts: list[str], side: Literal["left", "right"]) -> tup
     return ids, mask
 
 
+@dataclass
+class QwenInputs:
+    """Everything one forward of a Qwen-VL reward model reads, as the released processor made it."""
+
+    input_ids: Tensor            # [B, L] int64, right-padded
+    attention_mask: Tensor       # [B, L] int64
+    pixel_values: Tensor         # [N, C·tp·p·p] fp32 patches of every visual input in order
+    grid_thw: Tensor             # [V, 3] int64, one row per visual input
+    kind: Literal["image", "video"]
+
+    @property
+    def position_ids(self) -> Tensor:
+        """[3, B, L]: 0…L-1 on all three rope axes. The released reward models called the text
+        model directly with embeddings and no positions, which is what that model then uses."""
+        B, L = self.input_ids.shape
+        return torch.arange(L).view(1, 1, L).expand(3, B, L)
+
+
+def build_inputs(tokenizer, texts: list[str], pixels: list[Tensor], grids: list[Tensor],
+                 kind: Literal["image", "video"]) -> QwenInputs:
+    ids, mask = tokenize(tokenizer, texts, side="right")
+    return QwenInputs(ids, mask, torch.cat(pixels), torch.stack(grids), kind)
+
+
 def vision_embeds(vlm, input_ids: Tensor, pixels: Tensor, grid_thw: Tensor,
                   kind: Literal["image", "video"]) -> Tensor:
     """Token embeddings with the vision tower's outputs put in place of the pad tokens. [B, L, D]"""
@@ -79,15 +104,14 @@ def vision_embeds(vlm, input_ids: Tensor, pixels: Tensor, grid_thw: Tensor,
     return embeds.masked_scatter(mask[..., None].expand_as(embeds), feats.to(embeds.dtype))
 
 
-def last_hidden(vlm, input_ids: Tensor, attention_mask: Tensor, pixels: Tensor, grid_thw: Tensor,
-                kind: Literal["image", "video"]) -> Tensor:
-    """The language model's final hidden states. [B, L, D]
-
-    Positions are plain 0…L-1 (no multimodal RoPE): the released reward models called the
-    text model directly with embeddings and were trained that way.
-    """
-    embeds = vision_embeds(vlm, input_ids, pixels, grid_thw, kind)
-    out = vlm.model.language_model(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False)
+def last_hidden(vlm, inputs: QwenInputs, device: torch.device) -> Tensor:
+    """The language model's final hidden states for `inputs`. [B, L, D]"""
+    ids = inputs.input_ids.to(device)
+    dtype = next(vlm.model.visual.parameters()).dtype
+    embeds = vision_embeds(vlm, ids, inputs.pixel_values.to(device, dtype), inputs.grid_thw.to(device),
+                           inputs.kind)
+    out = vlm.model.language_model(inputs_embeds=embeds, attention_mask=inputs.attention_mask.to(device),
+                                   position_ids=inputs.position_ids.to(device), use_cache=False)
     return out.last_hidden_state
 
 

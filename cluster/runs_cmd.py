@@ -1,0 +1,116 @@
+"""`vgrpo runs [ROOT]`: the run directories under ROOT, each with its step, status, last reward,
+before/after result and wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(sub) -> None:
+    p = sub.add_parser("runs", help="list run directories and how each stands",
+                       description="List the run directories under ROOT (default: runs, the default "
+                       "run.root): step reached of train.steps, status (running, finished, or stopped "
+                       "and why), the last training reward, the before → after evaluation composite "
+                       "and the wall time.")
+    p.add_argument("root", nargs="?", default="runs", help="folder holding run directories (default: runs)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run, for scripts")
+    p.set_defaults(func=run)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _last_row(metrics: Path) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    last = json.loads(line)
+                except ValueError:  # a line cut short by a kill: the previous one stands
+                    continue
+    return last
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """What `vgrpo runs` shows for one run directory."""
+    import yaml
+
+    from cluster.run_dir import RunDir
+
+    rd = RunDir(path)
+    try:
+        cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
+        steps = (cfg.get("train") or {}).get("steps")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):  # a hand-edited config: list it anyway
+        steps = None
+    last = _last_row(rd.metrics_file)
+    status = rd.read_status()
+    state, reason = status.get("state", "unknown"), status.get("reason")
+    if state == "running" and status.get("host") == socket.gethostname() and not _alive(int(status.get("pid", 0))):
+        state, reason = "stopped", "the process ended without saying why (killed or crashed)"
+    sessions = status.get("sessions") or []
+    wall = sum((end if end is not None else (time.time() if state == "running" else start)) - start
+               for start, end in sessions) if sessions else last.get("time_s")
+    try:
+        summary = json.loads(rd.summary_file.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    return {"run": path.name, "path": str(path), "step": last.get("step", 0), "steps": steps,
+            "status": state, "reason": reason, "reward": last.get("reward_mean"),
+            "before": (summary.get("before") or {}).get("composite_mean"),
+            "after": (summary.get("after") or {}).get("composite_mean"), "wall_s": wall}
+
+
+def find_runs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.yaml").is_file())
+
+
+def _num(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3f}"
+
+
+def _wall(s: float | None) -> str:
+    if s is None:
+        return "—"
+    h, rem = divmod(int(s), 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}"
+
+
+def run(args) -> int:
+    from common.config import ConfigError
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such folder; pass the run.root your runs were written to")
+    rows = [describe(p) for p in find_runs(root)]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"runs in {root}")
+    for col in ("run", "step", "status", "reward", "before → after", "wall time"):
+        table.add_column(col, justify="left" if col in ("run", "status") else "right")
+    for r in rows:
+        status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
+        result = "—" if r["after"] is None else f"{_num(r['before'])} → {_num(r['after'])}"
+        table.add_row(r["run"], f"{r['step']}/{r['steps']}", status, _num(r["reward"]), result, _wall(r["wall_s"]))
+    Console(width=200).print(table)
+    if not rows:
+        print(f"no run directories in {root}")
+    return 0

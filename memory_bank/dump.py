@@ -1,0 +1,218 @@
+"""The bank's data in a checkpoint: `<checkpoint>/bank/{index.json, entries.bin}`.
+
+A checkpoint carries the bank, so a resume restores it whatever Redis keeps (the default
+embedded server has no persistence, `bank.aof: false`). `index.json` holds the queued and
+pending groups, each condition's banked entry ids in order, the bank order, counters and
+per-entry accounting, the offset of each entry in `entries.bin` and that file's SHA-256.
+`entries.bin` is, per entry, its metadata as UTF-8 JSON then its safetensors blob (the
+codec's own bytes). Restoring checks the digest and decodes every entry before it writes
+anything: a bank is restored whole or not at all, and the driver says which in one line.
+
+Restoring happens only into an empty namespace: a Redis that still holds the run's data
+(AOF, an external server) is the newer copy, and the checkpoint's watermark
+(`MemoryBank.restore`) reconciles it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from memory_bank import codec
+from memory_bank.bank import MemoryBank, _s
+from memory_bank.errors import BankUnavailable, CorruptEntry
+from memory_bank.keys import check_eid
+
+log = logging.getLogger(__name__)
+
+DIR, INDEX, DATA = "bank", "index.json", "entries.bin"
+FORMAT = 1
+BATCH = 64   # entries fetched per MULTI
+
+# KEYS: fresh, consumers, einfo, bankz, counts, conds. ARGV: pending prefix, group prefix,
+# cond prefix. One atomic read of every index: pending then fresh groups with their records,
+# each condition's entry ids, per-entry accounting, the bank order, counters.
+INDEX_READ = """
+local queue = {}
+for _, c in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  for _, g in ipairs(redis.call('LRANGE', ARGV[1] .. c, 0, -1)) do queue[#queue + 1] = g end
+end
+for _, g in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do queue[#queue + 1] = g end
+local groups = {}
+for i, g in ipairs(queue) do groups[i] = {g, redis.call('HGETALL', ARGV[2] .. g)} end
+local conds = {}
+for _, cid in ipairs(redis.call('SMEMBERS', KEYS[6])) do
+  conds[#conds + 1] = {cid, redis.call('LRANGE', ARGV[3] .. cid, 0, -1)}
+end
+return {groups, conds, redis.call('HGETALL', KEYS[3]),
+        redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[5])}
+"""
+
+
+def _pairs(flat: list) -> dict[str, str]:
+    return {_s(a): _s(b) for a, b in zip(flat[::2], flat[1::2], strict=True)}
+
+
+def dump_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str | None:
+    """Write the bank's data into `ckpt_dir/bank/` (atomically); None when written, else the
+    one line saying why the checkpoint has no bank data."""
+    try:
+        out = _dump(bank, Path(ckpt_dir))
+    except BankUnavailable as e:
+        return f"checkpoint without the bank's data: {e}"
+    log.info("bank: %d queued groups and %d banked entries (%d bytes) written to %s",
+             out["groups"], out["banked"], out["bytes"], Path(ckpt_dir) / DIR)
+    return None
+
+
+def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
+    k = bank.keys
+    groups_raw, conds_raw, einfo_raw, bankz_raw, counts_raw = bank.r.eval(
+        INDEX_READ, 6, k.fresh, k.consumers, k.einfo, k.bankz, k.counts, k.conds,
+        f"{k._g}:pending:", k.group_prefix, k.cond_prefix)
+    groups = [{"id": _s(g), "fields": _pairs(h)} for g, h in groups_raw]
+    conds = {_s(row[0]): [_s(e) for e in row[1]] for row in conds_raw}
+    einfo = _pairs(einfo_raw)
+    order = {_s(e): float(s) for e, s in zip(bankz_raw[::2], bankz_raw[1::2], strict=True)}
+    want = [e for grp in groups for e in grp["fields"].get("eids", "").split()]
+    want += [e for ids in conds.values() for e in ids]
+    tmp = ckpt_dir / f".{DIR}-tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        entries, digest, size = _write_entries(bank, want, tmp / DATA)
+        # entries evicted (or corrupt) since the index read: banked ones leave the index, a
+        # group missing a member is left out (a resume draws its condition again)
+        conds = {c: kept for c, ids in conds.items() if (kept := [e for e in ids if e in entries])}
+        groups = [g for g in groups if all(e in entries for e in g["fields"].get("eids", "").split())]
+        index = {
+            "format": FORMAT, "namespace": k.namespace, "time": time.time(), "groups": groups,
+            "conds": conds, "bankz": {e: s for e, s in order.items() if e in entries},
+            "einfo": {e: einfo[e] for e in entries if e in einfo}, "counts": _pairs(counts_raw),
+            "entries": entries, "sha256": digest, "size": size,
+        }
+        (tmp / INDEX).write_text(json.dumps(index), encoding="utf-8")
+        final = ckpt_dir / DIR
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"groups": len(groups), "banked": sum(len(v) for v in conds.values()), "bytes": size}
+
+
+def _write_entries(bank: MemoryBank, eids: list[str], path: Path
+                   ) -> tuple[dict[str, list[int]], str, int]:
+    """Fetch entries in MULTI batches and append them to `path`; returns {eid: [offset,
+    meta bytes, blob bytes]} for the entries that exist and decode, the digest, the size."""
+    h, off, out = hashlib.sha256(), 0, {}
+    with open(path, "wb") as f:
+        for i in range(0, len(eids), BATCH):
+            chunk = list(dict.fromkeys(eids[i:i + BATCH]))
+            pipe = bank.r.pipeline(transaction=True)
+            for eid in chunk:
+                pipe.hgetall(bank.keys.meta(eid)).get(bank.keys.blob(eid))
+            raw = pipe.execute()
+            for j, eid in enumerate(chunk):
+                meta, blob = raw[2 * j], raw[2 * j + 1]
+                if eid in out or (not meta and blob is None):
+                    continue              # a duplicate id, or evicted since the index read
+                try:
+                    codec.decode(meta, blob, copy=False)
+                    m = json.dumps({_s(a): _s(b) for a, b in meta.items()}).encode()
+                except CorruptEntry as e:
+                    log.error("bank: entry %s left out of the checkpoint: %s", eid, e)
+                    continue
+                for part in (m, blob):
+                    f.write(part)
+                    h.update(part)
+                out[eid] = [off, len(m), len(blob)]
+                off += len(m) + len(blob)
+    return out, h.hexdigest(), off
+
+
+def step_dir(ckpt: str | Path, step: int) -> Path:
+    """The checkpoint directory of `step` under a checkpoints root (or `ckpt` itself)."""
+    p = Path(ckpt)
+    return p if (p / DIR).exists() or (p / "extra.json").is_file() else p / f"step_{step:08d}"
+
+
+def restore_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str:
+    """Load a checkpoint's bank data into an empty namespace; one line saying what happened."""
+    src = Path(ckpt_dir) / DIR
+    try:
+        held = bank.stats()
+        if held["fresh"] or held["pending"] or held["entries"]:
+            return (f"bank: kept the {held['entries']} entries Redis still holds (namespace "
+                    f"{bank.keys.namespace!r}); the checkpoint's copy was not needed")
+        if not (src / INDEX).is_file():
+            return (f"bank: cannot restore the bank: {src / INDEX} is missing (a checkpoint "
+                    "written without it); resuming with an empty bank")
+        try:
+            index, records = _read(src, bank.keys.namespace)
+        except (OSError, ValueError, KeyError, TypeError, CorruptEntry) as e:
+            return f"bank: cannot restore the bank from {src}: {e}; resuming with an empty bank"
+        _write(bank, index, records)
+    except BankUnavailable as e:
+        return f"bank: cannot restore the bank from {src}: {e}; resuming with an empty bank"
+    banked = sum(len(v) for v in index["conds"].values())
+    return (f"bank: restored {banked} banked entries and {len(index['groups'])} queued groups "
+            f"from {src}")
+
+
+def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[dict, bytes]]]:
+    """Parse and check everything before anything is written (raises with the reason)."""
+    index = json.loads((src / INDEX).read_text(encoding="utf-8"))
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ValueError(f"{INDEX}: unknown format {index.get('format') if isinstance(index, dict) else index!r}")
+    if index["namespace"] != namespace:
+        raise ValueError(f"it is for bank.namespace {index['namespace']!r}, this run uses {namespace!r}")
+    data = (src / DATA).read_bytes()
+    if len(data) != index["size"] or hashlib.sha256(data).hexdigest() != index["sha256"]:
+        raise ValueError(f"{DATA} is damaged ({len(data)} bytes, checksum mismatch)")
+    records = {}
+    for eid, (off, n_meta, n_blob) in index["entries"].items():
+        check_eid(eid)
+        meta = json.loads(data[off:off + n_meta])
+        blob = data[off + n_meta:off + n_meta + n_blob]
+        if codec.decode(meta, blob, copy=False).id != eid:
+            raise CorruptEntry(f"entry {eid}: its metadata names another id")
+        records[eid] = (meta, blob)
+    for grp in index["groups"]:
+        if any(e not in records for e in grp["fields"].get("eids", "").split()):
+            raise ValueError(f"group {grp['id']!r} names entries the file does not hold")
+    for cid, ids in index["conds"].items():
+        if any(e not in records for e in ids):
+            raise ValueError(f"condition {cid!r} names entries the file does not hold")
+    return index, records
+
+
+def _write(bank: MemoryBank, index: dict[str, Any], records: dict[str, tuple[dict, bytes]]) -> None:
+    k = bank.keys
+    pipe = bank.r.pipeline(transaction=False)
+    for n, (eid, (meta, blob)) in enumerate(records.items(), 1):
+        pipe.hset(k.meta(eid), mapping=meta).set(k.blob(eid), blob)
+        if n % BATCH == 0:
+            pipe.execute()
+    pipe.execute()
+    total = sum(int(json.loads(v)["b"]) for v in index["einfo"].values())
+    queued = sum(int(g["fields"].get("bytes") or 0) for g in index["groups"])
+    pipe = bank.r.pipeline(transaction=True)   # the global structures appear at once
+    if index["einfo"]:
+        pipe.hset(k.einfo, mapping=index["einfo"])
+    for cid, ids in index["conds"].items():
+        pipe.rpush(k.cond(cid), *ids).sadd(k.conds, cid)
+    if index["bankz"]:
+        pipe.zadd(k.bankz, index["bankz"])
+    for grp in index["groups"]:
+        pipe.hset(k.group(grp["id"]), mapping=grp["fields"]).rpush(k.fresh, grp["id"])
+    if index["counts"]:
+        pipe.hset(k.counts, mapping=index["counts"])
+    pipe.set(k.bytes, total).set(k.qbytes, queued)
+    pipe.execute()

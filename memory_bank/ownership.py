@@ -1,0 +1,156 @@
+"""Run ownership of a bank namespace: a lease key with a TTL, renewed by a daemon thread.
+
+One run at a time uses a namespace. A second driver on a live namespace is refused in one
+line (`NamespaceBusy`). Data left by a run whose lease expired is reported (`StaleBank`) and
+deleted only when `bank.clear_stale` is on; a resume of the same run (the `owner` key names
+it) adopts its data instead and requeues the pending groups its dead consumers left.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from memory_bank.bank import MemoryBank, _reachable
+from memory_bank.errors import NamespaceBusy, StaleBank
+
+log = logging.getLogger(__name__)
+
+# KEYS: lease. ARGV: our value, ttl ms. 1: renewed; 2: had lapsed, taken again; 0: another's.
+RENEW = """
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
+if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 end
+return 0
+"""
+
+# KEYS: lease. ARGV: our value. Deletes the lease only while it is ours.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Lease:
+    """A held lease. `start()` renews it every ttl/3 in a daemon thread; `release()` ends it."""
+
+    def __init__(self, bank: MemoryBank, run_id: str, ttl_s: float):
+        self.bank, self.run_id, self.ttl_s = bank, run_id, ttl_s
+        self.value = json.dumps({"run": run_id, "token": uuid.uuid4().hex,
+                                 "host": socket.gethostname(), "pid": os.getpid()})
+        self.renewals = 0
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return self.bank.keys.lease
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    def acquire(self) -> bool:
+        return bool(self.bank.r.set(self.key, self.value, nx=True, px=self.ttl_ms))
+
+    def renew(self) -> bool:
+        """Extend the TTL; False (and one error line) when another run holds the lease now."""
+        got = int(self.bank.r.eval(RENEW, 1, self.key, self.value, self.ttl_ms))
+        if got == 2:
+            log.warning("bank: the lease on namespace %r had lapsed (Redis unreachable or this "
+                        "process stalled for over bank.lease_ttl_s=%s); taken again",
+                        self.bank.keys.namespace, self.ttl_s)
+        if got == 0 and not self.lost:
+            log.error("bank: lost the lease on namespace %r to another run (%s): stop this run",
+                      self.bank.keys.namespace, _describe(self.bank.r.get(self.key)))
+        self.lost = got == 0
+        self.renewals += got != 0
+        return got != 0
+
+    def start(self) -> Lease:
+        def loop() -> None:
+            while not self._stop.wait(self.ttl_s / 3):
+                try:
+                    self.renew()
+                except Exception as e:  # noqa: BLE001 — an outage: the driver's own calls decide
+                    log.warning("bank: lease renewal failed (%s); retrying", type(e).__name__)
+
+        self._thread = threading.Thread(target=loop, name="vgrpo-bank-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            self.bank.r.eval(RELEASE, 1, self.key, self.value)
+        except Exception as e:  # noqa: BLE001 — the TTL ends it anyway
+            log.warning("bank: could not release the lease (%s); it expires in %.0fs",
+                        type(e).__name__, self.ttl_s)
+
+
+def leftovers(bank: MemoryBank) -> dict[str, int]:
+    """What the namespace holds: queued and pending groups, stored entries, other keys."""
+    k = bank.keys
+    pipe = bank.r.pipeline(transaction=False)
+    pipe.llen(k.fresh).hlen(k.einfo).exists(k.counts)
+    fresh, entries, counts = pipe.execute()
+    out = {"queued": int(fresh), "pending": len(bank.pending_ids()), "entries": int(entries)}
+    if not any(out.values()) and not counts:
+        # no index at all: any key left under the namespace (entries whose index is gone)
+        stray = next((key for key in bank.r.scan_iter(match=k.pattern, count=500)
+                      if key.decode() not in (k.lease, k.owner)), None)
+        out["other"] = int(stray is not None)
+    return out
+
+
+@_reachable
+def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Lease:
+    """Take the namespace for run `run_id` and start renewing the lease; raises NamespaceBusy
+    or StaleBank in one line. Settings: bank.lease_ttl_s, bank.clear_stale."""
+    cfg, ns = bank.cfg, bank.keys.namespace
+    lease = Lease(bank, run_id, cfg.lease_ttl_s)
+    if not lease.acquire():
+        raw, ttl = bank.r.get(lease.key), bank.r.pttl(lease.key)
+        raise NamespaceBusy(
+            f"bank.namespace {ns!r} is in use by a live run ({_describe(raw)}, lease expires in "
+            f"{max(ttl, 0) / 1000:.0f}s unless renewed): stop that run, or set another bank.namespace")
+    try:
+        held = leftovers(bank)
+        owner = (bank.r.get(bank.keys.owner) or b"").decode("utf-8", "replace")
+        if any(held.values()):
+            if resume and owner == run_id:
+                n = bank.requeue_all_pending()
+                log.info("bank: resuming run %s on namespace %r: %s, %d pending groups requeued",
+                         run_id, ns, held, n)
+            elif cfg.clear_stale:
+                n = bank.clear(keep_lease=True)
+                log.warning("bank: deleted %d keys left in namespace %r by %s (bank.clear_stale)",
+                            n, ns, owner or "an unknown run")
+            else:
+                raise StaleBank(
+                    f"bank.namespace {ns!r} holds data of a run that is no longer live "
+                    f"({owner or 'unknown run'}): {held['queued']} queued groups, {held['pending']} "
+                    f"pending, {held['entries']} stored entries; resume that run, set another "
+                    "bank.namespace, or delete the data with bank.clear_stale=true "
+                    "(vgrpo train --clear-stale-bank)")
+        bank.r.set(bank.keys.owner, run_id)
+    except BaseException:
+        lease.release()
+        raise
+    return lease.start()
+
+
+def _describe(raw: bytes | str | None) -> str:
+    try:
+        d = json.loads(raw or "")
+        return f"run {d['run']} on {d['host']} pid {d['pid']}"
+    except (ValueError, TypeError, KeyError):
+        return "an unknown holder"
+

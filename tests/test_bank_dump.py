@@ -1,0 +1,100 @@
+"""The bank's data in a checkpoint: a dump restores the exact bank into an empty Redis (the
+default embedded server keeps nothing across a restart), and a resume that cannot restore it
+says so in one line without writing anything."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from bank_helpers import make_group
+
+from common.config import BankConfig
+from memory_bank.bank import MemoryBank
+from memory_bank.dump import DATA, DIR, INDEX, dump_bank, restore_bank, step_dir
+from memory_bank.embedded import EmbeddedRedis
+
+SMALL = (2, 2, 4, 4)
+KEYS = ("fresh", "pending", "banked", "entries", "conditions", "pushed", "committed", "bytes",
+        "queued_bytes")
+
+
+def _filled(bank: MemoryBank) -> None:
+    """Two conditions with banked entries, one pending group, two queued groups."""
+    for i in range(4):
+        bank.push_group(make_group(f"c{i % 2}", f"old{i}", g=2, seed=i, shape=SMALL))
+    bank.commit(bank.pull(4, 0), 1)
+    for i in range(3):
+        bank.push_group(make_group(f"c{i % 2}", f"new{i}", g=2, seed=10 + i, shape=SMALL))
+    assert len(bank.pull(1, 1).fresh) == 1            # new0 in flight at the checkpoint
+
+
+def _state(bank: MemoryBank) -> dict:
+    st = bank.stats()
+    return {
+        "stats": {k: st[k] for k in KEYS},
+        "banked": {c: [(e.id, e.trajectory.x.clone(), e.scores, e.trajectory.trained_times)
+                       for e in bank.entries(c)] for c in ("c0", "c1")},
+    }
+
+
+def test_checkpoint_restores_the_bank_into_an_empty_redis(tmp_path):
+    cfg = BankConfig(namespace="ckpt", capacity=8)
+    with EmbeddedRedis() as first:                      # aof off: nothing survives it
+        bank = MemoryBank(first.client(), cfg)
+        _filled(bank)
+        before = _state(bank)
+        assert dump_bank(bank, tmp_path) is None
+    with EmbeddedRedis() as second:                     # the resumed run's new, empty server
+        bank = MemoryBank(second.client(), cfg)
+        note = restore_bank(bank, tmp_path)
+        assert note == f"bank: restored 8 banked entries and 3 queued groups from {tmp_path / DIR}"
+        after = _state(bank)
+        # the pending group is queued again, first; every other figure is as it was
+        assert after["stats"] == {**before["stats"], "fresh": 3, "pending": 0}
+        for c in ("c0", "c1"):
+            assert [e[0] for e in after["banked"][c]] == [e[0] for e in before["banked"][c]]
+            for a, b in zip(after["banked"][c], before["banked"][c], strict=True):
+                assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
+        batch = bank.pull(5, 1)
+        assert [g.group_id for g in batch.fresh] == ["new0", "new1", "new2"]
+        assert [len(b) for b in batch.bank] == [4, 4, 4]   # each with its condition's bank
+        bank.commit(batch, 2)
+        assert bank.stats()["committed"] == 7 and bank.stats()["corrupt"] == 0
+
+
+def test_restore_keeps_what_redis_still_holds(bank, tmp_path):
+    _filled(bank)
+    dump_bank(bank, tmp_path)
+    before = _state(bank)["stats"]
+    note = restore_bank(bank, tmp_path)
+    assert note.startswith("bank: kept the 14 entries Redis still holds")
+    assert _state(bank)["stats"] == before
+
+
+def test_a_resume_that_cannot_restore_says_so_and_writes_nothing(bank, tmp_path):
+    _filled(bank)
+    dump_bank(bank, tmp_path)
+    bank.clear()
+    # 1. no bank data in the checkpoint
+    missing = restore_bank(bank, tmp_path / "elsewhere")
+    assert "cannot restore the bank" in missing and INDEX in missing and "\n" not in missing
+    # 2. a damaged entries file: one line naming it, nothing written
+    data = tmp_path / DIR / DATA
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    damaged = restore_bank(bank, tmp_path)
+    assert "\n" not in damaged and f"{DATA} is damaged" in damaged and "empty bank" in damaged
+    assert list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*")) == []
+    # 3. another namespace's dump
+    index = tmp_path / DIR / INDEX
+    index.write_text(json.dumps({**json.loads(index.read_text()), "namespace": "other"}))
+    assert "bank.namespace 'other'" in restore_bank(bank, tmp_path)
+
+
+def test_step_dir_finds_the_checkpoint_under_a_root(tmp_path):
+    (tmp_path / "step_00000004").mkdir()
+    (tmp_path / "step_00000004" / "extra.json").write_text("{}")
+    assert step_dir(tmp_path, 4) == tmp_path / "step_00000004"
+    assert step_dir(tmp_path / "step_00000004", 4) == tmp_path / "step_00000004"
