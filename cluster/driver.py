@@ -716,7 +716,9 @@ class Driver:
             extra["bank"] = None
             self.note(f"checkpoint without a bank watermark: {e}")
         path = self.learner.save_checkpoint(self.run_dir.checkpoints, extra)
-        if (lost := dump_bank(self.bank, path)) is not None:  # the bank's data rides along
+        if extra["bank"] is None:  # Redis is unreachable: nothing to dump either
+            self.note("checkpoint without the bank's data: Redis was unreachable")
+        elif (lost := dump_bank(self.bank, path)) is not None:  # the bank's data rides along
             self.note(lost)
         # the published weights too, so `vgrpo eval/sample` can load the policy without the learner
         # (written by the learner's rank 0: the weights do not pass through the driver)
