@@ -88,6 +88,8 @@ def _loaded(m: Metrics, actor, loaded: bool, seconds: float, args, kwargs) -> No
         payload = args[0] if args else kwargs.get("payload")
         if isinstance(payload, dict):
             m.set("vgrpo_weight_sync_bytes", _payload_bytes(payload))
+        elif callable(getattr(payload, "nbytes", None)):  # PackedWeights (the object-store path)
+            m.set("vgrpo_weight_sync_bytes", payload.nbytes())
     m.set("vgrpo_policy_version", actor.version())
 
 
