@@ -24,6 +24,7 @@ COMMANDS = [
     "cluster.compare_cmd",
     "cluster.bench_cmd",
     "cluster.toy_cmd",
+    "cluster.datasets_cmd",
 ]
 
 

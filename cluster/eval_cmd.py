@@ -71,15 +71,16 @@ def load_policy(cfg, ckpt: Path | None):
     return model
 
 
-def score(cfg, frames, prompts):
-    """Scores from every reward model of the config, merged; composite with the configured weights."""
+def score(cfg, frames, prompts, images=None):
+    """Scores from every reward model of the config, merged; composite with the configured weights
+    (`images`: the I2V first frames uint8 [B, H, W, 3], or None)."""
     from common.types import Scores
     from reward_worker.registry import build_reward_model
 
     parts, weights = [], {}
     for m in cfg.rewards.models:
         rm = build_reward_model(m)
-        parts.append(Scores(list(rm.heads), rm.score(frames, prompts)))
+        parts.append(Scores(list(rm.heads), rm.score(frames, prompts, images)))
         weights.update(m.weights)
     scores = Scores.merge(parts)
     return scores, scores.composite(weights)
@@ -87,29 +88,40 @@ def score(cfg, frames, prompts):
 
 def cmd_eval(args) -> int:
     import imageio.v3 as iio
+    import numpy as np
     from rich.console import Console
     from rich.table import Table
 
+    from cluster.datasets import check_task, side_by_side
     from cluster.evaluate import EvalResult
     from cluster.media import grid_image, write_gif
     from cluster.prompts import load_prompts
+    from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds
     from rollout_worker.sampler import sample_videos
 
     cfg, ckpt = resolve_target(args.target, args.config)
-    prompts = [c.prompt for c in load_prompts(args.prompts or cfg.train.eval_prompts)]
+    spec = args.prompts or cfg.train.eval_prompts
+    conds = load_prompts(spec)
+    check_task(conds, cfg.model.task, spec)
+    prompts = [c.prompt for c in conds]
     seeds = eval_seeds(args.seeds or cfg.train.eval_seeds)
     pairs = [(p, s) for p in prompts for s in seeds]
+    pair_conds = [c for c in conds for _ in seeds]
+    images = condition_images(pair_conds, cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule))
-    scores, composite = score(cfg, frames, [p for p, _ in pairs])
+    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule),
+                           images=images)
+    scores, composite = score(cfg, frames, [p for p, _ in pairs], images)
     result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
     out = Path(args.out) if args.out else (Path(args.target) / "eval" if args.target != "base" else Path("eval"))
     out.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(out / "grid.png", grid_image(frames.numpy(), per_row=len(seeds)))
+    # I2V: every video is shown with its first frame to its left
+    shown = np.stack([side_by_side(f.numpy(), c, cfg.model) for f, c in zip(frames, pair_conds, strict=True)])
+    iio.imwrite(out / "grid.png", grid_image(shown, per_row=len(seeds)))
     for i, p in enumerate(prompts):
-        write_gif(frames[i * len(seeds)].numpy(), out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
+        write_gif(shown[i * len(seeds)], out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
     t = Table(title=f"{args.target}{'' if ckpt is None else ' @ ' + ckpt.name}: {len(pairs)} (prompt, seed) pairs, ODE")
     t.add_column("reward")
     t.add_column("mean ± stderr", justify="right")

@@ -61,11 +61,10 @@ class Trainer:
 
     def encode(self, rows: Rows) -> Cond:
         """Each condition of the batch once; the text encoder is frozen."""
+        from common.images import condition_images  # I2V first frames by path (or in memory)
+
         conds = rows.conditions
-        with_image = [c.image is not None for c in conds]
-        if any(with_image) and not all(with_image):
-            raise ValueError("a TrainBatch mixes conditions with and without a first frame")
-        images = torch.stack([c.image for c in conds]) if all(with_image) else None
+        images = condition_images(conds, self.cfg.model.height, self.cfg.model.width)
         with torch.no_grad():
             return self.model.encode([c.prompt for c in conds], images).to(self.device)
 
