@@ -75,7 +75,11 @@ def test_layouts_agree_without_an_image_and_differ_with_one():
     assert not torch.allclose(a.velocity(x, sigma, i2v), b.velocity(x, sigma, i2v))
     # first_frame: later frames' condition is black with mask 0, as Wan I2V's frame-0 latent + mask
     seen = {}
-    hook = a.transformer.register_forward_pre_hook(lambda m, args: seen.setdefault("inp", args[0]))
+
+    def grab(module, args):  # returns None: the inputs go on unchanged
+        seen.setdefault("inp", args[0])
+
+    hook = a.transformer.register_forward_pre_hook(grab)
     a.velocity(x, sigma, i2v)
     hook.remove()
     cond = seen["inp"][:, 3:7]                                             # [B, 3 rgb + 1 mask, F, H, W]

@@ -158,9 +158,11 @@ class Hunyuan15VideoModel(VideoModel):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         vae = self.pipe.vae
-        video = vae.decode(latents.to(self.device, vae.dtype) / vae.config.scaling_factor,
-                           return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
-        return frames_to_uint8(video)
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor
+        # one video at a time: the VAE's causal attention mask [B, L, L] does not broadcast
+        # against its [B, 1, L, D] queries when B > 1 (diffusers 0.42)
+        video = torch.cat([vae.decode(z[i:i + 1], return_dict=False)[0] for i in range(z.shape[0])])
+        return frames_to_uint8(video)  # from [B, 3, F', H', W'] in [-1, 1]
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
