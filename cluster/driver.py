@@ -549,7 +549,8 @@ class Driver:
         for i in range(min(gifs, len(pairs))):
             k = i * len(seeds)  # the first seed of each prompt
             video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
-            write_gif(video, self.run_dir.samples / f"{label}_{i}_{pairs[k][0].replace(' ', '_')}.gif")
+            name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt
+            write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
         self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s, "
                   f"composite {composite.mean():.3f}")
         return result

@@ -42,7 +42,8 @@ def register(sub) -> None:
     smp.add_argument("--prompt", required=True, help='e.g. "a blue square moving up"')
     _common(smp)
     smp.add_argument("--seed", type=int, default=0, help="initial-noise seed (default 0)")
-    smp.add_argument("--i2v", action="store_true", help="condition on the first frame of a rendered video (seeded)")
+    smp.add_argument("--i2v", action="store_true", help="condition on the first frame of a rendered I2V video "
+                     "(seeded; the committed I2V base unless --checkpoint) and print IA too")
     smp.add_argument("--out", default="toy_sample.gif", help="output GIF (default toy_sample.gif)")
     smp.set_defaults(func=cmd_sample)
 
@@ -108,10 +109,13 @@ def _sample(model, prompts, seeds, args, images=None):
 def _load(args):
     import torch
 
-    from rollout_worker.models.toy import ToyVideoModel
+    from rollout_worker.models.toy import BASE_I2V_CHECKPOINT, ToyVideoModel
 
     torch.set_num_threads(1)
-    return ToyVideoModel.from_pretrained(args.checkpoint, guidance_scale=args.guidance)
+    ckpt = args.checkpoint
+    if ckpt is None and getattr(args, "i2v", False):
+        ckpt = BASE_I2V_CHECKPOINT                      # the I2V base: Wan-style first-frame conditioning
+    return ToyVideoModel.from_pretrained(ckpt, guidance_scale=args.guidance)
 
 
 def cmd_sample(args) -> int:
@@ -146,9 +150,9 @@ def cmd_sample(args) -> int:
             written.append(str(out.with_suffix(".mp4")))
         except (OSError, ValueError, RuntimeError) as e:
             print(f"mp4 skipped: {e}")
-    heads = toyscore.score_video(frames, args.prompt)
+    heads = toyscore.score_video(frames, args.prompt, None if images is None else images[0].numpy())
     print(f"wrote {', '.join(written)}")
-    print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.HEADS, "colour", "direction")))
+    print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.I2V_HEADS, "colour", "direction") if k in heads))
     return 0
 
 
