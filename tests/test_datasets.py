@@ -172,3 +172,21 @@ def test_committed_toy_i2v_sets_are_what_the_generator_writes(tmp_path):
     assert not {c.prompt for c in train} & {c.prompt for c in ev}
     assert not {open(c.image_path, "rb").read() for c in train} & {open(c.image_path, "rb").read() for c in ev}
     assert len(train) == 48 and len(ev) == 32
+
+
+def test_bank_entries_keep_the_image_path_not_the_pixels():
+    import dataclasses
+
+    from memory_bank.codec import decode, encode
+    from tests.bank_helpers import make_group
+
+    g = make_group()
+    cond = dataclasses.replace(g.condition, image_path="/data/frames/a.png")
+    traj = dataclasses.replace(g.members[0], condition=cond)
+    meta, blob = encode("0" * 32, traj, g.scores.heads, g.scores.values[0], float(g.composite[0]))
+    assert meta["image_path"] == "/data/frames/a.png"
+    back = decode(meta, blob).trajectory.condition
+    assert (back.image_path, back.image) == ("/data/frames/a.png", None)
+    # a text-to-video entry has no such field
+    meta, _ = encode("1" * 32, g.members[0], g.scores.heads, g.scores.values[0], float(g.composite[0]))
+    assert "image_path" not in meta
