@@ -176,7 +176,8 @@ class ToyVideoModel(VideoModel):
     def trainable_module(self) -> nn.Module:
         return self.transformer
 
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         B, (_, _, H, W) = len(prompts), self.latent_shape
         text = self.text_encoder(prompts)                                  # [B, L, D]
         image = torch.zeros(B, 4, H, W)                                    # rgb + mask
@@ -186,7 +187,9 @@ class ToyVideoModel(VideoModel):
                                  f"{images.dtype} {tuple(images.shape)}")
             image[:, :3] = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
             image[:, 3] = 1.0
-        uncond = {"text": torch.zeros_like(text), "image": image.clone()} if self.guidance_scale != 1.0 else None
+        # CFG's unconditional text: the empty prompt (zeros), or a row's negative prompt
+        negs = [n or "" for n in (negative_prompts or [None] * B)]
+        uncond = {"text": self.text_encoder(negs), "image": image.clone()} if self.guidance_scale != 1.0 else None
         return Cond({"text": text, "image": image}, uncond).to(self.device)
 
     def _coords(self, B: int) -> Tensor:
