@@ -31,6 +31,7 @@ def register(sub) -> None:
     s.add_argument("target", help="a run directory, a checkpoint dir, or 'base'")
     s.add_argument("--prompt", required=True)
     s.add_argument("-c", "--config", default=None, help="config for 'base'")
+    s.add_argument("--image", default=None, help="the first frame (image-to-video runs: model.task = i2v)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"])
     s.add_argument("--out", default="sample.gif")
@@ -136,15 +137,30 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    import numpy as np
+
     from cluster.media import write_gif
+    from common.config import ConfigError
+    from common.images import ImageError, load_image
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos
 
     cfg, ckpt = resolve_target(args.target, args.config)
+    if (args.image is None) != (cfg.model.task == "t2v"):
+        raise ConfigError(f"--image: model.task = {cfg.model.task!r} "
+                          + ("needs a first frame: pass --image PATH" if args.image is None else "takes no image"))
+    try:
+        images = None if args.image is None else load_image(args.image, cfg.model.height, cfg.model.width)[None]
+    except ImageError as e:
+        raise ConfigError(f"--image: {e}") from None
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme)
-    path = write_gif(frames[0].numpy(), Path(args.out))
-    scores, composite = score(cfg, frames, [args.prompt])
+    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme,
+                           images=images)
+    shown = frames[0].numpy() if images is None else np.concatenate(  # the first frame to the left
+        [np.broadcast_to(images.numpy(), frames[0].shape), np.full((*frames.shape[1:3], 1, 3), 128, np.uint8),
+         frames[0].numpy()], axis=2)
+    path = write_gif(shown, Path(args.out))
+    scores, composite = score(cfg, frames, [args.prompt], images)
     heads = "  ".join(f"{h} {v:.3f}" for h, v in zip(scores.heads, scores.values[0].tolist(), strict=True))
     print(f"wrote {path}\ncomposite {float(composite[0]):.3f}  {heads}")
     return 0

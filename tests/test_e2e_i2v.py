@@ -4,8 +4,8 @@ learner actors (the Driver, as `vgrpo train` runs it), then `vgrpo eval` on the 
 from __future__ import annotations
 
 import json
-import shutil
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 
@@ -18,17 +18,16 @@ STEPS = 2
 
 
 def _manifest(tmp_path):
-    """Two (image, prompt) rows from the toy world's I2V training set, copied to a new folder."""
+    """Two (image, prompt) rows in a new folder: first frames of toy I2V videos, as PNG files."""
     from PIL import Image
 
+    folder = tmp_path / "data"
+    folder.mkdir()
     rows = []
     for i, (prompt, seed) in enumerate([("a red square moving right", 0), ("a blue square moving up", 1)]):
-        Image.fromarray(tw.i2v_condition(prompt, seed)).save(tmp_path / f"f{i}.png")
+        Image.fromarray(tw.i2v_condition(prompt, seed)).save(folder / f"f{i}.png")
         rows.append(json.dumps({"prompt": prompt, "image": f"f{i}.png", "id": f"row{i}"}))
-    m = tmp_path / "data" / "manifest.jsonl"
-    m.parent.mkdir()
-    for i in range(2):
-        shutil.move(tmp_path / f"f{i}.png", m.parent / f"f{i}.png")
+    m = folder / "manifest.jsonl"
     m.write_text("\n".join(rows) + "\n")
     return m
 
@@ -63,8 +62,6 @@ def test_i2v_driver_trains_on_a_manifest(ray_session, tmp_path):
         assert entries and all(e.trajectory.condition.image_path in {c.image_path for c in driver.conditions}
                                and e.trajectory.condition.image is None for e in entries)
         # the GIFs show the first frame beside the video: [F, H, W + 1 + W, 3]
-        import imageio.v3 as iio
-
         gifs = sorted(run_dir.samples.glob("*.gif"))
         assert len(gifs) == 4
         g = iio.imread(gifs[0], index=None)
@@ -81,3 +78,25 @@ def test_i2v_driver_trains_on_a_manifest(ray_session, tmp_path):
     grid = iio.imread(out / "grid.png")
     assert grid.shape[1] > grid.shape[0]                   # image + frames per row
 
+
+
+def test_sample_takes_the_first_frame(tmp_path, capsys):
+    """`vgrpo sample base -c configs/toy_i2v.yaml --image PNG`: the GIF shows the image beside the video."""
+    from PIL import Image
+
+    from cluster.cli import main
+
+    img = tmp_path / "f.png"
+    Image.fromarray(tw.i2v_condition("a red square moving up", 3)).save(img)
+    out = tmp_path / "s.gif"
+    assert main(["sample", "base", "-c", "configs/toy_i2v.yaml", "--prompt", "a red square moving up",
+                 "--image", str(img), "--out", str(out)]) == 0
+    assert "IA" in capsys.readouterr().out
+    g = iio.imread(out, index=None)
+    assert g.shape[1] * (2 * tw.SIZE + 1) == g.shape[2] * tw.SIZE
+    # an I2V run without a first frame, or a bad image: one line, exit 2
+    assert main(["sample", "base", "-c", "configs/toy_i2v.yaml", "--prompt", "a red square moving up"]) == 2
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    assert main(["sample", "base", "-c", "configs/toy_i2v.yaml", "--prompt", "a red square moving up",
+                 "--image", str(tmp_path / "bad.png")]) == 2
+    assert "not a decodable image" in capsys.readouterr().err
