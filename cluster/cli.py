@@ -25,6 +25,7 @@ COMMANDS = [
     "cluster.compare_cmd",
     "cluster.bench_cmd",
     "cluster.toy_cmd",
+    "cluster.datasets_cmd",
 ]
 
 

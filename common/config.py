@@ -231,7 +231,7 @@ class BankConfig(Section):
 
 
 class RewardModelConfig(Section):
-    name: Literal["toy", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
+    name: Literal["toy", "toy_i2v", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
     """qsave: Q-Save's weights and prompt are not public; its rubric and answer format here are
     this project's reconstruction, for a Qwen3-VL checkpoint you supply."""
     path: str | None = None

@@ -61,13 +61,13 @@ class Trainer:
 
     def encode(self, rows: Rows) -> Cond:
         """Each condition of the batch once; the text encoder is frozen."""
+        from common.images import condition_images  # I2V first frames by path (or in memory)
+        from rollout_worker.models.base import negative_kwargs
+
         conds = rows.conditions
-        with_image = [c.image is not None for c in conds]
-        if any(with_image) and not all(with_image):
-            raise ValueError("a TrainBatch mixes conditions with and without a first frame")
-        images = torch.stack([c.image for c in conds]) if all(with_image) else None
+        images = condition_images(conds, self.cfg.model.height, self.cfg.model.width)
         with torch.no_grad():
-            return self.model.encode([c.prompt for c in conds], images).to(self.device)
+            return self.model.encode([c.prompt for c in conds], images, **negative_kwargs(conds)).to(self.device)
 
     def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch's share of L_total (with grad) and its stats sums; see losses.compute_loss."""

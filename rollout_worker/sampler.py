@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig, SamplerConfig
+from common.images import condition_image
 from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
 from common.types import Condition, Group, Trajectory
-from rollout_worker.models.base import Cond, VideoModel
+from rollout_worker.models.base import Cond, VideoModel, negative_kwargs
 
 _PERM_SEED_OFFSET = 0x5EED  # the step permutation's generator must not replay the noise stream
 
@@ -117,8 +118,9 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     ode_from = schedule.steps - scfg.ode_last_steps
 
     # 2. Encode the condition once; every member shares it
-    images = None if condition.image is None else condition.image.unsqueeze(0)
-    cond = model.encode([condition.prompt], images).repeat(G)
+    image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
+    cond = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
+                        **negative_kwargs([condition])).repeat(G)
 
     # 3. Initial noise: shared by the group (default) or fresh per member
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")

@@ -62,7 +62,10 @@ class VideoModel(ABC):
 
     @abstractmethod
     def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
-        """Encode a batch of conditions once (text, plus uint8 [B, H, W, 3] first frames for I2V)."""
+        """Encode a batch of conditions once (text, plus uint8 [B, H, W, 3] first frames for I2V).
+
+        Adapters that run CFG also take `negative_prompts` (one per row, None = model.negative_prompt);
+        callers pass it only when a row has one (`negative_kwargs`)."""
 
     @abstractmethod
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
@@ -139,3 +142,10 @@ def require_weights(root: Path, parts: list[str], what: str) -> None:
 def is_local(path: str) -> bool:
     """A path that looks local (absolute, relative, or existing) rather than a hub id."""
     return path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
+
+
+def negative_kwargs(conditions) -> dict:
+    """`encode` keyword for the conditions' own negative prompts (a dataset's `negative_prompt`),
+    or nothing when none has one (so adapters without CFG need not take it)."""
+    negs = [getattr(c, "negative_prompt", None) for c in conditions]
+    return {} if all(n is None for n in negs) else {"negative_prompts": negs}

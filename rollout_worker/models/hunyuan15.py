@@ -109,11 +109,13 @@ class Hunyuan15VideoModel(VideoModel):
         return dict(zip(_TEXT_KEYS, out, strict=True))  # [B, L, D], [B, L], [B, L2, D2], [B, L2]
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         B, shape = len(prompts), self.latent_shape
-        # 1. Text, and the negative prompt when CFG runs
+        # 1. Text, and the negative prompt (per row, else model.negative_prompt) when CFG runs
         tensors = self._text(list(prompts))
-        uncond = self._text([self.cfg.negative_prompt] * B) if self.guidance_scale > 1.0 else None
+        negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * B)]
+        uncond = self._text(negs) if self.guidance_scale > 1.0 else None
         # 2. Image states and first-frame condition latents + mask (zeros for T2V)
         if self.cfg.task == "t2v":
             tensors["image_embeds"] = torch.zeros(B, self.pipe.vision_num_semantic_tokens,
@@ -158,9 +160,11 @@ class Hunyuan15VideoModel(VideoModel):
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         vae = self.pipe.vae
-        video = vae.decode(latents.to(self.device, vae.dtype) / vae.config.scaling_factor,
-                           return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
-        return frames_to_uint8(video)
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor
+        # one video at a time: the VAE's causal attention mask [B, L, L] does not broadcast
+        # against its [B, 1, L, D] queries when B > 1 (diffusers 0.42)
+        video = torch.cat([vae.decode(z[i:i + 1], return_dict=False)[0] for i in range(z.shape[0])])
+        return frames_to_uint8(video)  # from [B, 3, F', H', W'] in [-1, 1]
 
     def trainable_module(self) -> nn.Module:
         return self.transformer

@@ -139,11 +139,13 @@ class WanVideoModel(VideoModel):
                 c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         # 1. Text (and the negative prompt when CFG runs), as WanPipeline.encode_prompt does
         do_cfg = self.guidance_scale > 1.0
+        negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * len(prompts))]
         prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if do_cfg else None,
+            prompt=list(prompts), negative_prompt=negs if do_cfg else None,
             do_classifier_free_guidance=do_cfg, max_sequence_length=self.cfg.max_sequence_length,
             device=self.device)
         tensors = {"encoder_hidden_states": prompt_embeds.to(self.dtype)}  # [B, L, D]
