@@ -75,6 +75,9 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
         param_dtype=param_dtype,
         # Gradients are averaged across ranks in fp32: bf16 sums lose the small GRPO updates.
         reduce_dtype=torch.float32,
+        # Inputs pass as the model casts them: casting a block's fp32 RoPE table or timestep
+        # embedding to bf16 would compute other velocities than the sampler's.
+        cast_forward_inputs=False,
     )
     for block in blocks:
         # One FSDP unit per block: its all-gather overlaps the previous block's compute, and

@@ -110,7 +110,9 @@ class Hunyuan15VideoModel(VideoModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        """The compute dtype (model.dtype): what inputs are cast to. Not the parameters' dtype,
+        which is fp32 in the learner under FSDP2 (the masters; FSDP2 gathers them in this dtype)."""
+        return DTYPES[self.cfg.dtype]
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
