@@ -180,10 +180,12 @@ class Hunyuan15VideoModel(VideoModel):
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
+        """One video at a time: the VAE's causal attention mask ([B, L, L] against [B, 1, L, C]
+        queries) only broadcasts for B = 1 in diffusers' AutoencoderKLHunyuanVideo15."""
         vae = self.pipe.vae
-        video = vae.decode(latents.to(self.device, vae.dtype) / vae.config.scaling_factor,
-                           return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
-        return frames_to_uint8(video)
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor
+        video = torch.cat([vae.decode(z[i:i + 1], return_dict=False)[0] for i in range(len(z))])
+        return frames_to_uint8(video)  # [B, 3, F', H', W'] in [-1, 1] → uint8 [B, F', H', W', 3]
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
