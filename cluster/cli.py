@@ -23,6 +23,7 @@ COMMANDS = [
     "cluster.eval_cmd",
     "cluster.compare_cmd",
     "cluster.bench_cmd",
+    "cluster.plan_cmd",
     "cluster.toy_cmd",
 ]
 
