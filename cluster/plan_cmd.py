@@ -183,8 +183,10 @@ def frozen_params(cfg) -> dict[str, float]:
     return out
 
 
-def learner_memory(cfg, a: Arch) -> dict[str, float]:
-    """Bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors)."""
+def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
+    """Bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors).
+
+    `frozen`: parameters of the frozen encoders and VAE when known (default: `frozen_params`)."""
     m, o = cfg.model, cfg.optim
     c = 4 if m.dtype == "float32" else 2
     n = max(1, cfg.pools.learner.num_actors)
@@ -209,10 +211,10 @@ def learner_memory(cfg, a: Arch) -> dict[str, float]:
     if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact":
         anchors += 1
     rows = o.micro_batch * (2 if m.guidance_scale > 1.0 else 1)
-    frozen = c * a.params * (a.experts - a.trained_experts) + sum(
-        (4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items())
+    frozen_b = c * a.params * (a.experts - a.trained_experts) + sum(
+        (4 if "fp32" in k else c) * v for k, v in (frozen or frozen_params(cfg)).items())
     return {"weights": weights, "grads": grads, "optimizer": 8 * trainable / n,
-            "anchors": anchors * (4 * trainable / n), "frozen modules (unsharded)": frozen,
+            "anchors": anchors * (4 * trainable / n), "frozen modules (unsharded)": frozen_b,
             "activations (checkpointing)": activation_bytes(a, rows, c, True),
             "activations (no checkpointing)": activation_bytes(a, rows, c, False)}
 
