@@ -12,7 +12,6 @@ peak. Pure: imports torch, diffusers and pydantic only (benchmarks/gpu_check.py 
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

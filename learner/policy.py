@@ -31,6 +31,7 @@ from common.config import OptimConfig
 from rollout_worker.models.base import Cond, VideoModel
 from rollout_worker.models.lora import inject_lora, is_lora_key
 
+
 def enable_checkpointing(module: torch.nn.Module) -> None:
     """Activation checkpointing of the transformer blocks (diffusers' own, per block), for every
     diffusers model in `module` (both Wan 2.2 experts when both train). Only grad-enabled forwards

@@ -19,8 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
 
 # (heads × 64 width, ffn, blocks, frames, height = width, activation checkpointing)
-SIZES = [(4, 1024, 2, 17, 256, False), (8, 2048, 3, 9, 256, False), (6, 1536, 2, 17, 192, False),
-         (6, 1536, 2, 17, 192, True)]
+SIZES = [(4, 1024, 2, 17, 256, False), (8, 2048, 3, 9, 256, False), (6, 1536, 2, 17, 192, True)]
 
 
 def _save_wan(path: Path, heads: int, ffn: int, layers: int) -> None:
