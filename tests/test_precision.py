@@ -113,3 +113,17 @@ def test_fsdp2_two_ranks_replay_bf16_exactly(ray_session, finetune):
     # the published weights are the fp32 masters (full) or fp32 adapters; the rollout side
     # rounds masters into its bf16 weights and keeps adapters in fp32
     assert {v.dtype for v in payload.values()} == {torch.float32}
+
+
+def test_checkpoint_keeps_the_fp32_masters(tmp_path):
+    cfg = _cfg("full")
+    batch = _batch(cfg)
+    a = Trainer(cfg, tiny_wan_model(MODEL)).setup()
+    a.train_step(batch)
+    path = a.save_checkpoint(tmp_path)
+    b = Trainer(cfg, tiny_wan_model(MODEL)).setup()
+    b.load_checkpoint(path)
+    for n, m in a.policy.master.items():
+        assert torch.equal(b.policy.master[n], m), n  # not the bf16 compute weights, which lose the step
+        assert torch.equal(b.policy.params[n], a.policy.params[n]), n
+    assert b.train_step(batch)["loss"] == a.train_step(batch)["loss"]
