@@ -176,6 +176,10 @@ def nccl_sync(report: dict) -> None:
         p.start()
     for p in procs:
         p.join(timeout=180)
+    for p in procs:  # a rank stuck in NCCL setup must not outlive the check
+        if p.is_alive():
+            p.kill()
+            p.join()
     if any(p.exitcode != 0 for p in procs) or q.empty():
         gpus = torch.cuda.device_count()
         why = "NCCL refuses two ranks on one GPU" if gpus == 1 else "a rank failed"
