@@ -24,6 +24,7 @@ COMMANDS = [
     "cluster.runs_cmd",
     "cluster.compare_cmd",
     "cluster.bench_cmd",
+    "cluster.plan_cmd",
     "cluster.toy_cmd",
     "cluster.datasets_cmd",
 ]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class ModelLoadError(FileNotFoundError):
     """A model path is missing or incomplete; the message names the path and what is missing."""
@@ -54,6 +56,8 @@ class VideoModel(ABC):
 
     family: str = "base"
     device: torch.device = torch.device("cpu")
+    needs_sigma_next: bool = False
+    """Whether `velocity` also takes the step's end, `sigma_next=[B]` (MeanFlow checkpoints read it)."""
 
     @property
     @abstractmethod
@@ -111,6 +115,28 @@ def _peft_base_key(key: str, own) -> str:
     head, _, leaf = key.rpartition(".")
     wrapped = f"{head}.base_layer.{leaf}"
     return wrapped if wrapped in own else key
+
+
+def cast_params(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter of `module` in `dtype`, buffers untouched (in place).
+
+    This is the compute copy FSDP2 makes with MixedPrecisionPolicy(param_dtype=dtype): one
+    dtype for all weights, diffusers' keep-in-fp32 modules included. The sampler holds exactly
+    these values, so it computes the learner's velocities bit for bit. Buffers (RoPE tables)
+    stay as built, as FSDP2 leaves them.
+    """
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
+def configure_vae(vae: nn.Module, cfg) -> None:
+    """Tiled and/or sliced decoding as `model.vae_tiling` / `model.vae_slicing` ask."""
+    if cfg.vae_tiling:
+        vae.enable_tiling()
+    if cfg.vae_slicing:
+        vae.enable_slicing()
 
 
 def frames_to_uint8(video: Tensor) -> Tensor:
