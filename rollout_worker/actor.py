@@ -109,10 +109,11 @@ class RolloutWorker:
         client = self._reward_client()
         before = (sum(client.timeouts.values()), sum(client.failures.values()))
         t0 = time.monotonic()
-        image = group.condition.image
+        from cluster.datasets import reward_images
+
         try:
             scores = client.score(frames, [group.condition.prompt] * group.size,
-                                  None if image is None else image.unsqueeze(0).expand(group.size, -1, -1, -1))
+                                  reward_images(group.condition, group.size))
         except (RewardFailed, RewardTimeout) as e:
             return self._failed(rec, "reward", str(e))
         finally:
@@ -194,9 +195,15 @@ class RolloutWorker:
     def version(self) -> int:
         return self._version
 
-    def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode") -> Tensor:
-        """Evaluation videos with the current weights, one per (prompt, seed). uint8 [B, F, H, W, 3]"""
-        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme)
+    def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode",
+                      images: list[str] | Tensor | None = None) -> Tensor:
+        """Evaluation videos with the current weights, one per (prompt, seed) (I2V: `images`, a
+        first-frame path per video, read here). uint8 [B, F, H, W, 3]"""
+        from common.images import resolve_images
+
+        m = self.cfg.model
+        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
+                             images=resolve_images(images, len(prompts), m.height, m.width))
 
     # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
 
