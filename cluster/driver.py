@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from cluster.health import group_spread
+from cluster.health_hook import DriverHealth
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
@@ -74,6 +76,7 @@ class Driver:
         self.failed_in_row = 0
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
+        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health.py)
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
@@ -356,6 +359,7 @@ class Driver:
         values["reward_mean"] = float(rewards.mean())
         for h_i, h in enumerate(batch.fresh[0].scores.heads):
             values[f"reward/{h}"] = float(np.mean([g.scores.values[:, h_i].mean().item() for g in batch.fresh]))
+        values.update(group_spread(batch.fresh))  # health: zero-spread share per head
         return values
 
     def publish(self) -> None:
@@ -437,6 +441,7 @@ class Driver:
         self.videos_at_start = self.counts["videos"]
         prev = signal.signal(signal.SIGINT, self._on_sigint) if threading.current_thread() is threading.main_thread() else None
         try:
+            self.health.heldout(self, start=True)  # health: the held-out baseline
             if self.cfg.train.mode == "sync":
                 self._run_sync(progress)
             else:
@@ -467,6 +472,7 @@ class Driver:
             self._after_step(self.train(), progress)
             self.publish()
             self._publish_pending()
+            self.health.heldout(self)  # health: every health.eval_every steps
 
     def _run_async(self, progress) -> None:
         gps, ahead = self.cfg.train.groups_per_step, max(1, self.cfg.train.max_staleness)
@@ -508,6 +514,7 @@ class Driver:
                     produced.notify_all()
                 self._after_step(record, progress)
                 self.publish()
+                self.health.heldout(self)  # health: with the weights the actors hold now
         finally:
             self.stop_requested.set()
             with produced:
@@ -525,6 +532,7 @@ class Driver:
             bank = None
         record = step_record(self.step, time.monotonic() - self.t_start, stats, self.counts, self.timers,
                              self.videos_at_start, bank)
+        self.health.on_step(record, self.metrics)  # health: checks, and their keys in the row
         self.run_dir.log(record)
         self.exporter.export(record, self.counts)
         if progress is not None:
@@ -534,6 +542,7 @@ class Driver:
         step_videos(self)  # every log.video_every steps: the fixed eval pairs as one video
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
+        self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def heads(self) -> list[str]:
         return [h for hs in self.rewards.head_names.values() for h in hs]

@@ -98,6 +98,26 @@ _SPECS = [
     MetricSpec("vgrpo_errors_total", "counter", "Errors caught and retried, by kind.", ("kind",)),
 ]
 
+# -- training health (cluster/health.py, cluster/health_hook.py)
+_SPECS += [
+    MetricSpec("vgrpo_health_status", "gauge", "Run health so far: 0 ok, 1 a warning fired, 2 a stop check fired."),
+    MetricSpec("vgrpo_health_findings_total", "counter", "Health findings reported, by check and level.",
+               ("check", "level")),
+    MetricSpec("vgrpo_onpolicy_logratio_absmax", "gauge",
+               "Max abs(log r) over the rows the learner's current weights sampled (0 up to numerics)."),
+    MetricSpec("vgrpo_onpolicy_clip_fraction", "gauge", "Fraction of on-policy rows outside the clip range."),
+    MetricSpec("vgrpo_onpolicy_approx_kl", "gauge", "Approximate KL on on-policy rows."),
+    MetricSpec("vgrpo_zero_spread_ratio", "gauge",
+               "Fraction of the step's groups with no reward spread, per head (head=composite for R).",
+               ("head",)),
+    MetricSpec("vgrpo_reward_trend_z", "gauge", "Slope z-score of a reward head over health.window steps.",
+               ("head",)),
+    MetricSpec("vgrpo_kl_growth", "gauge", "KL growth factor over health.window steps (term=anchor, step).",
+               ("term",)),
+    MetricSpec("vgrpo_heldout_z", "gauge", "Paired z of the held-out evaluation against the run's first one.",
+               ("head",)),
+]
+
 CATALOGUE: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
 
 # TrainStats keys (and other per-step stats) → (metric, extra labels).

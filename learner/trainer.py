@@ -85,6 +85,7 @@ class Trainer:
 
         # 1. rows: advantages, equalizer weights, winner/loser rows
         rows = build_rows(batch, cfg)
+        rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
 
         # 2. conditions, encoded once
         cond_all = self.encode(rows)
@@ -92,8 +93,9 @@ class Trainer:
         # 3. accumulate gradients over this rank's micro-batches
         self.optimizer.zero_grad(set_to_none=True)
         keys = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
-                "kl/d_anchor", "kl/d_step"]
+                "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl"]
         sums = torch.zeros(len(keys), dtype=torch.float64)
+        onp_max = torch.zeros(world_size, dtype=torch.float64)  # one slot per rank: a sum-reduce gives the max
         first_logratio = float("nan")
         for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
             loss, s = self.micro_loss(rows, mb, cond_all, lam_kl)
@@ -101,8 +103,9 @@ class Trainer:
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0:
                 first_logratio = float(s["logratio_absmax"])
+            onp_max[rank] = max(float(onp_max[rank]), float(s["onpolicy/logratio_absmax"]))
         if reduce is not None:
-            sums = reduce(sums)
+            sums, onp_max = reduce(torch.cat([sums, onp_max])).split([len(keys), world_size])
 
         # 4. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.optim.grad_clip)
@@ -120,6 +123,7 @@ class Trainer:
         self.kl.update(measured_kl)
 
         stats.update(rows.stats)
+        stats.update(_onpolicy_stats(stats, float(onp_max.max())))
         stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
                       "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
                       "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
@@ -162,6 +166,16 @@ class Trainer:
         state, extra, _ = checkpoint.load(dir, map_location=self.device)
         self.load_state_dict(state)
         return extra
+
+
+def _onpolicy_stats(stats: dict[str, float], logratio_absmax: float) -> dict[str, float]:
+    """Clip fraction, approx-KL and max |log r| over the rows the pre-update weights sampled
+    (NaN when the batch has none: every row stale or from the bank)."""
+    n = stats.pop("onpolicy/rows")
+    clip, akl = stats.pop("onpolicy/clip"), stats.pop("onpolicy/approx_kl")
+    nan = float("nan")
+    return {"onpolicy_rows": n, "clipfrac_onpolicy": clip / n if n else nan,
+            "approx_kl_onpolicy": akl / n if n else nan, "logratio_onpolicy_absmax": logratio_absmax if n else nan}
 
 
 def _py_rng_to_list(state: tuple) -> list:

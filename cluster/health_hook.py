@@ -1,0 +1,150 @@
+"""The driver's side of the health checks (cluster/health.py): feed each step's record to the
+monitor, run the held-out ODE evaluation every `health.eval_every` steps, report findings in the
+console, the step's row, Prometheus and RUN_DIR/health.json, and stop the run on a `stop` finding.
+
+The driver calls it in a few lines; everything that needs Ray is in `heldout_eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.health import SPREAD_PREFIX, Finding, HealthMonitor
+from common.config import RunConfig
+
+HEALTH_FILE = "health.json"
+# record key → (metric, labels) for the gauges of the health row in the dashboard
+GAUGES = {"logratio_onpolicy_absmax": ("vgrpo_onpolicy_logratio_absmax", {}),
+          "clipfrac_onpolicy": ("vgrpo_onpolicy_clip_fraction", {}),
+          "approx_kl_onpolicy": ("vgrpo_onpolicy_approx_kl", {}),
+          "health/status": ("vgrpo_health_status", {}),
+          "health/kl_growth/anchor": ("vgrpo_kl_growth", {"term": "anchor"}),
+          "health/kl_growth/step": ("vgrpo_kl_growth", {"term": "step"})}
+
+
+class DriverHealth:
+    def __init__(self, cfg: RunConfig, run_dir, note: Callable[[str], None], stop_exc: type[Exception]):
+        self.cfg, self.run_dir, self.note, self.stop_exc = cfg, run_dir, note, stop_exc
+        self.monitor = HealthMonitor(cfg)
+        self.on = cfg.health.enabled
+
+    # --- every step ------------------------------------------------------------------------
+
+    def on_step(self, record: dict[str, Any], metrics=None) -> None:
+        """Check the step's record and add the health keys to it (before it is logged)."""
+        if not self.on:
+            return
+        first = self.monitor.numerics is None
+        found = self.monitor.observe(record)
+        record.update(self.monitor.record_keys(found))
+        self._report(found, metrics)
+        if metrics is not None:
+            export(metrics, record)
+        if found or (first and self.monitor.numerics is not None):
+            self.write()  # the first update's measurement is what a later run's preflight reads
+
+    def raise_if_stopped(self) -> None:
+        if self.on and self.monitor.stop_reason is not None:
+            raise self.stop_exc(self.monitor.stop_reason)
+
+    # --- held out ----------------------------------------------------------------------------
+
+    def heldout(self, driver, start: bool = False) -> None:
+        """At the start of the run (the baseline) and every health.eval_every steps after it."""
+        every = self.cfg.health.eval_every
+        if not self.on or every == 0 or (not start and driver.step % every) \
+                or any(s == driver.step for s, _ in self.monitor.evals):
+            return
+        result = heldout_eval(driver, self.cfg)
+        found = self.monitor.observe_eval(driver.step, result)
+        self.note(f"health: held-out evaluation at step {driver.step}: composite {result.composite.mean():.3f} "
+                  f"on {len(result.composite)} pairs")
+        self._report(found, driver.metrics)
+        for key, z in self.monitor.values.items():
+            if key.startswith("heldout_z/") and math.isfinite(z):
+                driver.metrics.set("vgrpo_heldout_z", z, head=key.split("/", 1)[1])
+        self.write()
+        self.raise_if_stopped()
+
+    def final(self, before, after, step: int) -> None:
+        if self.on and before is not None and after is not None:
+            self._report(self.monitor.final(before, after, step), None)
+
+    # --- surfaces ----------------------------------------------------------------------------
+
+    def _report(self, found: list[Finding], metrics) -> None:
+        for f in found:
+            self.note(f.line())
+            if metrics is not None:
+                metrics.inc("vgrpo_health_findings_total", 1, check=f.check, level=f.level)
+
+    def summary(self) -> dict[str, Any]:
+        return self.monitor.summary()
+
+    def write(self) -> Path:
+        path = Path(self.run_dir.path) / HEALTH_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=2, default=_nan_safe))
+        tmp.replace(path)
+        return path
+
+
+def _nan_safe(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else str(v)
+
+
+def export(metrics, record: dict[str, Any]) -> None:
+    """The health gauges of one step's record."""
+    for key, (name, labels) in GAUGES.items():
+        v = record.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            metrics.set(name, float(v), **labels)
+    for key, v in record.items():
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        if key.startswith(SPREAD_PREFIX):
+            metrics.set("vgrpo_zero_spread_ratio", float(v), head=key[len(SPREAD_PREFIX):])
+        elif key.startswith("health/trend_z/"):
+            metrics.set("vgrpo_reward_trend_z", max(-1e6, min(1e6, float(v))), head=key.rsplit("/", 1)[1])
+
+
+def heldout_eval(driver, cfg: RunConfig):
+    """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
+    hold, scored by the reward role (no GIFs, no video: cheaper than Driver.evaluate)."""
+    from cluster.evaluate import EvalResult, sample_pairs
+    from cluster.prompts import load_prompts
+    from common.toyworld import eval_seeds
+
+    prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
+    pairs = [(p, s) for p in prompts for s in eval_seeds(cfg.health.eval_seeds)]
+    frames = sample_pairs(driver.rollouts, pairs)
+    scores = driver.rewards.score(frames, [p for p, _ in pairs], None)
+    return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.composite(scores).numpy())
+
+
+def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:
+    """At the end of a run: the before/after hacking check, RUN_DIR/health.json, the console
+    table; returns the summary.json section (None with health.enabled=false)."""
+    from cluster.health import health_table
+
+    h: DriverHealth = driver.health
+    if not h.on:
+        return None
+    h.final(before, after, driver.step)
+    h.write()
+    summary = h.summary()
+    console.print(health_table(summary))
+    return summary
+
+
+def read_health(run_path: Path) -> dict[str, Any] | None:
+    """A run directory's health section (health.json), or None when it has none or it is damaged."""
+    try:
+        data = json.loads((Path(run_path) / HEALTH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
