@@ -202,10 +202,12 @@ class HealthMonitor:
                 continue
             third = max(1, w // 3)
             first, last = list(ys)[:third], list(ys)[-third:]
+            # means of thirds, so one spike does not count; a KL that starts at 0 (the anchor was
+            # just taken) or a k1 D_step below 0 is measured from health.kl_floor
             base, now = sum(first) / third, sum(last) / third
-            growth = now / base if base > 0 else (math.inf if now > 0 else 1.0)
+            growth = now / max(base, self.h.kl_floor)
             self.values[f"kl_growth/{term}"] = growth
-            if growth > self.h.kl_growth_max and now > 0:  # means of thirds: one spike does not count
+            if growth > self.h.kl_growth_max:
                 name = f"the {self.anchor} anchor" if term == "anchor" else "the sampling policy (D_step)"
                 out.append(("kl_growth", f"KL to {name} grew {growth:.1f}× over {w} steps (to {now:.2e}): "
                             "the policy is running away; raise kl.lam or lower optim.lr"))

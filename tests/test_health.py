@@ -165,6 +165,11 @@ def test_kl_growth_to_the_anchor():
     assert [f.check for f in found] == ["kl_growth"] and "pi0 anchor" in found[0].message
     steady = HealthMonitor(_cfg("health.window=6"))
     assert not any(steady.observe(_record(s, **{"kl/d_anchor": 1e-4 * (1 + 0.01 * s)})) for s in range(1, 7))
+    # from 0 (a fresh anchor) to small values, and a k1 D_step around 0: below the floor, no growth
+    fresh = HealthMonitor(_cfg("health.window=6"))
+    assert not any(fresh.observe(_record(s, **{"kl/d_anchor": 1e-5 * (s - 1) ** 2, "kl/d_step": (-1) ** s * 1e-6}))
+                   for s in range(1, 7))
+    assert fresh.values["kl_growth/anchor"] < 1
 
 
 # --- 3. held out ---------------------------------------------------------------------------
@@ -274,3 +279,19 @@ def test_health_table_lists_each_check():
     console.print(health_table(mon.summary()))
     text = console.export_text()
     assert "training health: warn" in text and "zero_spread" in text and "max |log r| = 1.00e-09" in text
+
+
+def test_vgrpo_train_prints_the_pre_launch_warnings_before_it_starts(tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+    from cluster.driver import Driver
+
+    seen = []
+
+    def setup(self, resume=None):
+        seen.append(capsys.readouterr().out)  # what was printed before any actor would start
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(Driver, "setup", setup)
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["train", "-c", "configs/quickstart.yaml", f"run.root={tmp_path}", "sampler.group_size=2"])
+    assert "warning: sampler.group_size = 2: advantages from fewer than 4 samples" in seen[0]
