@@ -59,7 +59,12 @@ class DriverHealth:
         if not self.on or every == 0 or (not start and driver.step % every) \
                 or any(s == driver.step for s, _ in self.monitor.evals):
             return
-        result = heldout_eval(driver, self.cfg)
+        try:
+            result = heldout_eval(driver, self.cfg)
+        except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it
+            self.note(f"health: held-out evaluation at step {driver.step} skipped: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}")
+            return
         found = self.monitor.observe_eval(driver.step, result)
         self.note(f"health: held-out evaluation at step {driver.step}: composite {result.composite.mean():.3f} "
                   f"on {len(result.composite)} pairs")

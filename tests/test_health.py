@@ -295,3 +295,23 @@ def test_vgrpo_train_prints_the_pre_launch_warnings_before_it_starts(tmp_path, m
     with pytest.raises(RuntimeError, match="stop here"):
         main(["train", "-c", "configs/quickstart.yaml", f"run.root={tmp_path}", "sampler.group_size=2"])
     assert "warning: sampler.group_size = 2: advantages from fewer than 4 samples" in seen[0]
+
+
+def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
+    from types import SimpleNamespace
+
+    from cluster.health_hook import DriverHealth
+    from common.metrics import Metrics
+
+    class DeadActor:
+        class sample_videos:  # noqa: N801 - mimics an actor method handle
+            @staticmethod
+            def remote(*args):
+                raise RuntimeError("actor died\nwith a long trace")
+
+    notes: list[str] = []
+    hook = DriverHealth(_cfg(), SimpleNamespace(path=tmp_path), notes.append, RuntimeError)
+    driver = SimpleNamespace(step=0, rollouts=[DeadActor()], metrics=Metrics(backend="memory"))
+    hook.heldout(driver, start=True)
+    assert notes == ["health: held-out evaluation at step 0 skipped: RuntimeError: actor died"]
+    assert hook.monitor.evals == []
