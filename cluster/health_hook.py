@@ -59,6 +59,8 @@ class DriverHealth:
         if not self.on or every == 0 or (not start and driver.step % every) \
                 or any(s == driver.step for s, _ in self.monitor.evals):
             return
+        if start and driver.step + every > self.cfg.train.steps:
+            return  # no held-out evaluation would follow to compare with
         try:
             result = heldout_eval(driver, self.cfg)
         except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it

@@ -315,3 +315,8 @@ def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
     hook.heldout(driver, start=True)
     assert notes == ["health: held-out evaluation at step 0 skipped: RuntimeError: actor died"]
     assert hook.monitor.evals == []
+    # a run too short for a second held-out evaluation takes no baseline
+    short = DriverHealth(_cfg("train.steps=10", "health.eval_every=20"), SimpleNamespace(path=tmp_path),
+                         notes.append, RuntimeError)
+    short.heldout(driver, start=True)
+    assert len(notes) == 1
