@@ -1,5 +1,5 @@
 """`vgrpo runs [ROOT]`: the run directories under ROOT, each with its step, status, last reward,
-before/after result and wall time."""
+before/after result, training health and wall time."""
 
 from __future__ import annotations
 
