@@ -148,7 +148,7 @@ class HealthMonitor:
         w = self.h.window
         self.composite: deque[float] = deque(maxlen=w)
         self.heads: dict[str, deque[float]] = {}
-        self.kl: dict[str, deque[float]] = {"anchor": deque(maxlen=w), "step": deque(maxlen=w)}
+        self.kl: dict[str, deque[float]] = {t: deque(maxlen=w) for t in ("anchor", "pi0", "step")}
         self.rewards: list[tuple[int, float]] = []   # (step, training reward) for the held-out checks
         self.evals: list[tuple[int, Any]] = []       # (step, EvalResult)
         self.findings: list[Finding] = []
@@ -195,11 +195,13 @@ class HealthMonitor:
                 if zc > z and zh < -z:
                     out.append(("head_against", f"reward head {head} falls (trend z = {zh:.1f}) while the composite "
                                 f"rises (z = {zc:.1f}) over the last {w} steps: the composite is bought with {head}"))
-        for term, key in (("anchor", "kl/d_anchor"), ("step", "kl/d_step")):
+        for term, key in (("anchor", "kl/d_anchor"), ("pi0", "kl/d_pi0"), ("step", "kl/d_step")):
             ys = self.kl[term]
+            if not math.isfinite(_num(record, key)):
+                continue  # not measured at this step (π_0 is measured every health.kl_pi0_every steps)
             ys.append(_num(record, key))
-            if len(ys) < w:
-                continue
+            if len(ys) < w or (term == "pi0" and self.anchor == "pi0"):
+                continue  # the last w measurements; with the π_0 anchor, `anchor` is the same series
             third = max(1, w // 3)
             first, last = list(ys)[:third], list(ys)[-third:]
             # means of thirds, so one spike does not count; a KL that starts at 0 (the anchor was
@@ -208,7 +210,8 @@ class HealthMonitor:
             growth = now / max(base, self.h.kl_floor)
             self.values[f"kl_growth/{term}"] = growth
             if growth > self.h.kl_growth_max:
-                name = f"the {self.anchor} anchor" if term == "anchor" else "the sampling policy (D_step)"
+                name = {"anchor": f"the {self.anchor} anchor", "pi0": "π_0 (the initial policy)",
+                        "step": "the sampling policy (D_step)"}[term]
                 out.append(("kl_growth", f"KL to {name} grew {growth:.1f}× over {w} steps (to {now:.2e}): "
                             "the policy is running away; raise kl.lam or lower optim.lr"))
         return out

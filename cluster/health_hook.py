@@ -22,7 +22,9 @@ GAUGES = {"logratio_onpolicy_absmax": ("vgrpo_onpolicy_logratio_absmax", {}),
           "clipfrac_onpolicy": ("vgrpo_onpolicy_clip_fraction", {}),
           "approx_kl_onpolicy": ("vgrpo_onpolicy_approx_kl", {}),
           "health/status": ("vgrpo_health_status", {}),
+          "kl/d_pi0": ("vgrpo_kl", {"term": "pi0"}),
           "health/kl_growth/anchor": ("vgrpo_kl_growth", {"term": "anchor"}),
+          "health/kl_growth/pi0": ("vgrpo_kl_growth", {"term": "pi0"}),
           "health/kl_growth/step": ("vgrpo_kl_growth", {"term": "step"})}
 
 

@@ -386,6 +386,9 @@ class HealthConfig(Section):
     """|z| a trend or a paired held-out difference must reach to count."""
     kl_growth_max: float = Field(10.0, gt=1.0)
     """kl_growth: the KL to the anchor (or D_step) growing more than this factor over one window."""
+    kl_pi0_every: int = Field(10, ge=0)
+    """kl_growth: measure the KL to π_0 every this many steps (one extra no-grad forward per
+    micro-batch on those steps; 0: never). With kl.strategy=fixed it is D_anchor, measured anyway."""
     kl_floor: float = Field(1e-3, gt=0.0)
     """kl_growth: KL values below this count as this, so a KL that starts at 0 does not grow ∞×."""
     eval_every: int = Field(20, ge=0)

@@ -69,14 +69,16 @@ class Trainer:
         with torch.no_grad():
             return self.model.encode([c.prompt for c in conds], images).to(self.device)
 
-    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float) -> tuple[Tensor, dict[str, Tensor]]:
+    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float,
+                   pi0: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch's share of L_total (with grad) and its stats sums; see losses.compute_loss."""
         lc, policy = self.loss_cfg, self.policy
         mb = mb.to(self.device)
         cond = cond_all.index(mb.cond_idx)
         # anchors first: swapping weights after the grad forward would corrupt backward
         anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond) if lc.anchor else None
-        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v)
+        pi0_v = policy.anchor_velocity("pi0", mb.x.float(), mb.sigma, cond) if pi0 else None  # health only
+        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
 
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
@@ -93,12 +95,12 @@ class Trainer:
         # 3. accumulate gradients over this rank's micro-batches
         self.optimizer.zero_grad(set_to_none=True)
         keys = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
-                "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl"]
+                "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
         sums = torch.zeros(len(keys), dtype=torch.float64)
         onp_max = torch.zeros(world_size, dtype=torch.float64)  # one slot per rank: a sum-reduce gives the max
         first_logratio = float("nan")
         for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
-            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl)
+            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())
             (loss * world_size).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0:
@@ -124,10 +126,23 @@ class Trainer:
 
         stats.update(rows.stats)
         stats.update(_onpolicy_stats(stats, float(onp_max.max())))
+        if lc.anchor == "pi0":
+            stats["kl/d_pi0"] = stats["kl/d_anchor"]
+        elif not self.measures_pi0(self.version - 1):
+            stats["kl/d_pi0"] = float("nan")
         stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
                       "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
                       "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
         return TrainStats(stats)
+
+    def measures_pi0(self, version: int | None = None) -> bool:
+        """Whether the step at `version` (default: the current) measures the KL to π_0 for the health
+        checks with an extra no-grad forward: every health.kl_pi0_every steps, when π_0 is kept
+        (LoRA keeps it) and is not the loss's own anchor (then D_anchor is that KL already)."""
+        every = self.cfg.health.kl_pi0_every
+        v = self.version if version is None else version
+        return (every > 0 and v % every == 0 and "pi0" in self.policy.anchors
+                and self.loss_cfg.anchor != "pi0")
 
     # --- weights and checkpoints -------------------------------------------------------
 

@@ -170,6 +170,11 @@ def test_kl_growth_to_the_anchor():
     assert not any(fresh.observe(_record(s, **{"kl/d_anchor": 1e-5 * (s - 1) ** 2, "kl/d_step": (-1) ** s * 1e-6}))
                    for s in range(1, 7))
     assert fresh.values["kl_growth/anchor"] < 1
+    # π_0 measured every other step (NaN between): the last `window` measurements count
+    pi0 = HealthMonitor(_cfg("health.window=3", "kl.strategy=dual"))
+    found = [f for s in range(1, 7) for f in pi0.observe(_record(s, **{"kl/d_anchor": 1e-4, "kl/d_pi0":
+                                                                     1e-3 * 20 ** s if s % 2 else float("nan")}))]
+    assert [f.step for f in found] == [5] and "KL to π_0" in found[0].message
 
 
 # --- 3. held out ---------------------------------------------------------------------------
@@ -340,3 +345,26 @@ def test_findings_and_health_numbers_reach_prometheus(tmp_path):
     assert m.value("vgrpo_health_findings_total", check="zero_spread", level="warn") == 1.0
     saved = json.loads((tmp_path / "health.json").read_text())
     assert saved["numerics"]["logratio_onpolicy_absmax"] == 2e-7 and saved["status"] == "warn"
+
+
+def test_kl_to_pi0_is_measured_and_equals_the_fixed_anchors_kl():
+    """With λ_KL = 0 the KL terms do not change training, so a `dual` run (moving anchor) and a
+    `fixed` run (π_0 anchor) take the same steps: the dual run's measured KL to π_0 must equal the
+    fixed run's D_anchor, step by step; on steps between measurements it is NaN."""
+    def trainer(strategy: str) -> Trainer:
+        cfg = RunConfig.model_validate({"optim": {"micro_batch": 4, "lr": 1e-2, "lora_rank": 4},
+                                        "kl": {"strategy": strategy, "schedule": "constant", "lam": 0.0},
+                                        "health": {"kl_pi0_every": 2}})
+        return Trainer(cfg, TinyVideoModel()).setup()
+
+    model = TinyVideoModel()
+    dual, fixed = trainer("dual"), trainer("fixed")
+    for step in range(4):
+        batch = _batch(model, seed=10 * step, version=step)
+        a, b = dual.train_step(batch).values, fixed.train_step(batch).values
+        assert b["kl/d_pi0"] == b["kl/d_anchor"]
+        if step % 2 == 0:
+            assert a["kl/d_pi0"] == pytest.approx(b["kl/d_anchor"], rel=1e-5, abs=1e-12)
+        else:
+            assert math.isnan(a["kl/d_pi0"])
+    assert b["kl/d_anchor"] > 0  # the policy moved away from π_0
