@@ -33,6 +33,7 @@ class DriverHealth:
         self.cfg, self.run_dir, self.note, self.stop_exc = cfg, run_dir, note, stop_exc
         self.monitor = HealthMonitor(cfg)
         self.on = cfg.health.enabled
+        self.held_out_lines: list[str] = []  # held-out findings, carried into the next step's row
 
     # --- every step ------------------------------------------------------------------------
 
@@ -43,6 +44,9 @@ class DriverHealth:
         first = self.monitor.numerics is None
         found = self.monitor.observe(record)
         record.update(self.monitor.record_keys(found))
+        if self.held_out_lines:
+            record["health/findings"] = self.held_out_lines + record.get("health/findings", [])
+            self.held_out_lines = []
         self._report(found, metrics)
         if metrics is not None:
             export(metrics, record)
@@ -70,6 +74,7 @@ class DriverHealth:
                       f"{str(e).splitlines()[0] if str(e) else ''}")
             return
         found = self.monitor.observe_eval(driver.step, result)
+        self.held_out_lines += [f.line() for f in found]
         self.note(f"health: held-out evaluation at step {driver.step}: composite {result.composite.mean():.3f} "
                   f"on {len(result.composite)} pairs")
         self._report(found, driver.metrics)

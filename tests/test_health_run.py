@@ -91,5 +91,6 @@ def test_quickstart_flags_a_reward_bought_with_another_head(ray_session, tmp_pat
     assert quality["z"] < -3  # the independent before/after evaluation agrees
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[2]["health/status"] == 1 and rows[2]["health/heldout_z/quality"] < -3  # step 3, after the eval at 2
+    assert rows[2]["health/findings"][0].startswith("health warn at step 2: hacking: held-out quality")
     assert out.index("after − before") < out.index("training health: warn") and "hacking" in out
     assert _listed_health(capsys, tmp_path / "runs") == "warn: hacking"
