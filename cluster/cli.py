@@ -13,7 +13,7 @@ import sys
 from common.config import ConfigError
 
 # Errors that mean the user's input or environment is wrong: one line, no traceback.
-USER_ERRORS = {"ConfigError", "ModelLoadError", "BankUnavailable", "RewardLoadError", "InsecureRedisUrl", "RedisBinaryNotFound"}
+USER_ERRORS = {"ConfigError", "ModelLoadError", "CheckpointError", "BankUnavailable", "RewardLoadError", "InsecureRedisUrl", "RedisBinaryNotFound"}
 
 # Command modules, in the order `vgrpo --help` lists them.
 COMMANDS = [

@@ -639,7 +639,8 @@ def check_model_path(cfg: RunConfig) -> None:
     if cfg.model.family == "toy":
         if path is not None and not Path(path).exists():
             raise ModelLoadError(f"model.path {path!r} does not exist")
-        return
+        from rollout_worker.models.toy import ToyVideoModel
+        return ToyVideoModel.check(cfg)  # damaged weights: one line here, not a traceback per actor
     if path is None:
         raise ModelLoadError(f"model.path is required for model.family = {cfg.model.family!r}")
     if is_local(path):

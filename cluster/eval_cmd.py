@@ -54,20 +54,49 @@ def resolve_target(target: str, config: str | None):
     raise ConfigError(f"{p}: not a run directory (config.yaml) or a checkpoint dir ({POLICY_FILE})")
 
 
+def read_policy(f: Path) -> dict:
+    """A checkpoint's policy.safetensors, or CheckpointError: one line naming the file and the fault."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from learner.checkpoint import CheckpointError
+
+    fix = "restore it, or evaluate an older checkpoint dir (TARGET/checkpoints/step_NNNNNNNN)"
+    try:
+        payload = load_file(str(f))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing; {fix}") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{f}: truncated or damaged safetensors file ({e}); {fix}") from None
+    if not payload:
+        raise CheckpointError(f"{f}: holds no tensors; {fix}")
+    # safetensors has no checksum: flipped bytes in the data show up, if at all, as NaN/inf
+    bad = next((k for k, v in payload.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"{f}: tensor {bad!r} holds NaN/inf (a damaged file); {fix}")
+    return payload
+
+
 def load_policy(cfg, ckpt: Path | None):
     """The rollout model with the checkpoint's published weights loaded (adapter or full)."""
     import torch
-    from safetensors.torch import load_file
 
+    from learner.checkpoint import CheckpointError
     from rollout_worker.models import build_model
     from rollout_worker.models.lora import inject_lora
 
+    payload = read_policy(ckpt / POLICY_FILE) if ckpt is not None else None  # before the slow model build
     torch.set_num_threads(cfg.pools.rollout.torch_threads)
     model = build_model(cfg)
-    if ckpt is not None:
+    if payload is not None:
         if cfg.optim.finetune == "lora":
             inject_lora(model.trainable_module(), cfg.model.family, cfg.optim)
-        model.load_weights(load_file(str(ckpt / POLICY_FILE)))
+        try:
+            model.load_weights(payload)
+        except (KeyError, RuntimeError) as e:  # names or shapes that are not this model's
+            raise CheckpointError(f"{ckpt / POLICY_FILE}: does not fit the run's model "
+                                  f"({str(e).splitlines()[0]}); was the config edited after training?") from None
     return model
 
 

@@ -9,9 +9,11 @@ from common.metrics import Metrics
 COUNTS = ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts",
           "rollout_timeouts")
 BANK_KEYS = ("entries", "bytes", "fresh", "corrupt", "redis_latency_ms")
-# Prometheus counter <- the driver's running count it follows
-COUNTERS = (("vgrpo_groups_trained_total", "groups_trained"), ("vgrpo_rollouts_total", "groups_produced"),
-            ("vgrpo_videos_total", "videos"), ("vgrpo_actor_restarts_total", "actor_restarts"))
+# Prometheus counter <- the driver's running count it follows. Rollout, reward and learner
+# actors export their own work from their own pools (common/actor_metrics.py); the driver
+# exports only what it alone sees.
+COUNTERS = (("vgrpo_actor_restarts_total", "actor_restarts"),)
+DRIVER_STATS = ("reward_mean", "staleness_mean")   # composite R and version lag, driver-computed
 ROLE_TIMERS = {"rollout": "generate", "reward": "score", "learner": "train"}
 
 
@@ -42,8 +44,7 @@ class StepExporter:
 
     def export(self, record: dict[str, Any], counts: dict[str, int]) -> None:
         m = self.metrics
-        m.record_stats(record)
-        m.inc("vgrpo_train_steps_total", 1)
+        m.record_stats({k: record[k] for k in DRIVER_STATS if k in record})
         for name, key in COUNTERS:
             delta = counts[key] - self.exported.get(key, 0)
             if delta:

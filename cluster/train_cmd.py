@@ -35,12 +35,14 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
+    from cluster.driver import check_model_path
     from cluster.preflight import health_warnings, preflight
     from cluster.run_dir import RunDir
     from common.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
     preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
+    check_model_path(cfg)
     for line in health_warnings(cfg):  # settings that fail silently: said before any GPU is spent
         print(f"warning: {line}")
     return _run(cfg, RunDir.create(cfg), resume=None, evaluate=not args.no_eval)
@@ -50,14 +52,14 @@ def resume(args) -> int:
     from cluster.preflight import preflight
     from cluster.run_dir import RunDir
     from common.config import ConfigError, load_config
+    from learner import dist_checkpoint
 
     run = Path(args.run_dir)
     if not (run / "config.yaml").is_file():
         raise ConfigError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml", args.overrides)
     root = run / "checkpoints"
-    if not any(p.is_dir() and p.name.startswith("step_") for p in root.glob("step_*")):
-        raise ConfigError(f"{run}: no checkpoint to resume from in {root}")
+    dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
     preflight(cfg)
     run_dir = RunDir(run)
     run_dir.video_fps = cfg.log.video_fps

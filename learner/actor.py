@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
 from common.actors import kill_and_wait
 from common.config import RunConfig
 from common.types import TrainBatch, TrainStats
@@ -95,6 +96,7 @@ class LearnerRank:
 
     # --- verbs -------------------------------------------------------------------------
 
+    @exports_train_step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         reduce = self._sum if self.world_size > 1 else None
         stats = self.trainer.train_step(batch, rank=self.rank, world_size=self.world_size, reduce=reduce)
@@ -105,6 +107,7 @@ class LearnerRank:
         dist.all_reduce(out)
         return out.cpu()
 
+    @exports_weights_payload
     def weights_payload(self) -> dict[str, Tensor] | None:
         """Full tensors on rank 0 (adapter only with LoRA), None elsewhere. Collective."""
         if self.world_size == 1:
@@ -113,6 +116,7 @@ class LearnerRank:
         full = fsdp.full_state_dict(self.trainer.policy.module, names)
         return full if self.rank == 0 else None
 
+    @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None) -> PublishReport | None:
         """Gather the payload (all ranks) and push it from rank 0 to `actors`."""
         payload = self.weights_payload()

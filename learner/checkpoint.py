@@ -3,20 +3,36 @@
 Layout: `<root>/step_00000042/{trainer.pt, extra.json}`. `trainer.pt` is the trainer's
 state dict (torch.save, read back with weights_only=True); `extra.json` holds what the
 driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` survive.
+
+`root` may also be an fsspec URI (s3://, gs://, …): common/storage.py then writes the same
+layout object by object, trainer.pt last, and the functions return URIs (str) instead of Paths.
+
+`verify` reads a checkpoint back before anything is started on it: a damaged file becomes one
+`CheckpointError` line naming the file, what is wrong and what to do, instead of a traceback in
+an actor. torch.load does not check the zip CRCs of a `trainer.pt`, so `verify` does.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import uuid
+import zipfile
+import zlib
 from pathlib import Path
 
 import torch
 
+from common import storage
+
 PREFIX = "step_"
 STATE_FILE, EXTRA_FILE = "trainer.pt", "extra.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing or damaged; the message names the file, the fault and the fix."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -25,6 +41,8 @@ def step_dir(root: Path, step: int) -> Path:
 
 def list_checkpoints(root: str | os.PathLike, marker: str = STATE_FILE) -> list[Path]:
     """Complete checkpoints under root (step dirs holding `marker`), oldest first."""
+    if storage.is_uri(root):
+        return storage.list_steps(root, PREFIX, marker)
     root = Path(root)
     if not root.is_dir():
         return []
@@ -35,12 +53,15 @@ def list_checkpoints(root: str | os.PathLike, marker: str = STATE_FILE) -> list[
 
 def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int) -> Path:
     """Write step's checkpoint atomically, then drop all but the newest `keep`."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     try:
         extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable (data cursor, bank watermark): {e}") from None
+    if storage.is_uri(root):
+        files = {EXTRA_FILE: extra_json.encode(), STATE_FILE: lambda f: torch.save(state, f)}
+        return storage.save_step(root, f"{PREFIX}{step:08d}", files, STATE_FILE, keep, PREFIX)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -67,14 +88,112 @@ def resolve(path: str | os.PathLike) -> Path:
         return p
     found = list_checkpoints(p)
     if not found:
-        raise FileNotFoundError(f"{p}: no checkpoint here (expected {STATE_FILE} or {PREFIX}NNNNNNNN/ dirs)")
+        raise CheckpointError(f"{p}: no checkpoint here (expected {STATE_FILE} or {PREFIX}NNNNNNNN/ dirs)")
     return found[-1]
 
 
 def load(path: str | os.PathLike, map_location="cpu") -> tuple[dict, dict, Path]:
     """(trainer state, extra, the dir read). Tensors only: nothing arbitrary is unpickled."""
+    if storage.is_uri(path):
+        d = storage.resolve_step(path, PREFIX, STATE_FILE)
+        state = torch.load(io.BytesIO(storage.read_bytes(storage.join(d, STATE_FILE))),
+                           map_location=map_location, weights_only=True)
+        extra_uri = storage.join(d, EXTRA_FILE)
+        return state, json.loads(storage.read_bytes(extra_uri)) if storage.exists(extra_uri) else {}, d
     d = resolve(path)
-    state = torch.load(d / STATE_FILE, map_location=map_location, weights_only=True)
-    extra_file = d / EXTRA_FILE
-    extra = json.loads(extra_file.read_text(encoding="utf-8")) if extra_file.is_file() else {}
-    return state, extra, d
+    state = load_state_file(d / STATE_FILE, map_location)
+    return state, read_extra(d / EXTRA_FILE), d
+
+
+# --- verification: one line per damaged file ----------------------------------------------------
+
+def step_dirs(root: str | os.PathLike) -> list[Path]:
+    """Every step_NNNNNNNN dir under root, complete or not, oldest first."""
+    root = Path(root)
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and p.name[len(PREFIX):].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def set_aside_hint(d: Path) -> str:
+    """The fix for a damaged newest checkpoint: move it aside, which resumes from the one before."""
+    older = [p for p in step_dirs(d.parent) if p != d and int(p.name[len(PREFIX):]) < int(d.name[len(PREFIX):])]
+    if not older:
+        return "no older checkpoint to fall back to; restore the file or start a new run"
+    return f"restore the file, or move {d.name} out of {d.parent} to resume from {older[-1].name}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def check_torch_file(f: Path) -> str | None:
+    """What is wrong with a torch.save file, or None: present, a whole zip, every CRC right."""
+    if not f.is_file():
+        return "missing"
+    if f.stat().st_size == 0:
+        return "empty (0 bytes)"
+    try:
+        with zipfile.ZipFile(f) as z:
+            bad = z.testzip()  # reads every member and checks its CRC-32
+    except zipfile.BadZipFile:
+        return "truncated or not a torch.save file (its zip directory is missing or broken)"
+    except (OSError, EOFError, zlib.error, ValueError) as e:
+        return f"truncated or damaged ({_first_line(e)})"
+    if bad is not None:
+        return f"damaged: member {bad!r} fails its CRC-32 check (bytes changed after it was written)"
+    return None
+
+
+def load_state_file(f: Path, map_location="cpu", mmap: bool = False) -> dict:
+    """torch.load a state file (tensors only), or CheckpointError naming it."""
+    try:
+        state = torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing") from None
+    except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError… for a bad file
+        raise CheckpointError(f"{f}: cannot be loaded ({_first_line(e)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def read_extra(f: Path, keys: tuple[str, ...] = ()) -> dict:
+    """extra.json as a dict holding integer `keys`, or CheckpointError naming the file."""
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing (the checkpoint is incomplete)")
+    try:
+        extra = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON, truncated or damaged ({e})") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{f}: holds a JSON {type(extra).__name__}, not an object")
+    for k in keys:
+        if not isinstance(extra.get(k), int) or isinstance(extra.get(k), bool):
+            raise CheckpointError(f"{f}: {k!r} is {extra.get(k)!r}, not an integer (damaged or not written by vgrpo)")
+    return extra
+
+
+def verify_file(f: Path, keys: tuple[str, ...] = ()) -> None:
+    """A torch.save state file: whole, CRCs right, loadable as tensors, holding `keys`."""
+    problem = check_torch_file(f)
+    if problem is not None:
+        raise CheckpointError(f"{f}: {problem}; {set_aside_hint(f.parent)}")
+    try:
+        state = load_state_file(f, mmap=True)  # mmap: the pickle is checked, the tensors are not read
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {set_aside_hint(f.parent)}") from None
+    lacking = [k for k in keys if k not in state]
+    if lacking:
+        raise CheckpointError(f"{f}: lacks {', '.join(lacking)} (not a trainer checkpoint); {set_aside_hint(f.parent)}")
+
+
+def verify(d: str | os.PathLike, state_keys: tuple[str, ...] = (), extra_keys: tuple[str, ...] = ()) -> None:
+    """Raise CheckpointError (one line: file, fault, fix) unless step dir `d` reads back whole."""
+    d = Path(d)
+    verify_file(d / STATE_FILE, state_keys)
+    try:
+        read_extra(d / EXTRA_FILE, extra_keys)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {set_aside_hint(d)}") from None

@@ -4,7 +4,8 @@ state, all into one temp dir that rank 0 renames into place after a barrier (ato
 Layout: `<root>/step_00000042/{rank00000.pt, …, meta.json, extra.json}`. A shard holds the
 trainer's state dict with every DTensor replaced by its local tensor (plain tensors only, read
 back with weights_only=True). Loading rebuilds the DTensors from the live state's mesh and
-placements, so a checkpoint resumes on the same number of ranks.
+placements, so a checkpoint resumes on the same number of ranks. `verify` checks every file of
+one (and the rank count) in the driver, before any learner rank starts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from learner.checkpoint import EXTRA_FILE, PREFIX, list_checkpoints, step_dir
+from learner import checkpoint as single_rank
+from learner.checkpoint import (
+    EXTRA_FILE,
+    PREFIX,
+    STATE_FILE,
+    CheckpointError,
+    list_checkpoints,
+    load_state_file,
+    read_extra,
+    set_aside_hint,
+    step_dir,
+    step_dirs,
+    verify_file,
+)
 
 META_FILE = "meta.json"
 
@@ -95,14 +109,65 @@ def load(path: str | os.PathLike, template: dict) -> tuple[dict, dict, Path]:
     if not (p / META_FILE).is_file():
         found = list_sharded(p)
         if not found:
-            raise FileNotFoundError(f"{p}: no sharded checkpoint here (expected {META_FILE} or "
+            raise CheckpointError(f"{p}: no sharded checkpoint here (expected {META_FILE} or "
                                     f"{PREFIX}NNNNNNNN/ dirs)")
         p = found[-1]
-    meta = json.loads((p / META_FILE).read_text(encoding="utf-8"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if meta["world_size"] != world:
-        raise ValueError(f"{p}: written by {meta['world_size']} learner ranks, this group has {world} "
-                         f"(set pools.learner.num_actors={meta['world_size']})")
-    loaded = torch.load(p / shard_file(rank), map_location="cpu", weights_only=True)
-    extra = json.loads((p / EXTRA_FILE).read_text(encoding="utf-8"))
-    return from_local(template, loaded), extra, p
+    read_meta(p, world)
+    loaded = load_state_file(p / shard_file(rank))
+    return from_local(template, loaded), read_extra(p / EXTRA_FILE), p
+
+
+def read_meta(d: Path, world_size: int) -> dict:
+    """meta.json of sharded checkpoint `d`, checked against this run's learner rank count."""
+    f = d / META_FILE
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8"))
+        written = meta["world_size"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing (the sharded checkpoint is incomplete); {set_aside_hint(d)}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{f}: damaged ({type(e).__name__}: {e}); {set_aside_hint(d)}") from None
+    if not isinstance(written, int) or isinstance(written, bool) or written < 1:
+        raise CheckpointError(f"{f}: world_size {written!r} is not a positive integer; {set_aside_hint(d)}")
+    if written != world_size:
+        raise CheckpointError(f"{d}: written by {written} learner ranks, this run has {world_size} "
+                              f"(set pools.learner.num_actors={written})")
+    return meta
+
+
+def verify(d: str | os.PathLike, world_size: int, state_keys: tuple[str, ...] = (),
+           extra_keys: tuple[str, ...] = ()) -> None:
+    """Raise CheckpointError (one line: file, fault, fix) unless sharded step dir `d` reads back
+    whole for `world_size` ranks: meta.json, every rank's shard, extra.json."""
+    d = Path(d)
+    read_meta(d, world_size)
+    for r in range(world_size):
+        verify_file(d / shard_file(r), state_keys)
+    try:
+        read_extra(d / EXTRA_FILE, extra_keys)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {set_aside_hint(d)}") from None
+
+
+# What Trainer.state_dict and Driver.checkpoint write, and a resume reads back.
+TRAINER_KEYS = ("version", "finetune", "policy", "optimizer", "kl", "rng")
+DRIVER_KEYS = ("step", "cursor")
+
+
+def verify_newest(root: str | os.PathLike, world_size: int) -> Path:
+    """The newest step dir under root, verified whole for a run with `world_size` learner ranks
+    (a single-rank or a sharded checkpoint). A damaged newest checkpoint is an error, never a
+    silent fall back to an older one: the message says how to fall back on purpose."""
+    dirs = step_dirs(root)
+    if not dirs:
+        raise CheckpointError(f"{root}: no checkpoint to resume from (no {PREFIX}NNNNNNNN dirs)")
+    d = dirs[-1]
+    if world_size > 1 or (d / META_FILE).exists():
+        if world_size > 1 and (d / STATE_FILE).is_file() and not (d / META_FILE).exists():
+            raise CheckpointError(f"{d}: a single-rank checkpoint ({STATE_FILE}), this run has {world_size} "
+                                  "learner ranks (set pools.learner.num_actors=1)")
+        verify(d, world_size, TRAINER_KEYS, DRIVER_KEYS)
+    else:
+        single_rank.verify(d, TRAINER_KEYS, DRIVER_KEYS)
+    return d

@@ -29,6 +29,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 import torch
 
+from common.actor_metrics import count_bank_evictions
 from common.config import BankConfig
 from common.types import Group, Scores, TrainBatch, Trajectory
 from memory_bank import codec
@@ -161,6 +162,7 @@ class MemoryBank:
                            f"{self.cfg.max_bytes}; wait_for_space() until the learner pulls and "
                            "commits, or raise bank.max_bytes")
         self._delete_entries([_s(e) for e in out])   # banked entries evicted to make room
+        count_bank_evictions(len(out))
         return gid
 
     @_reachable
@@ -270,6 +272,8 @@ class MemoryBank:
             if eid not in evicted:   # the script never recreates a deleted entry either
                 self.scripts.touch(keys=[k.meta(eid)], args=[1, status], client=pipe)
         self._delete_entries(sorted(evicted), pipe)
+        # trimmed by capacity or the byte bound (members of a skipped step were never banked)
+        count_bank_evictions(len(evicted - ({e for ks in keeps for e in ks} if mode in ('skip', 'drop') else set())))
 
     @_reachable
     def queued_ids(self) -> list[str]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from common.actor_metrics import exports_score
 from common.config import PoolConfig, RewardModelConfig
 from common.types import Scores
 from reward_worker.base import RewardModel
@@ -51,6 +52,7 @@ class RewardActor:
         """Rows with a non-finite score so far."""
         return self._invalid
 
+    @exports_score
     def score(self, frames: Tensor, prompts: list[str], images: Tensor | None = None) -> Scores:
         """frames uint8 [B, F, H, W, 3], prompts [B], images uint8 [B, H, W, 3] or None → Scores [B, H]."""
         # 1. Check the request.

@@ -23,6 +23,7 @@ import ray
 import torch
 from torch import Tensor
 
+from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
 from common.sde import Schedule
 from common.types import Condition, Group
@@ -59,10 +60,12 @@ class RolloutWorker:
             if record is not None:
                 self.set_weights(record["weights"], record["version"], record.get("checksum"))
 
+    @exports_generate
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
         return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                             group_id=group_id)
 
+    @exports_weight_load
     def set_weights(self, payload: dict[str, Tensor], version: int, checksum: str | None = None) -> bool:
         """Load a payload if its version is newer than ours; a stale push is ignored (returns False)."""
         if version <= self._version:

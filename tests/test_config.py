@@ -155,3 +155,15 @@ def test_cli_config_show_and_clean_error():
     assert "Traceback" not in bad.stderr
     assert bad.stderr.strip().startswith("error:") and "sde.scheme" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override, field", [
+    ("optim.betas=[0.9, .nan]", "optim.betas.1"),
+    ("rewards.models=[{name: toy, weights: {VQ: .inf}}]", "rewards.models.0.weights.VQ"),
+    ("kl.lam=.nan", "kl.lam"),
+    ("grpo.clip_eps=.nan", "grpo.clip_eps"),
+])
+def test_nan_and_inf_config_floats_are_rejected_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert f"{field} = " in str(e.value) and "finite" in str(e.value) and "\n" not in str(e.value)

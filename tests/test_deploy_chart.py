@@ -1,5 +1,6 @@
 """The Helm chart, rendered offline (helm-python-sdk embeds Helm's Go engine), checked against
-the KubeRay v1.7 CRD schemas in ../shared/kuberay-crds with unknown fields rejected."""
+the KubeRay v1.7 CRD schemas vendored in deploy/kuberay-crds (unknown fields rejected) and
+against KubeRay's own admission rules (tests/kuberay_rules.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kuberay_rules import rayjob_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "vgrpo"
-CRDS = ROOT.parent / "shared" / "kuberay-crds"
+CRDS = ROOT / "deploy" / "kuberay-crds"
 ROLES = {"rollout", "reward", "learner"}
-
-pytestmark = pytest.mark.skipif(
-    not CRDS.is_dir(), reason=f"KubeRay CRD schemas not found at {CRDS} (../shared is absent)")
+AUTOSCALING = {"ray": {"autoscaling": {"enabled": True}}}
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -73,11 +73,15 @@ def one(docs, kind, name_suffix=""):
 
 
 def validate_ray_objects(docs, validators) -> int:
+    """Schema (field names and types) and KubeRay's admission rules, for every ray.io object."""
     n = 0
     for d in docs:
         if d["apiVersion"] == "ray.io/v1":
             errors = sorted(validators[d["kind"]].iter_errors(d), key=str)
             assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors[:5])
+            assert d["kind"] == "RayJob", d["kind"]
+            rejected = rayjob_errors(d)
+            assert not rejected, "KubeRay v1.7 would reject it:\n" + "\n".join(rejected)
             n += 1
     return n
 
@@ -127,27 +131,143 @@ def test_values_reach_the_worker_groups(chart, validators):
     assert "nodeSelector" not in groups["rollout"]["template"]["spec"]
 
 
-def test_multi_pool_example_validates(chart, validators):
+def offered_by_groups(groups: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """(role resource units, GPUs) each role's groups offer at their starting replicas."""
+    units: dict[str, float] = {}
+    gpus: dict[str, float] = {}
+    for g in groups.values():
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        roles = json.loads(json.loads(g["rayStartParams"]["resources"]))
+        for role, n in roles.items():
+            units[role] = units.get(role, 0) + n * g["replicas"]
+            gpus[role] = gpus.get(role, 0) + limits.get("nvidia.com/gpu", 0) * g["replicas"] / len(roles)
+    return units, gpus
+
+
+def asked_by_actors(cfg) -> tuple[dict[str, float], dict[str, float]]:
+    """(role resource units, GPUs) the run's actors ask Ray for (cluster/pools.py, driver)."""
+    from cluster.pools import reward_actor_count
+
+    n = {"rollout": cfg.pools.rollout.num_actors, "reward": reward_actor_count(cfg),
+         "learner": cfg.pools.learner.num_actors}
+    per = {r: getattr(cfg.pools, r).num_gpus for r in n}
+    return n, {r: n[r] * per[r] for r in n}
+
+
+@pytest.mark.parametrize("values", [{}, "multi-pool.yaml"])
+def test_worker_groups_offer_what_the_actors_ask_for(chart, values):
+    """Every GPU a group reserves is asked for by an actor, and every actor finds its slot:
+    no GPU pod sits idle (the old example held 4 reward GPUs for 1 reward actor)."""
+    from common.config import validate
+
+    docs = render(chart, example(values) if isinstance(values, str) else values)
+    groups = {g["groupName"]: g for g in one(docs, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    cfg = validate(yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["config.yaml"]))
+    assert offered_by_groups(groups) == asked_by_actors(cfg)
+
+
+def test_multi_pool_example_validates(chart, validators, tmp_path):
+    from common.config import validate
+
     docs = render(chart, example("multi-pool.yaml"))
     assert validate_ray_objects(docs, validators) == 1
     cluster = one(docs, "RayJob")["spec"]["rayClusterSpec"]
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert set(groups) == {"rollout-h100", "rollout-a100", "reward", "learner"}
     assert cluster["enableInTreeAutoscaling"] is True
-    offered = {}
-    for g in groups.values():
-        for role, n in json.loads(json.loads(g["rayStartParams"]["resources"])).items():
-            offered[role] = offered.get(role, 0) + n * g["replicas"]
-    from common.config import validate
+    assert cluster["autoscalerOptions"]["version"] == "v2"
+    cm = one(docs, "ConfigMap", "-config")["data"]
+    cfg = validate(yaml.safe_load(cm["config.yaml"]))
+    # A real run: real reward models, and prompt files the chart ships next to the config.
+    assert {m.name for m in cfg.rewards.models} == {"videoalign", "hpsv3"}
+    assert all(m.path for m in cfg.rewards.models)
+    mount = "/etc/vgrpo/"
+    from cluster.prompts import read_prompt_file
 
-    cfg = validate(yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["config.yaml"]))
-    # The example's pools fit what its worker groups offer at their starting replicas.
-    assert offered == {"rollout": cfg.pools.rollout.num_actors, "reward": cfg.pools.reward.num_actors,
-                       "learner": cfg.pools.learner.num_actors}
+    for spec in (cfg.train.prompts, cfg.train.eval_prompts):
+        assert spec.startswith(mount) and spec[len(mount):] in cm, spec
+        f = tmp_path / spec[len(mount):]
+        f.write_text(cm[spec[len(mount):]])
+        assert len(read_prompt_file(f)) >= 4
     env = groups["learner"]["template"]["spec"]["containers"][0]["env"]
     url = next(e for e in env if e["name"] == "VGRPO_REDIS_URL")
     assert url["valueFrom"]["secretKeyRef"] == {"name": "vgrpo-redis-url", "key": "url"}
     assert not [d for d in docs if d["kind"] == "StatefulSet"]  # external Redis: none of ours
+
+
+def test_autoscaling_is_accepted_by_kuberay(chart, validators):
+    docs = render(chart, AUTOSCALING)
+    assert validate_ray_objects(docs, validators) == 1
+    cluster = one(docs, "RayJob")["spec"]["rayClusterSpec"]
+    assert cluster["autoscalerOptions"]["version"] == "v2"
+    assert {g["idleTimeoutSeconds"] for g in cluster["workerGroupSpecs"]} == {300}
+
+
+# -- KubeRay's admission rules (tests/kuberay_rules.py): each one fires on a manifest it rejects
+
+
+def _mutated(job: dict, edit) -> dict:
+    bad = copy.deepcopy(job)
+    edit(bad["spec"], bad["spec"]["rayClusterSpec"])
+    return bad
+
+
+def _env(c: dict, name: str, value: str) -> None:
+    c["template"]["spec"]["containers"][0].setdefault("env", []).append({"name": name, "value": value})
+
+
+REJECTED = {
+    # the chart's old autoscaling form: per-group idle timeouts without autoscaler v2
+    "idleTimeoutSeconds is set, but autoscaler v2": lambda s, c: c["autoscalerOptions"].pop("version"),
+    "must set both minReplicas and maxReplicas":
+        lambda s, c: (c.update(enableInTreeAutoscaling=False), c.pop("autoscalerOptions"),
+                      [g.pop("idleTimeoutSeconds") for g in c["workerGroupSpecs"]],
+                      c["workerGroupSpecs"][0].pop("maxReplicas")),
+    "greater than maxReplicas": lambda s, c: c["workerGroupSpecs"][1].update(minReplicas=9),
+    "negative minReplicas": lambda s, c: c["workerGroupSpecs"][0].update(minReplicas=-1),
+    "both in rayStartParams and in resources":
+        lambda s, c: c["workerGroupSpecs"][0].update(resources={"cpu": "1"}),
+    "rayStartParams['labels']": lambda s, c: c["headGroupSpec"]["rayStartParams"].update(labels="a=b"),
+    "invalid label key": lambda s, c: c["workerGroupSpecs"][0].update(labels={"bad key": "x"}),
+    "idleTimeoutSeconds must be non-negative":
+        lambda s, c: c["workerGroupSpecs"][0].update(idleTimeoutSeconds=-5),
+    "both autoscalerOptions.version and the head env":
+        lambda s, c: _env(c["headGroupSpec"], "RAY_enable_autoscaler_v2", "1"),
+    "restartPolicy of head": lambda s, c: c["headGroupSpec"]["template"]["spec"].update(restartPolicy="Always"),
+    "RAY_REDIS_ADDRESS": lambda s, c: _env(c["headGroupSpec"], "RAY_REDIS_ADDRESS", "redis:6379"),
+    "rayVersion 2.40.0 < 2.52.0": lambda s, c: c.update(rayVersion="2.40.0"),
+    "rayVersion is not set": lambda s, c: c.pop("rayVersion"),
+    "shutdownAfterJobFinishes false cannot have ttlSecondsAfterFinished":
+        lambda s, c: s.update(shutdownAfterJobFinishes=False),
+    "shutdownAfterJobFinishes false cannot be suspended":
+        lambda s, c: s.update(shutdownAfterJobFinishes=False, ttlSecondsAfterFinished=0, suspend=True),
+    "activeDeadlineSeconds must be positive": lambda s, c: s.update(activeDeadlineSeconds=0),
+    "backoffLimit must be non-negative": lambda s, c: s.update(backoffLimit=-1),
+    "K8s token auth is not supported": lambda s, c: c["authOptions"].update(enableK8sTokenAuth=True),
+    "priority is set, but autoscaler v2":
+        lambda s, c: (c["autoscalerOptions"].pop("version"),
+                      [g.pop("idleTimeoutSeconds") for g in c["workerGroupSpecs"]],
+                      c["workerGroupSpecs"][0].update(priority=5)),
+}
+
+
+@pytest.mark.parametrize("message", sorted(REJECTED))
+def test_kuberay_rules_reject(chart, message):
+    job = one(render(chart, AUTOSCALING), "RayJob")
+    assert rayjob_errors(job) == []
+    errors = rayjob_errors(_mutated(job, REJECTED[message]))
+    assert any(message in e for e in errors), errors
+
+
+def test_kuberay_rejects_long_or_non_dns1035_names(chart):
+    job = one(render(chart), "RayJob")
+    for name, why in [("a" * 48, "longer than 47"), ("1run", "DNS-1035"), ("Run", "DNS-1035")]:
+        bad = copy.deepcopy(job)
+        bad["metadata"]["name"] = name
+        assert any(why in e for e in rayjob_errors(bad)), name
+    long_release = chart.render({}, name="a" * 60, namespace="t", is_install=True)
+    (text,) = [t for p, t in long_release.items() if p.endswith("rayjob.yaml")]
+    assert rayjob_errors(yaml.safe_load(text)) == []  # the chart truncates names to 40
 
 
 def test_misspelled_fields_fail_validation(chart, validators):
@@ -169,6 +289,71 @@ def test_misspelled_fields_fail_validation(chart, validators):
     bad = copy.deepcopy(job)
     bad["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"
     assert list(v.iter_errors(bad))
+
+
+def test_job_deletes_its_cluster_when_done(chart, validators):
+    spec = one(render(chart), "RayJob")["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 300
+    kept = render(chart, {"rayJob": {"shutdownAfterJobFinishes": False}})
+    validate_ray_objects(kept, validators)  # KubeRay rejects a TTL without shutdown
+    assert "ttlSecondsAfterFinished" not in one(kept, "RayJob")["spec"]
+
+
+# -- run storage
+
+
+def writers(job: dict) -> dict[str, dict]:
+    """Pods that write run directories: the head (the driver) and every group that can host a
+    learner rank (it offers the `learner` resource)."""
+    cluster = job["spec"]["rayClusterSpec"]
+    out = {"head": cluster["headGroupSpec"]["template"]["spec"]}
+    for g in cluster["workerGroupSpecs"]:
+        if "learner" in json.loads(json.loads(g["rayStartParams"]["resources"])):
+            out[g["groupName"]] = g["template"]["spec"]
+    return out
+
+
+@pytest.mark.parametrize("values", [{}, "multi-pool.yaml"])
+def test_every_writer_mounts_the_run_volume(chart, values):
+    from common.config import validate
+
+    docs = render(chart, example(values) if isinstance(values, str) else values)
+    job = one(docs, "RayJob")
+    root = validate(yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["config.yaml"])).run.root
+    pods = writers(job)
+    assert "head" in pods and len(pods) >= 2
+    claims = set()
+    for name, pod in pods.items():
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == root]
+        assert not mount.get("readOnly"), name
+        (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert "persistentVolumeClaim" in vol, f"{name}: run storage is not a PVC: {vol}"
+        claims.add(vol["persistentVolumeClaim"]["claimName"])
+    assert len(claims) == 1, f"writers see different volumes: {claims}"
+    (claim,) = claims
+    if isinstance(values, str):
+        assert claim == "vgrpo-runs" and not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    else:  # the chart's own claim: shared by pods on different nodes, kept on uninstall
+        pvc = one(docs, "PersistentVolumeClaim", "-runs")
+        assert pvc["metadata"]["name"] == claim
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_run_root_must_be_absolute(chart):
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match=r"config\.run\.root"):
+        render(chart, {"config": {"run": {"root": "runs"}}})
+
+
+def test_config_files_sit_next_to_the_config(chart):
+    import helm_python
+
+    cm = one(render(chart, {"configFiles": {"p.txt": "a cat\n"}}), "ConfigMap", "-config")
+    assert cm["data"]["p.txt"] == "a cat\n" and "config.yaml" in cm["data"]
+    with pytest.raises(helm_python.HelmError, match=r"configFiles\.config\.yaml"):
+        render(chart, {"configFiles": {"config.yaml": "x"}})
 
 
 # -- security defaults
@@ -210,9 +395,8 @@ def test_redis_has_a_password_from_a_secret(chart):
     pw = next(e for e in c["env"] if e["name"] == "REDIS_PASSWORD")
     assert pw["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "password"}
     conf = one(docs, "ConfigMap", "-redis")["data"]["redis.conf"]
-    assert "include /run/redis-auth/auth.conf" in conf and "appendonly no" in conf
+    assert "include /run/redis-auth/auth.conf" in conf
     assert "requirepass" in " ".join(c["args"]) and "$REDIS_PASSWORD" in " ".join(c["args"])
-    assert "volumeClaimTemplates" not in sts["spec"]
     job = one(docs, "RayJob")
     env = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     names = [e["name"] for e in env]
@@ -221,12 +405,47 @@ def test_redis_has_a_password_from_a_secret(chart):
     assert one(docs, "NetworkPolicy", "-redis")["spec"]["ingress"]
 
 
-def test_redis_aof_volume(chart):
-    docs = render(chart, {"redis": {"persistence": {"enabled": True, "size": "20Gi"}}})
+def test_redis_aof_on_a_pvc_by_default(chart):
+    # The bank is training state: by default Redis appends every write to a file on a PVC.
+    docs = render(chart)
     sts = one(docs, "StatefulSet", "-redis")
     (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    mounts = sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "data", "mountPath": "/data"} in mounts
+    assert not [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"]
+    conf = one(docs, "ConfigMap", "-redis")["data"]["redis.conf"]
+    assert "appendonly yes" in conf and "dir /data" in conf
+    sized = render(chart, {"redis": {"persistence": {"size": "20Gi"}}})
+    (claim,) = one(sized, "StatefulSet", "-redis")["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "20Gi"
-    assert "appendonly yes" in one(docs, "ConfigMap", "-redis")["data"]["redis.conf"]
+    off = render(chart, {"redis": {"persistence": {"enabled": False}}})
+    assert "volumeClaimTemplates" not in one(off, "StatefulSet", "-redis")["spec"]
+    assert "appendonly no" in one(off, "ConfigMap", "-redis")["data"]["redis.conf"]
+
+
+def test_metrics_port_open_to_the_monitoring_namespace_only(chart):
+    docs = render(chart)
+    np = one(docs, "NetworkPolicy", "-ray")
+    cluster = one(docs, "RayJob")["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:  # the policy covers every Ray pod
+        assert np["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {}
+    for rule in np["spec"]["ingress"]:
+        for port in rule.get("ports") or [{"port": "any"}]:
+            by_port.setdefault(port["port"], []).extend(rule["from"])
+    (monitoring,) = by_port[8080]
+    assert monitoring == {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}
+    # everything else in the namespace-wide rule is limited to this release's own pods
+    assert by_port["any"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}]
+    assert set(by_port) == {8080, 8265, "any"}
+    moved = render(chart, {"ray": {"metricsPort": 9100, "networkPolicy": {"monitoringNamespace": "obs"}}})
+    ports = [p["port"] for r in one(moved, "NetworkPolicy", "-ray")["spec"]["ingress"] for p in r.get("ports", [])]
+    assert 9100 in ports and 8080 not in ports
 
 
 def test_external_redis_needs_its_secret(chart):

@@ -42,3 +42,16 @@ def test_every_package_is_copied_and_installed():
     assert not missing, f"Dockerfile does not COPY {missing}"
     runs = " ".join(rest for op, rest in _instructions() if op == "RUN")
     assert "pip install --no-deps ." in runs and "-c /tmp/constraints.txt" in runs
+
+
+def test_image_creates_and_owns_the_default_run_root():
+    import yaml
+
+    values = yaml.safe_load((ROOT / "deploy" / "helm" / "vgrpo" / "values.yaml").read_text())
+    root = values["config"]["run"]["root"]
+    ins = _instructions()
+    made = [i for i, (op, rest) in enumerate(ins) if op == "RUN" and f"mkdir -p {root}" in rest]
+    assert made, f"no RUN creates {root}"
+    assert re.search(r'chown -R "?\$\{VGRPO_UID\}:\$\{VGRPO_GID\}"? /var/lib/vgrpo\b', ins[made[0]][1])
+    # done as root, before the image switches to the unprivileged user
+    assert made[0] < [op for op, _ in ins].index("USER")

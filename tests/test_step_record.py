@@ -38,9 +38,11 @@ def test_counters_advance_by_what_happened_since_the_last_step():
     ex = StepExporter(m, roles)
     ex.export(_record(1, c := _counts(videos=8, actor_restarts=1), BANK), c)
     ex.export(_record(2, c := _counts(videos=16, actor_restarts=1), BANK), c)
-    assert m.value("vgrpo_videos_total") == 16
     assert m.value("vgrpo_actor_restarts_total") == 1    # one restart, exported once
-    assert m.value("vgrpo_train_steps_total") == 2
+    # the actors export their own work; the driver does not repeat it as pool="driver"
+    for name in ("vgrpo_videos_total", "vgrpo_train_steps_total", "vgrpo_loss"):
+        with pytest.raises(KeyError):
+            m.value(name)
     assert m.value("vgrpo_queue_depth", queue="fresh") == 2
     assert roles["reward"].value("vgrpo_idle_ratio") == pytest.approx(0.75)
 

@@ -25,6 +25,12 @@ def _gauge(name: str, by: str = "pool", agg: str = "max") -> str:
     return f"{agg} by ({by}) (ray_{name}{{{SEL}}})"
 
 
+def _events(name: str, by: str) -> str:
+    # Event counters (errors, restarts, invalid rewards) have no series until the first event;
+    # the panel reads 0 until then instead of "No data".
+    return f"{_rate(name, by)} or vector(0)"
+
+
 def _quantile(q: float, name: str, by: str = "pool") -> str:
     return (f"histogram_quantile({q}, sum by (le, {by}) "
             f"(rate(ray_{name}_bucket{{{SEL}}}[{RI}])))")
@@ -55,7 +61,7 @@ ROWS = [
         ("Advantage std", "none", [(_gauge("vgrpo_advantage_std"), "{{pool}}")]),
         ("Zero-spread group ratio", "percentunit",
          [(_gauge("vgrpo_zero_std_group_ratio"), "{{pool}}")]),
-        ("Invalid rewards / s", "ops", [(_rate("vgrpo_invalid_rewards_total", "head"), "{{head}}")]),
+        ("Invalid rewards / s", "ops", [(_events("vgrpo_invalid_rewards_total", "head"), "{{head}}")]),
     ]),
     ("Staleness and sync", [
         ("Policy version", "none", [(_gauge("vgrpo_policy_version"), "{{pool}}")]),
@@ -81,9 +87,9 @@ ROWS = [
         ("Idle ratio", "percentunit",
          [(_gauge("vgrpo_idle_ratio", "role, pool", "avg"), "{{role}} {{pool}}")]),
         ("Actor restarts (window)", "none",
-         [(f"sum by (pool) (increase(ray_vgrpo_actor_restarts_total{{{SEL}}}[$__range]))",
-           "{{pool}}")]),
-        ("Errors / s", "ops", [(_rate("vgrpo_errors_total", "kind"), "{{kind}}")]),
+         [(f"sum by (pool) (increase(ray_vgrpo_actor_restarts_total{{{SEL}}}[$__range]))"
+           " or vector(0)", "{{pool}}")]),
+        ("Errors / s", "ops", [(_events("vgrpo_errors_total", "kind"), "{{kind}}")]),
     ]),
 ]
 
@@ -156,8 +162,9 @@ def build() -> dict:
             {"name": "datasource", "label": "Data source", "type": "datasource",
              "query": "prometheus", "current": {}, "hide": 0, "refresh": 1},
             _variable("cluster", "Ray cluster", "label_values(ray_vgrpo_idle_ratio, ray_io_cluster)"),
+            # every pool that exports anything: the worker groups (their actors) and the driver
             _variable("pool", "Pool",
-                      'label_values(ray_vgrpo_idle_ratio{ray_io_cluster=~"$cluster"}, pool)'),
+                      'label_values({__name__=~"ray_vgrpo_.+", ray_io_cluster=~"$cluster"}, pool)'),
         ]},
         "panels": panels,
     }

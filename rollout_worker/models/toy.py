@@ -120,7 +120,13 @@ class ToyVideoModel(VideoModel):
         try:
             state = load_file(str(weights))
         except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"toy model: weights {str(weights)!r} are unreadable ({e})") from None
+            raise ModelLoadError(f"toy model: weights {str(weights)!r} are unreadable, truncated or damaged "
+                                 f"({e}); restore the file or point model.path elsewhere") from None
+        # safetensors has no checksum: flipped bytes in the data show up, if at all, as NaN/inf
+        bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise ModelLoadError(f"toy model: weights {str(weights)!r} hold NaN/inf in {bad!r} (a damaged "
+                                 "file); restore it or point model.path elsewhere")
         missing, unexpected = model.transformer.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ModelLoadError(f"toy model: weights {str(weights)!r} do not fit the sidecar's config "
@@ -138,6 +144,12 @@ class ToyVideoModel(VideoModel):
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
                                  f"checkpoint's {model.world} (path {m.path or str(BASE_CHECKPOINT)!r})")
         return model
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Load cfg.model.path here exactly as every actor will, so that a damaged checkpoint is one
+        ModelLoadError line in the driver before any actor starts (the toy model is about 1 MB)."""
+        cls.from_config(cfg)
 
     def save_pretrained(self, path: str | Path, record: dict[str, Any] | None = None) -> Path:
         """Write NAME.safetensors + NAME.json (a directory gets toy.safetensors + toy.json)."""

@@ -12,6 +12,7 @@ from fault_helpers import Ledger, in_thread, tiny_cfg, when
 
 from cluster.driver import Driver, cursor_of
 from cluster.run_dir import RunDir
+from learner import dist_checkpoint
 
 STEPS = 4
 
@@ -50,6 +51,7 @@ def crashed_and_resumed(ray_session, tmp_path_factory):
     finally:
         first.teardown()
     ckpt = max(run_dir.checkpoints.glob("step_*"))
+    assert dist_checkpoint.verify_newest(run_dir.checkpoints, 1) == ckpt  # `vgrpo resume`'s check: no false alarm
     out["ckpt_extra"] = json.loads((ckpt / "extra.json").read_text())
     out["ckpt_kl"] = torch.load(ckpt / "trainer.pt", weights_only=True)["kl"]
     second = Driver(tiny_cfg(tmp, "res", "bank.aof=true", steps=STEPS), RunDir(run_dir.path))

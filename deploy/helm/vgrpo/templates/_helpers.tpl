@@ -77,11 +77,29 @@ app.kubernetes.io/component: redis
 {{- end }}
 {{- end -}}
 
-{{/* Volumes and mounts shared by head and workers. */}}
+{{/* The run-directory PVC: the user's, or the one this chart creates. */}}
+{{- define "vgrpo.runsClaim" -}}
+{{- default (printf "%s-runs" (include "vgrpo.fullname" .)) .Values.runStorage.existingClaim -}}
+{{- end -}}
+
+{{/* Where run directories live in every Ray container: config.run.root, an absolute path. */}}
+{{- define "vgrpo.runRoot" -}}
+{{- $root := .Values.config.run.root | default "/var/lib/vgrpo/runs" -}}
+{{- if not (hasPrefix "/" $root) -}}
+{{- fail (printf "config.run.root: %q must be an absolute path; the runStorage PVC is mounted there" $root) -}}
+{{- end -}}
+{{- $root -}}
+{{- end -}}
+
+{{/* Volumes and mounts shared by head and workers. Every Ray pod mounts the run storage:
+     the driver (head) and the learner ranks (any group) all write run directories. */}}
 {{- define "vgrpo.rayVolumes" -}}
 - name: config
   configMap:
     name: {{ include "vgrpo.fullname" . }}-config
+- name: runs
+  persistentVolumeClaim:
+    claimName: {{ include "vgrpo.runsClaim" . }}
 - name: dshm
   emptyDir:
     medium: Memory
@@ -97,6 +115,8 @@ app.kubernetes.io/component: redis
 - name: config
   mountPath: /etc/vgrpo
   readOnly: true
+- name: runs
+  mountPath: {{ include "vgrpo.runRoot" . }}
 - name: dshm
   mountPath: /dev/shm
 - name: tmp

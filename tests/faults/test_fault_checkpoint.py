@@ -1,0 +1,281 @@
+"""Damaged files on disk: a truncated, bit-flipped or missing trainer.pt, a missing or truncated
+extra.json, a damaged policy.safetensors, damaged toy weights, and the sharded (FSDP) layout.
+
+Every case runs the real `vgrpo` CLI in a subprocess on files written by the real savers and then
+damaged, and checks: exit status 2, exactly one stderr line naming the file, no traceback, and not
+one byte of the run directory changed (nothing written, nothing overwritten).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fault_helpers import ROOT
+from safetensors.torch import save_file
+
+from cluster.run_dir import RunDir
+from common.config import load_config
+from learner import checkpoint, dist_checkpoint
+from learner.checkpoint import CheckpointError
+from learner.trainer import Trainer
+from rollout_worker.models import build_model
+from rollout_worker.models.toy import ToyVideoModel
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = (2, 3)  # two checkpoints: a damaged newest one names the older one to fall back to
+
+
+def _write_toy(path: Path) -> Path:
+    path.mkdir(parents=True)
+    ToyVideoModel.from_pretrained(None).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """A run dir (config.yaml, checkpoints/step_{2,3}/{trainer.pt, extra.json, policy.safetensors})
+    written by Trainer.save_checkpoint and the driver's policy export, plus a toy model dir."""
+    base = tmp_path_factory.mktemp("pristine")
+    toy = _write_toy(base / "toy")
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      [f"run.root={base}", "run.name=run", f"model.path={toy}"])
+    run = RunDir.create(cfg)
+    trainer = Trainer(cfg, build_model(cfg)).setup()
+    for step in STEPS:
+        trainer.version = step  # as if `step` optimizer steps were done
+        extra = {"step": step, "cursor": 2 * step, "open": {}, "counts": {}, "uncommitted": [], "bank": None}
+        d = trainer.save_checkpoint(run.checkpoints, extra)
+        save_file({k: v.contiguous() for k, v in trainer.weights_payload().items()}, str(d / "policy.safetensors"))
+    return base
+
+
+@pytest.fixture
+def work(pristine, tmp_path) -> Path:
+    """A fresh copy of the pristine run dir and toy model for one test to damage."""
+    shutil.copytree(pristine / "toy", tmp_path / "toy")
+    shutil.copytree(pristine / "run", tmp_path / "run")
+    cfg = (tmp_path / "run/config.yaml").read_text().replace(str(pristine / "toy"), str(tmp_path / "toy"))
+    (tmp_path / "run/config.yaml").write_text(cfg)
+    return tmp_path
+
+
+def _hashes(*roots: Path) -> dict[str, str]:
+    """Every file and dir under roots: sha256 of files, 'dir' for dirs."""
+    out = {}
+    for root in roots:
+        for p in sorted(root.rglob("*")):
+            out[str(p)] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _vgrpo(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def _assert_one_line(out: subprocess.CompletedProcess, names: Path, *needles: str) -> str:
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("error: ") and str(names) in lines[0], lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def _truncate(f: Path, keep: float = 0.5) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: int(len(data) * keep)])
+
+
+def _flip(f: Path, at: int, value: int | None = None) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] = (data[at] ^ 0xFF) if value is None else value
+    f.write_bytes(bytes(data))
+
+
+def _tensor_offset(f: Path) -> int:
+    """An offset inside the biggest tensor's data of a torch.save zip (past its local header)."""
+    import zipfile
+
+    with zipfile.ZipFile(f) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+        with open(f, "rb") as fh:
+            fh.seek(info.header_offset + 26)
+            n, m = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
+        return info.header_offset + 30 + n + m + info.file_size // 2
+
+
+NEWEST, OLDER = f"step_{STEPS[1]:08d}", f"step_{STEPS[0]:08d}"
+
+
+@pytest.mark.parametrize("case, file, needles", [
+    ("truncated trainer.pt", "trainer.pt", ["truncated"]),
+    ("bit-flipped trainer.pt", "trainer.pt", ["CRC-32"]),
+    ("no trainer.pt", "trainer.pt", ["missing"]),
+    ("no extra.json", "extra.json", ["missing"]),
+    ("truncated extra.json", "extra.json", ["not valid JSON"]),
+])
+def test_resume_with_a_damaged_checkpoint_is_one_line_and_changes_nothing(work, case, file, needles):
+    d = work / "run/checkpoints" / NEWEST
+    f = d / file
+    if case.startswith("truncated"):
+        _truncate(f)
+    elif case.startswith("bit-flipped"):
+        _flip(f, _tensor_offset(f))  # torch.load alone reads this file without complaint
+    else:
+        f.unlink()
+    before = _hashes(work)
+    out = _vgrpo("resume", str(work / "run"))
+    line = _assert_one_line(out, f, *needles)
+    assert f"move {NEWEST} out of" in line and f"resume from {OLDER}" in line  # the fix is named
+    assert _hashes(work) == before
+
+
+def test_damaged_policy_on_eval_and_sample_is_one_line_and_writes_nothing(work):
+    f = work / "run/checkpoints" / NEWEST / "policy.safetensors"
+    _truncate(f)
+    before = _hashes(work)
+    _assert_one_line(_vgrpo("eval", str(work / "run")), f, "truncated or damaged")
+    _assert_one_line(_vgrpo("sample", str(work / "run"), "--prompt", "a red square moving up",
+                            "--out", str(work / "run/s.gif")), f, "truncated or damaged")
+    assert _hashes(work) == before  # no eval/ dir, no GIF
+
+
+def test_nan_bytes_in_policy_are_named(work):
+    """safetensors has no checksum: bytes that turn a weight into NaN are caught by value."""
+    f = work / "run/checkpoints" / NEWEST / "policy.safetensors"
+    header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+    for i in range(4):  # one fp32 weight := 0xFFFFFFFF, a NaN
+        _flip(f, header + 4 * 10 + i, 0xFF)
+    before = _hashes(work)
+    _assert_one_line(_vgrpo("eval", str(work / "run")), f, "NaN/inf")
+    assert _hashes(work) == before
+
+
+@pytest.mark.parametrize("how", ["truncated", "nan"])
+def test_train_on_damaged_toy_weights_fails_before_any_actor(work, how):
+    f = work / "toy/toy.safetensors"
+    if how == "truncated":
+        _truncate(f, 0.9)
+    else:
+        header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        for i in range(4):
+            _flip(f, header + 4 * 100 + i, 0xFF)
+    before = _hashes(work)
+    out = _vgrpo("train", "-c", "configs/quickstart.yaml", "--no-eval", f"run.root={work / 'runs'}",
+                 "run.name=x", f"model.path={work / 'toy'}")
+    _assert_one_line(out, f, "truncated or damaged" if how == "truncated" else "NaN/inf")
+    assert _hashes(work) == before and not (work / "runs").exists()  # not even an empty run dir
+
+
+def test_resume_eval_and_sample_on_damaged_toy_weights(work):
+    f = work / "toy/toy.safetensors"
+    _truncate(f, 0.9)
+    before = _hashes(work)
+    _assert_one_line(_vgrpo("resume", str(work / "run")), f, "truncated or damaged")
+    _assert_one_line(_vgrpo("eval", str(work / "run")), f, "truncated or damaged")
+    cfg = work / "base.yaml"
+    cfg.write_text(f"model:\n  family: toy\n  path: {work / 'toy'}\n")
+    before[str(cfg)] = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    _assert_one_line(_vgrpo("sample", "base", "-c", str(cfg), "--prompt", "a red square",
+                            "--out", str(work / "s.gif")), f, "truncated or damaged")
+    assert _hashes(work) == before
+
+
+def test_pristine_checkpoint_verifies_and_damage_is_caught_in_process(work):
+    """No false alarm on what the savers wrote; the loaders raise CheckpointError, not a traceback."""
+    root = work / "run/checkpoints"
+    assert dist_checkpoint.verify_newest(root, 1) == root / NEWEST
+    state, extra, d = checkpoint.load(root)
+    assert d == root / NEWEST and state["version"] == STEPS[1] and extra["step"] == STEPS[1]
+    _truncate(root / NEWEST / "trainer.pt")
+    with pytest.raises(CheckpointError, match="trainer.pt: cannot be loaded"):
+        checkpoint.load(root)
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        dist_checkpoint.verify_newest(work / "empty", 1)
+
+
+# --- the sharded (FSDP) layout ----------------------------------------------------------------------
+
+WORLD = 2
+
+
+def _save_shards(rank: int, root: str, init: str) -> None:
+    """One learner rank: dist_checkpoint.save's own collective write of its shard."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        state = {"version": 3, "finetune": "lora", "policy": {"w": torch.randn(64, 64, generator=g)},
+                 "optimizer": {"state": {}}, "kl": {"lam": 0.1}, "rng": {"torch": torch.get_rng_state()}}
+        extra = {"step": 3, "cursor": 6, "open": {}, "counts": {}, "uncommitted": [], "bank": None}
+        dist_checkpoint.save(root, 3, state, extra, keep=2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded(pristine, tmp_path_factory) -> Path:
+    """A run dir whose config has 2 learner ranks and whose checkpoint two gloo ranks wrote."""
+    base = tmp_path_factory.mktemp("sharded")
+    shutil.copytree(pristine / "run", base / "run")
+    shutil.rmtree(base / "run/checkpoints")
+    cfg = load_config(base / "run/config.yaml", ["pools.learner.num_actors=2"])
+    from common.config import save_config
+
+    save_config(cfg, base / "run/config.yaml")
+    mp.spawn(_save_shards, args=(str(base / "run/checkpoints"), f"file://{base / 'rdzv'}"), nprocs=WORLD)
+    (base / "rdzv").unlink(missing_ok=True)
+    return base
+
+
+def test_sharded_checkpoint_damage_is_one_line(sharded, tmp_path):
+    shutil.copytree(sharded / "run", tmp_path / "run")
+    d = tmp_path / "run/checkpoints/step_00000003"
+    assert sorted(p.name for p in d.iterdir()) == ["extra.json", "meta.json", "rank00000.pt", "rank00001.pt"]
+    assert dist_checkpoint.verify_newest(d.parent, WORLD) == d            # no false alarm
+    with pytest.raises(CheckpointError, match=r"written by 2 learner ranks, this run has 1 .*num_actors=2"):
+        dist_checkpoint.verify_newest(d.parent, 1)
+    single = tmp_path / "single"  # a single-rank checkpoint, resumed by a run with 2 learner ranks
+    checkpoint.save(single, 1, {"version": 1}, {"step": 1, "cursor": 1}, keep=1)
+    with pytest.raises(CheckpointError, match=r"single-rank checkpoint .*num_actors=1"):
+        dist_checkpoint.verify_newest(single, WORLD)
+    with pytest.raises(CheckpointError, match=r"trainer.pt: lacks finetune, policy, optimizer, kl, rng"):
+        dist_checkpoint.verify_newest(single, 1)  # a whole torch file, but not a trainer's state
+    _truncate(d / "rank00001.pt")
+    before = _hashes(tmp_path)
+    _assert_one_line(_vgrpo("resume", str(tmp_path / "run")), d / "rank00001.pt", "truncated")
+    (d / "meta.json").write_text('{"world_size": ')
+    with pytest.raises(CheckpointError, match="meta.json: damaged"):
+        dist_checkpoint.verify_newest(d.parent, WORLD)
+    assert all(_hashes(tmp_path)[k] == v for k, v in before.items() if not k.endswith("meta.json"))
+
+
+
+def test_policy_that_does_not_fit_the_model_is_named(work):
+    """A whole safetensors file whose names are not the run's model (config edited after training)."""
+    from safetensors.torch import load_file
+
+    from cluster.eval_cmd import POLICY_FILE, load_policy, resolve_target
+
+    cfg, ckpt = resolve_target(str(work / "run"), None)
+    assert ckpt == work / "run/checkpoints" / NEWEST
+    load_policy(cfg, ckpt)  # the saved one fits
+    payload = load_file(str(ckpt / POLICY_FILE))
+    payload["blocks.99.not_a_weight"] = torch.zeros(2)
+    save_file(payload, str(ckpt / POLICY_FILE))
+    with pytest.raises(CheckpointError, match=re.escape(str(ckpt / POLICY_FILE)) + ": does not fit the run's model"):
+        load_policy(cfg, ckpt)
