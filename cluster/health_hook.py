@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.health import SPREAD_PREFIX, Finding, HealthMonitor
+from cluster.health import CHECKS, SPREAD_PREFIX, Finding, HealthMonitor
 from common.config import RunConfig
 
 HEALTH_FILE = "health.json"
@@ -49,7 +49,7 @@ class DriverHealth:
             self.held_out_lines = []
         self._report(found, metrics)
         if metrics is not None:
-            export(metrics, record)
+            export(metrics, record, self.monitor)
         if found or (first and self.monitor.numerics is not None):
             self.write()  # the first update's measurement is what a later run's preflight reads
 
@@ -79,8 +79,8 @@ class DriverHealth:
                   f"on {len(result.composite)} pairs")
         self._report(found, driver.metrics)
         for key, z in self.monitor.values.items():
-            if key.startswith("heldout_z/") and math.isfinite(z):
-                driver.metrics.set("vgrpo_heldout_z", z, head=key.split("/", 1)[1])
+            if key.startswith("heldout_z/"):
+                driver.metrics.set("vgrpo_heldout_z", _bounded(z), head=key.split("/", 1)[1])
         self.write()
         self.raise_if_stopped()
 
@@ -93,8 +93,11 @@ class DriverHealth:
     def _report(self, found: list[Finding], metrics) -> None:
         for f in found:
             self.note(f.line())
-            if metrics is not None:
-                metrics.inc("vgrpo_health_findings_total", 1, check=f.check, level=f.level)
+        if metrics is not None:  # every check that is on, 0 until it fires: each series exists
+            for check in CHECKS:
+                if (level := self.cfg.health.level(check)) != "off":
+                    n = sum(1 for f in self.monitor.findings if f.check == check)
+                    metrics.set("vgrpo_health_findings", float(n), check=check, level=level)
 
     def summary(self) -> dict[str, Any]:
         return self.monitor.summary()
@@ -111,19 +114,26 @@ def _nan_safe(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else str(v)
 
 
-def export(metrics, record: dict[str, Any]) -> None:
-    """The health gauges of one step's record."""
+def _bounded(v: Any) -> float:
+    """A gauge value: NaN for not measured (yet), ±inf (an exact trend) clipped to ±1e6."""
+    if not isinstance(v, (int, float)) or math.isnan(v):
+        return math.nan
+    return max(-1e6, min(1e6, float(v)))
+
+
+def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None) -> None:
+    """The health gauges of one step's record. What is not measured yet is NaN, so every series
+    the dashboard queries exists from the first step."""
     for key, (name, labels) in GAUGES.items():
-        v = record.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            metrics.set(name, float(v), **labels)
+        metrics.set(name, _bounded(record.get(key)), **labels)
+    heads = ["composite", *(k[len("reward/"):] for k in record if k.startswith("reward/"))]
+    for head in heads:
+        metrics.set("vgrpo_reward_trend_z", _bounded(record.get(f"health/trend_z/{head}")), head=head)
+        if monitor is not None and not monitor.evals[1:]:  # before the second held-out evaluation
+            metrics.set("vgrpo_heldout_z", math.nan, head=head)
     for key, v in record.items():
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
-            continue
-        if key.startswith(SPREAD_PREFIX):
-            metrics.set("vgrpo_zero_spread_ratio", float(v), head=key[len(SPREAD_PREFIX):])
-        elif key.startswith("health/trend_z/"):
-            metrics.set("vgrpo_reward_trend_z", max(-1e6, min(1e6, float(v))), head=key.rsplit("/", 1)[1])
+        if key.startswith(SPREAD_PREFIX) and isinstance(v, (int, float)):
+            metrics.set("vgrpo_zero_spread_ratio", _bounded(v), head=key[len(SPREAD_PREFIX):])
 
 
 def heldout_eval(driver, cfg: RunConfig):

@@ -101,7 +101,8 @@ _SPECS = [
 # -- training health (cluster/health.py, cluster/health_hook.py)
 _SPECS += [
     MetricSpec("vgrpo_health_status", "gauge", "Run health so far: 0 ok, 1 a warning fired, 2 a stop check fired."),
-    MetricSpec("vgrpo_health_findings_total", "counter", "Health findings reported, by check and level.",
+    MetricSpec("vgrpo_health_findings", "gauge",
+               "Health findings so far in this run, per check (level: the check's configured warn or stop).",
                ("check", "level")),
     MetricSpec("vgrpo_onpolicy_logratio_absmax", "gauge",
                "Max abs(log r) over the rows the learner's current weights sampled (0 up to numerics)."),

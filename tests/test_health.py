@@ -336,13 +336,17 @@ def test_findings_and_health_numbers_reach_prometheus(tmp_path):
     m = Metrics(backend="memory")
     hook = DriverHealth(_cfg(), SimpleNamespace(path=tmp_path), lambda line: None, RuntimeError)
     record = _record(1, onpolicy_rows=8.0, logratio_onpolicy_absmax=2e-7, clipfrac_onpolicy=0.0,
-                     **{"spread/zero/composite": 1.0, "spread/zero/VQ": 1.0, "spread/zero/MQ": 0.0})
+                     **{"spread/zero/composite": 1.0, "spread/zero/VQ": 1.0, "spread/zero/MQ": 0.0, "reward/VQ": 0.5})
     hook.on_step(record, m)
     assert record["health/status"] == 1 and "zero_spread" in record["health/findings"][0]
     assert m.value("vgrpo_health_status") == 1.0
     assert m.value("vgrpo_zero_spread_ratio", head="VQ") == 1.0 and m.value("vgrpo_zero_spread_ratio", head="MQ") == 0.0
     assert m.value("vgrpo_onpolicy_logratio_absmax") == 2e-7
-    assert m.value("vgrpo_health_findings_total", check="zero_spread", level="warn") == 1.0
+    assert m.value("vgrpo_health_findings", check="zero_spread", level="warn") == 1.0
+    assert m.value("vgrpo_health_findings", check="numerics", level="stop") == 0.0
+    # not measured yet (a window, a second held-out evaluation): NaN, so every dashboard series exists
+    assert math.isnan(m.value("vgrpo_reward_trend_z", head="composite"))
+    assert math.isnan(m.value("vgrpo_kl_growth", term="pi0")) and math.isnan(m.value("vgrpo_heldout_z", head="VQ"))
     saved = json.loads((tmp_path / "health.json").read_text())
     assert saved["numerics"]["logratio_onpolicy_absmax"] == 2e-7 and saved["status"] == "warn"
 

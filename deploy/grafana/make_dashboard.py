@@ -99,9 +99,8 @@ def training_health_panels() -> list:
     on-policy numerics, zero-spread groups per head, reward trends, KL growth, held-out drift."""
     return [
         ("Health status (0 ok, 1 warn, 2 stop)", "none", [(_gauge("vgrpo_health_status"), "{{pool}}")]),
-        ("Health findings (window)", "none",
-         [(f"sum by (check, level) (increase(ray_vgrpo_health_findings_total{{{SEL}}}[$__range]))",
-           "{{check}} {{level}}")]),
+        ("Health findings per check", "none",
+         [(_gauge("vgrpo_health_findings", "check, level"), "{{check}} ({{level}})")]),
         ("On-policy max abs(log r)", "none", [(_gauge("vgrpo_onpolicy_logratio_absmax"), "{{pool}}")]),
         ("On-policy clip fraction and approx-KL", "none",
          [(_gauge("vgrpo_onpolicy_clip_fraction"), "clip fraction"),
