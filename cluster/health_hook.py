@@ -22,7 +22,6 @@ GAUGES = {"logratio_onpolicy_absmax": ("vgrpo_onpolicy_logratio_absmax", {}),
           "clipfrac_onpolicy": ("vgrpo_onpolicy_clip_fraction", {}),
           "approx_kl_onpolicy": ("vgrpo_onpolicy_approx_kl", {}),
           "health/status": ("vgrpo_health_status", {}),
-          "kl/d_pi0": ("vgrpo_kl", {"term": "pi0"}),
           "health/kl_growth/anchor": ("vgrpo_kl_growth", {"term": "anchor"}),
           "health/kl_growth/pi0": ("vgrpo_kl_growth", {"term": "pi0"}),
           "health/kl_growth/step": ("vgrpo_kl_growth", {"term": "step"})}
@@ -80,7 +79,7 @@ class DriverHealth:
         self._report(found, driver.metrics)
         for key, z in self.monitor.values.items():
             if key.startswith("heldout_z/"):
-                driver.metrics.set("vgrpo_heldout_z", _bounded(z), head=key.split("/", 1)[1])
+                driver.metrics.set("vgrpo_heldout_z", _bounded(z, 0.0), head=key.split("/", 1)[1])
         self.write()
         self.raise_if_stopped()
 
@@ -114,23 +113,26 @@ def _nan_safe(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else str(v)
 
 
-def _bounded(v: Any) -> float:
-    """A gauge value: NaN for not measured (yet), ±inf (an exact trend) clipped to ±1e6."""
+def _bounded(v: Any, neutral: float = math.nan) -> float:
+    """A gauge value: `neutral` when not measured (yet), ±inf (an exact trend) clipped to ±1e6."""
     if not isinstance(v, (int, float)) or math.isnan(v):
-        return math.nan
+        return neutral
     return max(-1e6, min(1e6, float(v)))
 
 
 def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None) -> None:
-    """The health gauges of one step's record. What is not measured yet is NaN, so every series
-    the dashboard queries exists from the first step."""
+    """The health gauges of one step's record. A trend, growth or held-out z not measured yet
+    (a window not full, one held-out evaluation) is exported as its neutral value (z 0, growth 1),
+    so every series the dashboard queries exists from the first step (Ray drops NaN gauges)."""
     for key, (name, labels) in GAUGES.items():
-        metrics.set(name, _bounded(record.get(key)), **labels)
+        v = _bounded(record.get(key), 1.0 if key.startswith("health/kl_growth/") else math.nan)
+        if not math.isnan(v):
+            metrics.set(name, v, **labels)
     heads = ["composite", *(k[len("reward/"):] for k in record if k.startswith("reward/"))]
     for head in heads:
-        metrics.set("vgrpo_reward_trend_z", _bounded(record.get(f"health/trend_z/{head}")), head=head)
+        metrics.set("vgrpo_reward_trend_z", _bounded(record.get(f"health/trend_z/{head}"), 0.0), head=head)
         if monitor is not None and not monitor.evals[1:]:  # before the second held-out evaluation
-            metrics.set("vgrpo_heldout_z", math.nan, head=head)
+            metrics.set("vgrpo_heldout_z", 0.0, head=head)
     for key, v in record.items():
         if key.startswith(SPREAD_PREFIX) and isinstance(v, (int, float)):
             metrics.set("vgrpo_zero_spread_ratio", _bounded(v), head=key[len(SPREAD_PREFIX):])

@@ -140,6 +140,8 @@ STAT_KEYS: dict[str, tuple[str, dict[str, str]]] = {
     "staleness_mean": ("vgrpo_version_lag", {}),
     "idle_ratio": ("vgrpo_idle_ratio", {}),
 }
+# -- training health: the learner's KL to π_0, on the steps that measure it (health.kl_pi0_every)
+STAT_KEYS["kl/d_pi0"] = ("vgrpo_kl", {"term": "pi0"})
 _REWARD_HEAD_PREFIX = "reward/"
 
 

@@ -129,7 +129,7 @@ class Trainer:
         if lc.anchor == "pi0":
             stats["kl/d_pi0"] = stats["kl/d_anchor"]
         elif not self.measures_pi0(self.version - 1):
-            stats["kl/d_pi0"] = float("nan")
+            del stats["kl/d_pi0"]  # not measured at this step
         stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
                       "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
                       "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
