@@ -24,7 +24,9 @@ COMMANDS = [
     "cluster.runs_cmd",
     "cluster.compare_cmd",
     "cluster.bench_cmd",
+    "cluster.plan_cmd",
     "cluster.toy_cmd",
+    "cluster.datasets_cmd",
 ]
 
 

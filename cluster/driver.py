@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.datasets import check_task, reward_images, side_by_side
 from cluster.health import group_spread
 from cluster.health_hook import DriverHealth
 from cluster.prompts import load_prompts
@@ -93,6 +94,7 @@ class Driver:
         cfg = self.cfg
         check_model_path(cfg)
         self.conditions = load_prompts(cfg.train.prompts)
+        check_task(self.conditions, cfg.model.task, cfg.train.prompts)
         # 1. Ray: join RAY_ADDRESS or start a local cluster that declares the role resources
         self.ray_handle = init_ray(cfg)
         self.metrics = Metrics.auto(role="driver", pool="driver")
@@ -261,8 +263,7 @@ class Driver:
         t0 = time.monotonic()
         try:
             scores = self.rewards.score(group.frames(), [group.condition.prompt] * group.size,
-                                        None if group.condition.image is None else
-                                        group.condition.image.unsqueeze(0).expand(group.size, -1, -1, -1))
+                                        reward_images(group.condition, group.size))
         except (RewardFailed, RewardTimeout) as e:
             self.counts["groups_refilled"] += 1
             self.note(f"reward failed for group {group.group_id} ({e}); refilling")
@@ -556,17 +557,21 @@ class Driver:
         from common.toyworld import eval_seeds
 
         self._publish_pending()
-        prompts = [c.prompt for c in load_prompts(self.cfg.train.eval_prompts)]
+        conds = load_prompts(self.cfg.train.eval_prompts)
+        check_task(conds, self.cfg.model.task, self.cfg.train.eval_prompts)
         seeds = eval_seeds(self.cfg.train.eval_seeds)
-        pairs = [(p, s) for p in prompts for s in seeds]
+        pairs = [(c.prompt, s) for c in conds for s in seeds]
+        images = [c.image_path for c in conds for _ in seeds] if conds[0].is_i2v else None  # by path
         t0 = time.monotonic()
-        frames = sample_pairs(self.rollouts, pairs)
-        scores = self.rewards.score(frames, [p for p, _ in pairs], None)
+        frames = sample_pairs(self.rollouts, pairs, images)
+        scores = self.rewards.score(frames, [p for p, _ in pairs], images)
         composite = self.rewards.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
         for i in range(min(gifs, len(pairs))):
             k = i * len(seeds)  # the first seed of each prompt
-            write_gif(frames[k].numpy(), self.run_dir.samples / f"{label}_{i}_{pairs[k][0].replace(' ', '_')}.gif")
+            video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
+            name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt
+            write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
         self.run_dir.log_video(f"videos/{label}", eval_grid(frames.numpy(), len(seeds), self.cfg.log.video_pairs), self.step)
         self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s, "
                   f"composite {composite.mean():.3f}")

@@ -31,6 +31,7 @@ def register(sub) -> None:
     s.add_argument("target", help="a run directory, a checkpoint dir, or 'base'")
     s.add_argument("--prompt", required=True)
     s.add_argument("-c", "--config", default=None, help="config for 'base'")
+    s.add_argument("--image", default=None, help="the first frame (image-to-video runs: model.task = i2v)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"])
     s.add_argument("--out", default="sample.gif")
@@ -100,15 +101,16 @@ def load_policy(cfg, ckpt: Path | None):
     return model
 
 
-def score(cfg, frames, prompts):
-    """Scores from every reward model of the config, merged; composite with the configured weights."""
+def score(cfg, frames, prompts, images=None):
+    """Scores from every reward model of the config, merged; composite with the configured weights
+    (`images`: the I2V first frames uint8 [B, H, W, 3], or None)."""
     from common.types import Scores
     from reward_worker.registry import build_reward_model
 
     parts, weights = [], {}
     for m in cfg.rewards.models:
         rm = build_reward_model(m)
-        parts.append(Scores(list(rm.heads), rm.score(frames, prompts)))
+        parts.append(Scores(list(rm.heads), rm.score(frames, prompts, images)))
         weights.update(m.weights)
     scores = Scores.merge(parts)
     return scores, scores.composite(weights)
@@ -116,29 +118,40 @@ def score(cfg, frames, prompts):
 
 def cmd_eval(args) -> int:
     import imageio.v3 as iio
+    import numpy as np
     from rich.console import Console
     from rich.table import Table
 
+    from cluster.datasets import check_task, side_by_side
     from cluster.evaluate import EvalResult
     from cluster.media import grid_image, write_gif
     from cluster.prompts import load_prompts
+    from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds
     from rollout_worker.sampler import sample_videos
 
     cfg, ckpt = resolve_target(args.target, args.config)
-    prompts = [c.prompt for c in load_prompts(args.prompts or cfg.train.eval_prompts)]
+    spec = args.prompts or cfg.train.eval_prompts
+    conds = load_prompts(spec)
+    check_task(conds, cfg.model.task, spec)
+    prompts = [c.prompt for c in conds]
     seeds = eval_seeds(args.seeds or cfg.train.eval_seeds)
     pairs = [(p, s) for p in prompts for s in seeds]
+    pair_conds = [c for c in conds for _ in seeds]
+    images = condition_images(pair_conds, cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule))
-    scores, composite = score(cfg, frames, [p for p, _ in pairs])
+    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule),
+                           images=images)
+    scores, composite = score(cfg, frames, [p for p, _ in pairs], images)
     result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
     out = Path(args.out) if args.out else (Path(args.target) / "eval" if args.target != "base" else Path("eval"))
     out.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(out / "grid.png", grid_image(frames.numpy(), per_row=len(seeds)))
+    # I2V: every video is shown with its first frame to its left
+    shown = np.stack([side_by_side(f.numpy(), c, cfg.model) for f, c in zip(frames, pair_conds, strict=True)])
+    iio.imwrite(out / "grid.png", grid_image(shown, per_row=len(seeds)))
     for i, p in enumerate(prompts):
-        write_gif(frames[i * len(seeds)].numpy(), out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
+        write_gif(shown[i * len(seeds)], out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
     t = Table(title=f"{args.target}{'' if ckpt is None else ' @ ' + ckpt.name}: {len(pairs)} (prompt, seed) pairs, ODE")
     t.add_column("reward")
     t.add_column("mean ± stderr", justify="right")
@@ -153,15 +166,30 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    import numpy as np
+
     from cluster.media import write_gif
+    from common.config import ConfigError
+    from common.images import ImageError, load_image
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos
 
     cfg, ckpt = resolve_target(args.target, args.config)
+    if (args.image is None) != (cfg.model.task == "t2v"):
+        raise ConfigError(f"--image: model.task = {cfg.model.task!r} "
+                          + ("needs a first frame: pass --image PATH" if args.image is None else "takes no image"))
+    try:
+        images = None if args.image is None else load_image(args.image, cfg.model.height, cfg.model.width)[None]
+    except ImageError as e:
+        raise ConfigError(f"--image: {e}") from None
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme)
-    path = write_gif(frames[0].numpy(), Path(args.out))
-    scores, composite = score(cfg, frames, [args.prompt])
+    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme,
+                           images=images)
+    shown = frames[0].numpy() if images is None else np.concatenate(  # the first frame to the left
+        [np.broadcast_to(images.numpy(), frames[0].shape), np.full((*frames.shape[1:3], 1, 3), 128, np.uint8),
+         frames[0].numpy()], axis=2)
+    path = write_gif(shown, Path(args.out))
+    scores, composite = score(cfg, frames, [args.prompt], images)
     heads = "  ".join(f"{h} {v:.3f}" for h, v in zip(scores.heads, scores.values[0].tolist(), strict=True))
     print(f"wrote {path}\ncomposite {float(composite[0]):.3f}  {heads}")
     return 0

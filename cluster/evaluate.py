@@ -31,18 +31,20 @@ class EvalResult:
         return out
 
 
-def sample_pairs(rollouts: list, pairs: list[tuple[str, int]]):
+def sample_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None):
     """ODE videos for (prompt, seed) pairs, split over the rollout actors. uint8 [N, F, H, W, 3]
 
     Each sample depends only on its own seed, so the split does not change the result.
+    I2V: `images[i]` is pair i's first-frame path; each actor reads the files itself.
     """
     import ray
     import torch
 
     n = len(rollouts)
     chunks = [pairs[i::n] for i in range(n)]
-    refs = [a.sample_videos.remote([p for p, _ in c], [s for _, s in c])
-            for a, c in zip(rollouts, chunks, strict=True) if c]
+    img_chunks = [None if images is None else images[i::n] for i in range(n)]
+    refs = [a.sample_videos.remote([p for p, _ in c], [s for _, s in c], "ode", im)
+            for a, c, im in zip(rollouts, chunks, img_chunks, strict=True) if c]
     frames = [None] * len(pairs)
     for i, part in enumerate(ray.get(refs)):
         for j, f in enumerate(part):

@@ -1,4 +1,5 @@
-"""Prompt sets: a built-in toy set by name, or a text file with one prompt per line."""
+"""Prompt sets: a built-in toy set by name, a text file with one prompt per line, or an
+image-to-video dataset (a JSONL manifest or a folder of images with captions, cluster/datasets.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def condition_id(prompt: str) -> str:
     return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:16]
 
 
-def _clean(prompt: str, where: str) -> str:
+def clean_prompt(prompt: str, where: str) -> str:
     text = unicodedata.normalize("NFC", prompt).strip()
     if any(unicodedata.category(ch) == "Cc" for ch in text):
         raise ConfigError(f"{where}: prompt contains a control character")
@@ -34,7 +35,7 @@ def read_prompt_file(path: Path) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    prompts = [_clean(line, f"{path}:{i}") for i, line in enumerate(lines, 1)
+    prompts = [clean_prompt(line, f"{path}:{i}") for i, line in enumerate(lines, 1)
                if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:
         raise ConfigError(f"{path}: the prompts file holds no prompts (one per line; # starts a comment)")
@@ -42,11 +43,20 @@ def read_prompt_file(path: Path) -> list[str]:
 
 
 def load_prompts(spec: str) -> list[Condition]:
-    """`toy-train`, `toy-eval`, `toy-world`, or the path of a prompts file."""
+    """`toy-train`, `toy-eval`, `toy-world`; `toy-i2v-train`, `toy-i2v-eval` (the committed toy
+    I2V manifests); a JSONL manifest (`*.jsonl`); a folder of images with captions; or the
+    path of a prompts file."""
+    from cluster import datasets
     from common.toyworld import PROMPT_SETS
 
+    if spec in datasets.BUILTIN_MANIFESTS:
+        return datasets.read_manifest(datasets.BUILTIN_MANIFESTS[spec])
     if spec in PROMPT_SETS:
         prompts = list(PROMPT_SETS[spec])
+    elif Path(spec).suffix.lower() == ".jsonl":
+        return datasets.read_manifest(Path(spec))
+    elif Path(spec).is_dir():
+        return datasets.read_folder(Path(spec))
     else:
         prompts = read_prompt_file(Path(spec))
     seen: dict[str, Condition] = {}

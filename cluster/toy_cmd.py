@@ -28,6 +28,12 @@ def register(sub) -> None:
     pre.add_argument("--eval-every", type=int, default=200, help="steps between evals (default 200)")
     pre.add_argument("--eval-seeds", type=int, default=16, help="seeds per eval prompt (default 16)")
     pre.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    pre.add_argument("--init", default=None, help="go on from this checkpoint instead of from scratch")
+    pre.add_argument("--i2v-prob", type=float, default=0.25,
+                     help="share of videos conditioned on their first frame (default 0.25); >= 0.5 evaluates I2V")
+    pre.add_argument("--i2v-layout", default="first_frame", choices=["first_frame", "broadcast"],
+                     help="how the first frame enters: Wan I2V's frame-0 latent + mask (default), or "
+                     "broadcast over time (the T2V base's layout)")
     pre.set_defaults(func=cmd_pretrain)
 
     smp = tsub.add_parser("sample", help="sample one prompt to a GIF and print its reward heads",
@@ -36,9 +42,17 @@ def register(sub) -> None:
     smp.add_argument("--prompt", required=True, help='e.g. "a blue square moving up"')
     _common(smp)
     smp.add_argument("--seed", type=int, default=0, help="initial-noise seed (default 0)")
-    smp.add_argument("--i2v", action="store_true", help="condition on the first frame of a rendered video (seeded)")
+    smp.add_argument("--i2v", action="store_true", help="condition on the first frame of a rendered I2V video "
+                     "(seeded; the committed I2V base unless --checkpoint) and print IA too")
     smp.add_argument("--out", default="toy_sample.gif", help="output GIF (default toy_sample.gif)")
     smp.set_defaults(func=cmd_sample)
+
+    data = tsub.add_parser("i2v-data", help="write the toy image-to-video sets (manifests + PNGs)",
+                           description="Write OUT/train.jsonl, OUT/eval.jsonl and OUT/images/: the toy "
+                           "world's I2V sets (rollout_worker/models/toy_i2v_data.py).")
+    data.add_argument("--out", default="rollout_worker/models/assets/toy_i2v",
+                      help="output folder (default: the committed copy)")
+    data.set_defaults(func=cmd_i2v_data)
 
     grd = tsub.add_parser("grid", help="one PNG: a row per eval prompt, frames side by side",
                           description="Sample every eval prompt (toy-eval) with --seeds seeds and write "
@@ -59,6 +73,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance", type=float, default=1.0, help="CFG scale; 1 = single pass (default 1)")
 
 
+def cmd_i2v_data(args) -> int:
+    from rollout_worker.models.toy_i2v_data import write_sets
+
+    for path in write_sets(args.out):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_pretrain(args) -> int:
     import torch
 
@@ -67,10 +89,11 @@ def cmd_pretrain(args) -> int:
     torch.set_num_threads(args.threads)
     command = shlex.join(["vgrpo", *sys.argv[1:]]) if Path(sys.argv[0]).name == "vgrpo" else shlex.join(sys.argv)
     _, history = pretrain(args.steps, args.batch, args.lr, args.seed, args.out, eval_every=args.eval_every,
-                          eval_seeds=args.eval_seeds, snapshot_dir=args.snapshots, command=command)
+                          eval_seeds=args.eval_seeds, snapshot_dir=args.snapshots, command=command,
+                          i2v_prob=args.i2v_prob, init=args.init, i2v_layout=args.i2v_layout)
     ev = history[-1]["eval"]
     print(f"wrote {args.out}: " + "  ".join(f"{k} {ev[k]['mean']:.3f}±{ev[k]['stderr']:.3f}"
-                                           for k in ("VQ", "MQ", "TA", "colour", "direction_correct")))
+                                           for k in ("VQ", "MQ", "TA", "IA", "colour", "direction_correct") if k in ev))
     return 0
 
 
@@ -86,10 +109,13 @@ def _sample(model, prompts, seeds, args, images=None):
 def _load(args):
     import torch
 
-    from rollout_worker.models.toy import ToyVideoModel
+    from rollout_worker.models.toy import BASE_I2V_CHECKPOINT, ToyVideoModel
 
     torch.set_num_threads(1)
-    return ToyVideoModel.from_pretrained(args.checkpoint, guidance_scale=args.guidance)
+    ckpt = args.checkpoint
+    if ckpt is None and getattr(args, "i2v", False):
+        ckpt = BASE_I2V_CHECKPOINT                      # the I2V base: Wan-style first-frame conditioning
+    return ToyVideoModel.from_pretrained(ckpt, guidance_scale=args.guidance)
 
 
 def cmd_sample(args) -> int:
@@ -124,9 +150,9 @@ def cmd_sample(args) -> int:
             written.append(str(out.with_suffix(".mp4")))
         except (OSError, ValueError, RuntimeError) as e:
             print(f"mp4 skipped: {e}")
-    heads = toyscore.score_video(frames, args.prompt)
+    heads = toyscore.score_video(frames, args.prompt, None if images is None else images[0].numpy())
     print(f"wrote {', '.join(written)}")
-    print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.HEADS, "colour", "direction")))
+    print("  ".join(f"{k} {heads[k]:.3f}" for k in (*toyscore.I2V_HEADS, "colour", "direction") if k in heads))
     return 0
 
 

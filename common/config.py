@@ -42,6 +42,10 @@ class ModelConfig(Section):
     """Local directory or hub id for `from_pretrained`; None means the committed toy checkpoint."""
     task: Literal["t2v", "i2v"] = "t2v"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of the transformer(s), the same in the sampler and the learner: every
+    transformer weight is held in it for the forward (as FSDP2's param_dtype casts them), with
+    no autocast, so both sides compute identical velocities. The learner keeps its trainable
+    weights and optimizer state in fp32 (master weights) and LoRA adapters in fp32. VAEs load in fp32."""
     num_frames: int = Field(6, ge=1)
     height: int = Field(16, ge=8)
     width: int = Field(16, ge=8)
@@ -55,6 +59,12 @@ class ModelConfig(Section):
     """Wan 2.2: `high_noise` trains only the high-noise expert (the TAGRPO setting)."""
     negative_prompt: str = ""
     max_sequence_length: int = Field(512, ge=1)
+    gradient_checkpointing: bool = False
+    """Learner: recompute each transformer block's activations in backward instead of storing them."""
+    vae_tiling: bool = False
+    """Decode in overlapping spatial tiles (diffusers' enable_tiling): bounded VAE memory at any size."""
+    vae_slicing: bool = False
+    """Decode one video of a batch at a time (diffusers' enable_slicing)."""
 
 
 class ScheduleConfig(Section):
@@ -231,7 +241,7 @@ class BankConfig(Section):
 
 
 class RewardModelConfig(Section):
-    name: Literal["toy", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
+    name: Literal["toy", "toy_i2v", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
     """qsave: Q-Save's weights and prompt are not public; its rubric and answer format here are
     this project's reconstruction, for a Qwen3-VL checkpoint you supply."""
     path: str | None = None

@@ -14,6 +14,13 @@ Each head lies in [0, 1]; 1 is a perfect rendering of the prompt.
   the palette, from the mean foreground colour) and `direction` (net displacement projected
   on the prompt's direction, clip(p/travel, 0, 1)·exp(-2·(q/travel)²) with q the sideways
   part).
+- With an I2V condition image, MQ's speed and TA's direction use the I2V travel
+  (toyworld.I2V_TRAVEL_FRAC).
+- IA (image alignment, image-to-video only): geometric mean of `match` (the first frame
+  against the condition image: 1 - Σ|f0 - img| / (Σ f0 + Σ img) over RGB, 1 = identical,
+  0 = disjoint), `keep_colour` (the colour softmax of the whole video against the image's
+  palette colour) and `keep_size` (per frame min(m/m_img, m_img/m), m the foreground mass,
+  averaged over frames).
 The foreground is the per-pixel max channel / 255 (the background is black).
 """
 
@@ -24,6 +31,7 @@ import numpy as np
 from common import toyworld as tw
 
 HEADS: tuple[str, ...] = ("VQ", "MQ", "TA")
+I2V_HEADS: tuple[str, ...] = (*HEADS, "IA")
 MIN_MASS = 0.5
 """A frame with less foreground mass than this (pixels) has no object."""
 _PALETTE = np.asarray([tw.COLOURS[c] for c in tw.COLOURS], dtype=np.float64) / 255.0   # [K, 3]
@@ -68,7 +76,7 @@ def visual_quality(frames: np.ndarray) -> float:
     return float(np.mean(per_frame))
 
 
-def motion_quality(frames: np.ndarray) -> float:
+def motion_quality(frames: np.ndarray, travel_px: float | None = None) -> float:
     mask = foreground(frames)
     F, H, _ = mask.shape
     c, mass = centroids(mask)
@@ -78,7 +86,7 @@ def motion_quality(frames: np.ndarray) -> float:
     d_mean = d.mean(axis=0)
     smooth = np.exp(-np.linalg.norm(d - d_mean, axis=1).mean() / 0.5)
     steady = np.exp(-(mass.std() / mass.mean()) / 0.2)
-    v_star = tw.travel(H) / (F - 1)
+    v_star = (tw.travel(H) if travel_px is None else travel_px) / (F - 1)
     speed = np.exp(-abs(np.linalg.norm(d_mean) - v_star) / v_star)
     return float((smooth * steady * speed) ** (1 / 3))
 
@@ -105,11 +113,11 @@ def displacement(frames: np.ndarray) -> np.ndarray | None:
     return c[-1] - c[0]
 
 
-def direction_score(frames: np.ndarray, direction: str) -> float:
+def direction_score(frames: np.ndarray, direction: str, travel_px: float | None = None) -> float:
     d = displacement(frames)
     if d is None:
         return 0.0
-    t = tw.travel(frames.shape[1])
+    t = tw.travel(frames.shape[1]) if travel_px is None else travel_px
     u = np.asarray(tw.DIRECTIONS[direction])
     p = float(d @ u)
     q = float(abs(d[0] * u[1] - d[1] * u[0]))
@@ -124,18 +132,49 @@ def predicted_direction(frames: np.ndarray, min_travel: float = 1.0) -> str | No
     return max(tw.DIRECTIONS, key=lambda k: float(d @ np.asarray(tw.DIRECTIONS[k])))
 
 
-def score_video(frames: np.ndarray, prompt: str) -> dict[str, float]:
-    """All heads and their parts for one video uint8 [F, H, W, 3]; ValueError on a bad prompt."""
+def nearest_colour(image: np.ndarray) -> str | None:
+    """The palette colour closest to the mean solid foreground colour of uint8 [H, W, 3], or None if empty."""
+    solid = foreground(image[None])[0] > 0.5
+    if solid.sum() == 0:
+        return None
+    mean = image[solid].astype(np.float64).mean(axis=0) / 255.0
+    return list(tw.COLOURS)[int(((_PALETTE - mean) ** 2).sum(axis=1).argmin())]
+
+
+def image_alignment(frames: np.ndarray, image: np.ndarray) -> dict[str, float]:
+    """IA and its parts: does the video start at the image, and keep its square's colour and size?"""
+    if image.shape != frames.shape[1:] or image.dtype != np.uint8:
+        raise ValueError(f"image must be uint8 {tuple(frames.shape[1:])}, got {image.dtype} {tuple(image.shape)}")
+    f0, img = frames[0].astype(np.float64), image.astype(np.float64)
+    total = f0.sum() + img.sum()
+    match = 1.0 - float(np.abs(f0 - img).sum() / total) if total > 0 else 1.0
+    colour = nearest_colour(image)
+    keep_colour = colour_score(frames, colour) if colour is not None else 0.0
+    m_img = foreground(image[None])[0].sum()
+    mass = foreground(frames).sum(axis=(1, 2))                           # [F]
+    keep_size = float(np.mean([min(m / m_img, m_img / m) if m > 0 and m_img > 0 else 0.0 for m in mass]))
+    ia = float((max(match, 0.0) * keep_colour * keep_size) ** (1 / 3))
+    return {"IA": ia, "match": match, "keep_colour": keep_colour, "keep_size": keep_size}
+
+
+def score_video(frames: np.ndarray, prompt: str, image: np.ndarray | None = None) -> dict[str, float]:
+    """All heads and their parts for one video uint8 [F, H, W, 3] (with IA when the I2V
+    condition image uint8 [H, W, 3] is given); ValueError on a bad prompt or image."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}")
     spec = tw.parse_prompt(prompt)
+    # an I2V square travels the shorter I2V distance (toyworld.I2V_TRAVEL_FRAC)
+    t = None if image is None else tw.travel(frames.shape[1], tw.I2V_TRAVEL_FRAC)
     colour = colour_score(frames, spec.colour)
-    direction = direction_score(frames, spec.direction)
-    return {
+    direction = direction_score(frames, spec.direction, t)
+    out = {
         "VQ": visual_quality(frames),
-        "MQ": motion_quality(frames),
+        "MQ": motion_quality(frames, t),
         "TA": 0.5 * (colour + direction),
         "colour": colour,
         "direction": direction,
         "direction_correct": float(predicted_direction(frames) == spec.direction),
     }
+    if image is not None:
+        out.update(image_alignment(frames, image))
+    return out

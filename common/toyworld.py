@@ -13,8 +13,10 @@ Prompts read "a red square moving left". The prompt sets:
   not memorised the training prompts.
 - Evaluation seeds (`eval_seeds`) are disjoint from any seed a training run draws.
 
-Image-to-video: the condition image is the first frame of a rendered video (`i2v_condition`);
-its start position is drawn from a seed, so the prompt alone does not fix it.
+Image-to-video: the condition image is the first frame of a rendered I2V video
+(`i2v_condition`). An I2V square travels `I2V_TRAVEL_FRAC` of the frame (a quarter) from a start
+drawn from the centre box every direction fits in (`i2v_spec`), so the image fixes where the
+square starts, its colour and size, and only the prompt says which way it goes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ SIDE = 5.0
 """Side of the square in pixels."""
 TRAVEL_FRAC = 0.5
 """Total travel over the video as a fraction of the frame size."""
+I2V_TRAVEL_FRAC = 0.25
+"""Total travel of an image-to-video square: short enough that any direction fits from the centre."""
 EVAL_SEED_BASE = 1_000_000
 """Evaluation seeds start here; training code draws seeds below it."""
 
@@ -58,6 +62,8 @@ class VideoSpec:
     direction: str
     start: tuple[float, float] | None = None
     """(y, x) of the square's top-left corner in frame 0; None centres the path."""
+    travel_frac: float = TRAVEL_FRAC
+    """Total travel as a fraction of the frame size (I2V videos: I2V_TRAVEL_FRAC)."""
 
     @property
     def prompt(self) -> str:
@@ -103,8 +109,8 @@ def eval_pairs(seeds_per_prompt: int) -> list[tuple[str, int]]:
 # --- geometry ------------------------------------------------------------------------
 
 
-def travel(size: int = SIZE) -> float:
-    return TRAVEL_FRAC * size
+def travel(size: int = SIZE, frac: float = TRAVEL_FRAC) -> float:
+    return frac * size
 
 
 def side(size: int = SIZE) -> float:
@@ -132,6 +138,20 @@ def random_spec(prompt: str, rng: np.random.Generator, size: int = SIZE) -> Vide
     return VideoSpec(spec.colour, spec.shape, spec.direction, (float(y), float(x)))
 
 
+def i2v_start_range(size: int = SIZE) -> tuple[float, float]:
+    """The (lo, hi) of the I2V start corner along each axis: from there every direction fits."""
+    t = travel(size, I2V_TRAVEL_FRAC)
+    return t, size - side(size) - t
+
+
+def i2v_spec(prompt: str, rng: np.random.Generator, size: int = SIZE) -> VideoSpec:
+    """The prompt's I2V video: a start drawn (quarter-pixel grid) from the centre box, short travel."""
+    spec = parse_prompt(prompt)
+    lo, hi = i2v_start_range(size)
+    y, x = (lo + np.floor(rng.uniform(0, 1) * ((hi - lo) * 4 + 1)) / 4 for _ in range(2))
+    return VideoSpec(spec.colour, spec.shape, spec.direction, (float(y), float(x)), I2V_TRAVEL_FRAC)
+
+
 def path(spec: VideoSpec, num_frames: int = NUM_FRAMES, size: int = SIZE) -> np.ndarray:
     """Top-left corner per frame, float [F, 2] (y, x)."""
     dy, dx = DIRECTIONS[spec.direction]
@@ -141,7 +161,7 @@ def path(spec: VideoSpec, num_frames: int = NUM_FRAMES, size: int = SIZE) -> np.
     else:
         start = spec.start
     f = np.arange(num_frames) / max(num_frames - 1, 1)          # [F] in [0, 1]
-    step = travel(size) * f
+    step = travel(size, spec.travel_frac) * f
     return np.stack([start[0] + dy * step, start[1] + dx * step], axis=1)
 
 
@@ -168,7 +188,12 @@ def render(prompt_or_spec: str | VideoSpec, num_frames: int = NUM_FRAMES, size: 
     return render_corners(path(spec, num_frames, size), spec.colour, size)
 
 
+def i2v_video(prompt: str, seed: int, num_frames: int = NUM_FRAMES, size: int = SIZE) -> np.ndarray:
+    """The ideal I2V video for (prompt, seed), uint8 [F, H, W, 3]."""
+    return render(i2v_spec(prompt, np.random.default_rng(seed), size), num_frames, size)
+
+
 def i2v_condition(prompt: str, seed: int, num_frames: int = NUM_FRAMES, size: int = SIZE) -> np.ndarray:
-    """The I2V condition for (prompt, seed): the first frame of a seeded video, uint8 [H, W, 3]."""
-    spec = random_spec(prompt, np.random.default_rng(seed), size)
-    return render(spec, num_frames, size)[0]
+    """The I2V condition for (prompt, seed): the first frame of its seeded I2V video, uint8 [H, W, 3].
+    The start does not depend on the direction, so the image does not give the direction away."""
+    return i2v_video(prompt, seed, num_frames, size)[0]

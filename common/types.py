@@ -19,6 +19,15 @@ class Condition:
     id: str                        # stable id, e.g. a hash of prompt (+ image)
     prompt: str
     image: Tensor | None = None    # uint8 [H, W, 3] first frame for I2V, else None
+    # I2V by reference: a file every role reads itself (common/images.condition_image), so the
+    # pixels never travel through the driver; `image` stays None then.
+    image_path: str | None = None
+    negative_prompt: str | None = None  # from a dataset manifest, else the model's default
+    name: str | None = None        # a dataset row's own id (file names of samples), else None
+
+    @property
+    def is_i2v(self) -> bool:
+        return self.image is not None or self.image_path is not None
 
 
 @dataclass

@@ -39,22 +39,8 @@ def _free_port() -> int:
 
 
 def _shard_trainer(trainer: Trainer, mesh) -> None:
-    """Shard the policy's module in place and re-point what the Trainer built on its parameters.
-
-    fully_shard swaps every parameter for a DTensor one, so the Policy's parameter map, its
-    anchors (all equal to the initial weights at setup) and the optimizer are rebuilt on them.
-    """
-    policy = trainer.policy
-    # Identical starting weights on every rank (LoRA's A is drawn from each process's RNG).
-    for t in policy.module.state_dict().values():
-        dist.broadcast(t.data, src=0)
-    fsdp.shard_model(policy.module, mesh)
-    policy.params = {n: p for n, p in policy.module.named_parameters() if p.requires_grad}
-    policy.anchors = {a: policy.snapshot() for a in policy.anchors}
-    opt = trainer.optimizer  # no state yet: only its parameter list must change
-    if len(opt.param_groups) != 1 or opt.state:
-        raise RuntimeError("shard before the first optimizer step, with one parameter group")
-    opt.param_groups[0]["params"] = policy.trainable_parameters()
+    """Shard the policy's module in place; the Trainer re-points its Policy and optimizer (Trainer.shard)."""
+    trainer.shard(mesh)
 
 
 class LearnerRank:

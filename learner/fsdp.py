@@ -69,11 +69,15 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
         log.warning("shard_model: %s has no %s ModuleList; sharding the root only",
                     type(module).__name__, "/".join(BLOCK_LISTS))
     mp = MixedPrecisionPolicy(
-        # None keeps fp32 master params for compute: Policy.velocity autocasts to bf16 on GPU
-        # exactly as the single-process path does, so both recompute the same log-probs.
+        # The sharded params are the fp32 masters; param_dtype is model.dtype, the dtype the
+        # sampler holds every weight in, so both compute the same velocities (log r = 0 on
+        # replay). None (LoRA) keeps each param's dtype: a bf16 frozen base, fp32 adapters.
         param_dtype=param_dtype,
         # Gradients are averaged across ranks in fp32: bf16 sums lose the small GRPO updates.
         reduce_dtype=torch.float32,
+        # Inputs pass as the model casts them: casting a block's fp32 RoPE table or timestep
+        # embedding to bf16 would compute other velocities than the sampler's.
+        cast_forward_inputs=False,
     )
     for block in blocks:
         # One FSDP unit per block: its all-gather overlaps the previous block's compute, and

@@ -4,11 +4,17 @@ Anchors (ALGORITHM.md section 5) are snapshots of the trainable parameters only,
 LoRA they are the adapter weights (a few MB), never a second copy of the model:
 - `pi0`: the policy at setup (the `fixed` strategy's anchor);
 - `moving`: refreshed every kl.anchor_period optimizer steps;
-- `prev`: the policy before the last optimizer step (the exact D_step).
 
 `anchor_velocity` swaps an anchor's weights into the live module, runs the forward without
 grad, and swaps them back, one parameter at a time. Call it before the policy's own forward
 of a micro-batch: swapping after it would change tensors autograd saved for backward.
+
+Precision: the module computes with the weights the sampler holds (model.dtype, no autocast),
+so log r = 0 on replay. Trainable weights held below fp32 get fp32 master copies, which the
+optimizer steps (`optim_parameters`); `grads_to_master` before the step and `master_to_params`
+after it move between the two. LoRA adapters are fp32 themselves (no copy). Under FSDP2 the
+sharded fp32 parameters are the masters and MixedPrecisionPolicy makes the compute copy
+(`prepare_for_sharding`).
 """
 
 from __future__ import annotations
@@ -24,11 +30,24 @@ from common.config import OptimConfig
 from rollout_worker.models.base import Cond, VideoModel
 from rollout_worker.models.lora import inject_lora, is_lora_key
 
-AnchorName = Literal["pi0", "moving", "prev"]
+
+def enable_checkpointing(module: torch.nn.Module) -> None:
+    """Activation checkpointing of the transformer blocks (diffusers' own, per block), for every
+    diffusers model in `module` (both Wan 2.2 experts when both train). Only grad-enabled forwards
+    recompute, so the sampler and the anchors' no-grad forwards are unchanged."""
+    models = [m for m in module.modules() if getattr(m, "_supports_gradient_checkpointing", False)]
+    if not models:
+        raise ValueError(f"model.gradient_checkpointing: {type(module).__name__} does not support it; "
+                         "set model.gradient_checkpointing: false")
+    for m in models:
+        m.enable_gradient_checkpointing()
+
+AnchorName = Literal["pi0", "moving"]
 
 
 class Policy:
-    def __init__(self, model: VideoModel, optim: OptimConfig, anchors: Sequence[AnchorName] = ("pi0", "moving")):
+    def __init__(self, model: VideoModel, optim: OptimConfig, anchors: Sequence[AnchorName] = ("pi0", "moving"),
+                 checkpointing: bool = False):
         self.model = model
         self.finetune = optim.finetune
         self.module = model.trainable_module()
@@ -38,24 +57,67 @@ class Policy:
             self.module.requires_grad_(True)
         # No dropout: the learner must recompute exactly the log-probs the sampler computed.
         self.module.eval()
+        if checkpointing:
+            enable_checkpointing(self.module)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         if not self.params:
             raise ValueError(f"the {model.family!r} trainable module has no trainable parameters")
+        self.master = self._make_master()
         self.anchors: dict[str, dict[str, Tensor]] = {a: self.snapshot() for a in anchors}
         self.device = next(iter(self.params.values())).device
 
     # --- forward -----------------------------------------------------------------------
 
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
-        """v_θ(x, σ, c); bf16 autocast on CUDA, fp32 elsewhere. [B, C, F, H, W]"""
-        dev = torch.device(self.device).type
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            return self.model.velocity(x, sigma, cond)
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond, sigma_next: Tensor | None = None) -> Tensor:
+        """v_θ(x, σ, c) exactly as the sampler computes it (same weights and dtype, no autocast). [B, C, F, H, W]"""
+        kw = {"sigma_next": sigma_next} if self.model.needs_sigma_next else {}
+        return self.model.velocity(x, sigma, cond, **kw)
 
     @torch.no_grad()
-    def anchor_velocity(self, name: str, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+    def anchor_velocity(self, name: str, x: Tensor, sigma: Tensor, cond: Cond,
+                        sigma_next: Tensor | None = None) -> Tensor:
         with self.swapped(name):
-            return self.velocity(x, sigma, cond)
+            return self.velocity(x, sigma, cond, sigma_next)
+
+    # --- master weights ------------------------------------------------------------------
+
+    def _make_master(self) -> dict[str, torch.nn.Parameter]:
+        """fp32 copies of the trainable weights held below fp32 (none for fp32 or LoRA adapters)."""
+        return {n: torch.nn.Parameter(p.detach().float().clone())
+                for n, p in self.params.items() if p.dtype != torch.float32}
+
+    def optim_parameters(self) -> list[Tensor]:
+        """What the optimizer steps: the fp32 master of each trainable weight (or the weight itself)."""
+        return [self.master.get(n, p) for n, p in self.params.items()]
+
+    @torch.no_grad()
+    def grads_to_master(self) -> None:
+        for n, m in self.master.items():
+            g = self.params[n].grad
+            m.grad = None if g is None else g.float()
+            self.params[n].grad = None
+
+    @torch.no_grad()
+    def master_to_params(self) -> None:
+        """The compute weights from the masters, rounded as the sampler's load rounds them."""
+        for n, m in self.master.items():
+            self.params[n].copy_(m)
+
+    @torch.no_grad()
+    def prepare_for_sharding(self) -> torch.dtype | None:
+        """Before FSDP2: make the masters the module's own (fp32) parameters; returns the
+        param_dtype FSDP2 must compute in (None: keep each parameter's dtype)."""
+        compute = None
+        for n, m in self.master.items():
+            compute = self.params[n].dtype
+            self.params[n].data = m.data
+        self.master = {}
+        return compute
+
+    def rebind(self) -> None:
+        """Re-read the parameters after the module's were replaced (FSDP2 sharding)."""
+        self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        self.anchors = {a: self.snapshot() for a in self.anchors}
 
     # --- anchors -----------------------------------------------------------------------
 
@@ -106,7 +168,9 @@ class Policy:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
 
     def state_dict(self) -> dict:
-        return {"params": self.snapshot(), "anchors": {a: dict(s) for a, s in self.anchors.items()}}
+        """The fp32 master values (so a resume loses no precision) and the anchors."""
+        params = {n: self.master.get(n, p).detach().clone() for n, p in self.params.items()}
+        return {"params": params, "anchors": {a: dict(s) for a, s in self.anchors.items()}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -117,6 +181,8 @@ class Policy:
                            f"was it saved with the same optim.finetune and LoRA settings?")
         for n, p in self.params.items():
             p.copy_(params[n])
+            if n in self.master:
+                self.master[n].copy_(params[n])
         for a in self.anchors:
             if a not in anchors:
                 raise KeyError(f"checkpoint has no {a!r} anchor")

@@ -47,9 +47,9 @@ class Trainer:
         if self.loss_cfg.anchor is not None:
             anchors.add(self.loss_cfg.anchor)
         self.model.trainable_module().to(self.device)
-        self.policy = Policy(self.model, cfg.optim, sorted(anchors))
-        # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01)
-        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.optim.lr,
+        self.policy = Policy(self.model, cfg.optim, sorted(anchors), checkpointing=cfg.model.gradient_checkpointing)
+        # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01), over fp32 master weights
+        self.optimizer = torch.optim.AdamW(self.policy.optim_parameters(), lr=cfg.optim.lr,
                                            weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)
         # 3. λ_KL and the configured schedule/scheme (batches carry their own; these are defaults)
         self.kl = KLController(cfg.kl)
@@ -61,13 +61,13 @@ class Trainer:
 
     def encode(self, rows: Rows) -> Cond:
         """Each condition of the batch once; the text encoder is frozen."""
+        from common.images import condition_images  # I2V first frames by path (or in memory)
+        from rollout_worker.models.base import negative_kwargs
+
         conds = rows.conditions
-        with_image = [c.image is not None for c in conds]
-        if any(with_image) and not all(with_image):
-            raise ValueError("a TrainBatch mixes conditions with and without a first frame")
-        images = torch.stack([c.image for c in conds]) if all(with_image) else None
+        images = condition_images(conds, self.cfg.model.height, self.cfg.model.width)
         with torch.no_grad():
-            return self.model.encode([c.prompt for c in conds], images).to(self.device)
+            return self.model.encode([c.prompt for c in conds], images, **negative_kwargs(conds)).to(self.device)
 
     def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float,
                    pi0: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
@@ -75,10 +75,15 @@ class Trainer:
         lc, policy = self.loss_cfg, self.policy
         mb = mb.to(self.device)
         cond = cond_all.index(mb.cond_idx)
+        nxt = mb.sigma_next  # MeanFlow checkpoints also read the step's end (the sampler passes it too)
         # anchors first: swapping weights after the grad forward would corrupt backward
-        anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond) if lc.anchor else None
-        pi0_v = policy.anchor_velocity("pi0", mb.x.float(), mb.sigma, cond) if pi0 else None  # health only
-        return compute_loss(mb, cond, policy.velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
+        anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond, nxt) if lc.anchor else None
+        pi0_v = policy.anchor_velocity("pi0", mb.x.float(), mb.sigma, cond, nxt) if pi0 else None  # health only
+
+        def velocity(x: Tensor, sigma: Tensor, c: Cond) -> Tensor:
+            return policy.velocity(x, sigma, c, nxt)
+
+        return compute_loss(mb, cond, velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
 
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
@@ -109,11 +114,13 @@ class Trainer:
         if reduce is not None:
             sums, onp_max = reduce(torch.cat([sums, onp_max])).split([len(keys), world_size])
 
-        # 4. clip, step
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.optim.grad_clip)
+        # 4. clip, step the fp32 masters, round them into the compute weights
+        policy.grads_to_master()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.optim_parameters(), cfg.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        policy.master_to_params()
         self.version += 1
 
         # 5. anchors and λ_KL for the next step
@@ -143,6 +150,29 @@ class Trainer:
         v = self.version if version is None else version
         return (every > 0 and v % every == 0 and "pi0" in self.policy.anchors
                 and self.loss_cfg.anchor != "pi0")
+
+    def shard(self, mesh) -> None:
+        """FSDP2-shard the policy's module in place (before the first step) and re-point the
+        Policy and the optimizer at the sharded parameters.
+
+        The sharded fp32 parameters become the master weights; FSDP2's MixedPrecisionPolicy
+        gathers them in the compute dtype the sampler holds (param bf16, reduce fp32). LoRA
+        adapters are fp32 and compute in fp32, as on the rollout side.
+        """
+        import torch.distributed as dist
+
+        from learner import fsdp
+
+        policy, opt = self.policy, self.optimizer
+        if len(opt.param_groups) != 1 or opt.state:
+            raise RuntimeError("shard before the first optimizer step, with one parameter group")
+        param_dtype = policy.prepare_for_sharding()
+        # Identical starting weights on every rank (LoRA's A is drawn from each process's RNG).
+        for t in policy.module.state_dict().values():
+            dist.broadcast(t.data, src=0)
+        fsdp.shard_model(policy.module, mesh, param_dtype=param_dtype)
+        policy.rebind()
+        opt.param_groups[0]["params"] = policy.optim_parameters()
 
     # --- weights and checkpoints -------------------------------------------------------
 

@@ -98,6 +98,10 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
     }
     if traj.trained_steps is not None:
         meta["trained_steps"] = json.dumps([int(k) for k in traj.trained_steps])
+    if traj.condition.image_path is not None:  # I2V by reference: the learner reads the file
+        meta["image_path"] = traj.condition.image_path
+    if traj.condition.negative_prompt is not None:  # the learner encodes the row's CFG text too
+        meta["negative_prompt"] = traj.condition.negative_prompt
     try:  # what decode would refuse (non-finite log-probs, a step outside sigmas, ...) is refused here
         decode(meta, blob, copy=False)
     except CorruptEntry as e:
@@ -195,7 +199,8 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
 
     # 3. Assemble.
     traj = Trajectory(
-        condition=Condition(id=m["condition"], prompt=m["prompt"], image=image),
+        condition=Condition(id=m["condition"], prompt=m["prompt"], image=image, image_path=m.get("image_path"),
+                            negative_prompt=m.get("negative_prompt")),
         group_id=m["group"], member=member, seed=seed, scheme=m["scheme"], eta=eta,
         guidance_scale=cfg_scale, policy_version=version, sigmas=sigmas, step_indices=steps,
         x=x, x_next=x_next, logp_old=logp_old, final_latents=final, frames=None,

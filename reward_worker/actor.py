@@ -59,6 +59,9 @@ class RewardActor:
         if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [B, F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
         B = frames.shape[0]
+        from common.images import resolve_images  # I2V first frames come by path, read here
+
+        images = resolve_images(images, B, frames.shape[2], frames.shape[3])
         if len(prompts) != B or (images is not None and images.shape[0] != B):
             raise ValueError(f"{B} videos but {len(prompts)} prompts"
                              + ("" if images is None else f" and {images.shape[0]} images"))

@@ -12,6 +12,10 @@ def build_reward_model(cfg: RewardModelConfig) -> RewardModel:
         from reward_worker.models.toy import ToyReward
 
         return ToyReward.from_config(cfg)
+    if cfg.name == "toy_i2v":
+        from reward_worker.models.toy import ToyI2VReward
+
+        return ToyI2VReward.from_config(cfg)
     if cfg.name == "videoalign":
         from reward_worker.models.videoalign import VideoAlign
 
@@ -25,4 +29,4 @@ def build_reward_model(cfg: RewardModelConfig) -> RewardModel:
 
         return QSave.from_pretrained(cfg)
     raise ValueError(f"rewards.models[].name = {cfg.name!r} has no scorer yet; "
-                     "use toy, videoalign, hpsv3 or qsave")
+                     "use toy, toy_i2v, videoalign, hpsv3 or qsave")

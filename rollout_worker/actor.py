@@ -79,9 +79,15 @@ class RolloutWorker:
     def version(self) -> int:
         return self._version
 
-    def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode") -> Tensor:
-        """Evaluation videos with the current weights, one per (prompt, seed). uint8 [B, F, H, W, 3]"""
-        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme)
+    def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode",
+                      images: list[str] | Tensor | None = None) -> Tensor:
+        """Evaluation videos with the current weights, one per (prompt, seed) (I2V: `images`, a
+        first-frame path per video, read here). uint8 [B, F, H, W, 3]"""
+        from common.images import resolve_images
+
+        m = self.cfg.model
+        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
+                             images=resolve_images(images, len(prompts), m.height, m.width))
 
     # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
 

@@ -15,19 +15,28 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig, SamplerConfig
+from common.images import condition_image
 from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
 from common.types import Condition, Group, Trajectory
-from rollout_worker.models.base import Cond, VideoModel
+from rollout_worker.models.base import Cond, VideoModel, negative_kwargs
 
 _PERM_SEED_OFFSET = 0x5EED  # the step permutation's generator must not replay the noise stream
 
 _LATENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond) -> Tensor:
-    """v_θ(x, σ, c) for x [B, C, F, H, W] and σ a float or [B]."""
+def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None) -> Tensor:
+    """v_θ(x, σ, c) for x [B, C, F, H, W] and σ a float or [B].
+
+    No autocast: the adapter runs the transformer with its weights in model.dtype, exactly as
+    the learner's Policy.velocity does, so a replayed step has log r = 0 with unchanged weights.
+    """
     sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(x.shape[0])
-    return model.velocity(x.to(model.device, torch.float32), sig.to(model.device), cond)
+    kw = {}
+    if model.needs_sigma_next:  # MeanFlow checkpoints also read the step's end
+        kw["sigma_next"] = torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).expand(x.shape[0]) \
+            .to(model.device)
+    return model.velocity(x.to(model.device, torch.float32), sig.to(model.device), cond, **kw)
 
 
 def transition_log_prob(model: VideoModel, scheme: Scheme, x: Tensor, x_next: Tensor, sigma, sigma_next,
@@ -36,7 +45,7 @@ def transition_log_prob(model: VideoModel, scheme: Scheme, x: Tensor, x_next: Te
 
     σ and σ' are floats or [B] tensors; x and x' may be stored bf16 (they are read as fp32).
     """
-    v = _velocity(model, x, sigma, cond)
+    v = _velocity(model, x, sigma, cond, sigma_next)
     mu = scheme.mean(x.to(v.device, torch.float32), v, sigma, sigma_next)
     return scheme.log_prob(x_next.to(mu.device), mu, scheme.std(sigma, sigma_next)), mu
 
@@ -117,8 +126,9 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     ode_from = schedule.steps - scfg.ode_last_steps
 
     # 2. Encode the condition once; every member shares it
-    images = None if condition.image is None else condition.image.unsqueeze(0)
-    cond = model.encode([condition.prompt], images).repeat(G)
+    image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
+    cond = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
+                        **negative_kwargs([condition])).repeat(G)
 
     # 3. Initial noise: shared by the group (default) or fresh per member
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
@@ -133,7 +143,7 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
         sigma, sigma_next = schedule.pair(k)
         step_scheme = scheme if k in recorded_set or (k < ode_from and scfg.untrained_steps == "scheme") \
             else ODE()
-        v = _velocity(model, x, sigma, cond)  # [G, C, F, H, W], CFG inside
+        v = _velocity(model, x, sigma, cond, sigma_next)  # [G, C, F, H, W], CFG inside
         std = step_scheme.std(sigma, sigma_next)
         if float(std) > 0:
             x_next, mu, std = sample_step(step_scheme, x, v, sigma, sigma_next, generator=gen, std=std)
@@ -184,7 +194,7 @@ def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], sched
     # 2. Denoising loop
     for k in range(schedule.steps):
         sigma, sigma_next = schedule.pair(k)
-        v = _velocity(model, x, sigma, cond)
+        v = _velocity(model, x, sigma, cond, sigma_next)
         if _has_noise(scheme, sigma, sigma_next):
             x = torch.cat([sample_step(scheme, x[i:i + 1], v[i:i + 1], sigma, sigma_next, generator=g)[0]
                            for i, g in enumerate(gens)])

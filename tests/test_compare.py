@@ -15,7 +15,7 @@ from common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-MATRICES = ["compare_toy", "ablate_equalizer", "ablate_kl", "ablate_lambda", "ablate_bank"]
+MATRICES = ["compare_toy", "compare_toy_i2v", "ablate_equalizer", "ablate_kl", "ablate_lambda", "ablate_bank"]
 
 
 def _matrix(tmp_path, rows: str, extra: str = "") -> Path:

@@ -3,6 +3,7 @@ rank splitting, the weights payload round trip and checkpoint resume."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers_tiny import TinyVideoModel, sample_group
 
@@ -183,3 +184,23 @@ def test_resume_from_checkpoint_gives_the_same_next_loss(tmp_path):
         assert got[k] == want[k], k
     for n, p in a.policy.params.items():
         assert torch.equal(p, b.policy.params[n]), n
+
+
+def test_activation_checkpointing_gives_the_same_step():
+    """model.gradient_checkpointing recomputes block activations in backward: same loss and grads."""
+    data = TinyVideoModel(seed=7)
+    batch = _batch(data, seed=0)
+    runs, calls = {}, {}
+    for ckpt in (False, True):
+        model = TinyVideoModel(seed=0, layers=2)
+        tr = Trainer(_cfg(model={"gradient_checkpointing": ckpt}), model).setup()
+        assert model.transformer.gradient_checkpointing is ckpt
+        n = calls[ckpt] = [0]
+        model.transformer.blocks[0].ffn.register_forward_hook(lambda *_, n=n: n.__setitem__(0, n[0] + 1))
+        runs[ckpt] = (tr.train_step(batch), tr.weights_payload())
+    assert calls[True][0] > calls[False][0]  # the block's layers ran again in backward
+    (a, wa), (b, wb) = runs[False], runs[True]
+    for k in ("loss", "loss/policy", "loss/kl", "loss/align", "grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-7)

@@ -66,9 +66,14 @@ def test_random_start_varies_and_i2v_condition_is_the_first_frame():
     starts = {tw.random_spec("a red square moving left", rng).start for _ in range(20)}
     assert len(starts) > 5
     img = tw.i2v_condition("a red square moving left", 123)
-    spec = tw.random_spec("a red square moving left", np.random.default_rng(123))
+    spec = tw.i2v_spec("a red square moving left", np.random.default_rng(123))
     assert np.array_equal(img, tw.render(spec)[0])
     assert not np.array_equal(img, tw.i2v_condition("a red square moving left", 124))
+    # the image does not give the direction away: every direction starts from the same frame
+    for d in tw.DIRECTIONS:
+        assert np.array_equal(img, tw.i2v_condition(f"a red square moving {d}", 123))
+        video = tw.i2v_video(f"a red square moving {d}", 123)
+        assert video.min() == 0 and np.all(video.max(axis=(1, 2, 3)) == 255)   # inside the frame throughout
 
 
 # --- rewards -------------------------------------------------------------------------

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 
 from common.config import RunConfig
+from rollout_worker.models.base import DTYPES as _DTYPES
 from rollout_worker.models.base import Cond, ModelLoadError, VideoModel
 
 __all__ = ["Cond", "ModelLoadError", "VideoModel", "build_model", "default_device"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

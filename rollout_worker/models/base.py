@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class ModelLoadError(FileNotFoundError):
     """A model path is missing or incomplete; the message names the path and what is missing."""
@@ -54,6 +56,8 @@ class VideoModel(ABC):
 
     family: str = "base"
     device: torch.device = torch.device("cpu")
+    needs_sigma_next: bool = False
+    """Whether `velocity` also takes the step's end, `sigma_next=[B]` (MeanFlow checkpoints read it)."""
 
     @property
     @abstractmethod
@@ -62,7 +66,10 @@ class VideoModel(ABC):
 
     @abstractmethod
     def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
-        """Encode a batch of conditions once (text, plus uint8 [B, H, W, 3] first frames for I2V)."""
+        """Encode a batch of conditions once (text, plus uint8 [B, H, W, 3] first frames for I2V).
+
+        Adapters that run CFG also take `negative_prompts` (one per row, None = model.negative_prompt);
+        callers pass it only when a row has one (`negative_kwargs`)."""
 
     @abstractmethod
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
@@ -110,6 +117,28 @@ def _peft_base_key(key: str, own) -> str:
     return wrapped if wrapped in own else key
 
 
+def cast_params(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter of `module` in `dtype`, buffers untouched (in place).
+
+    This is the compute copy FSDP2 makes with MixedPrecisionPolicy(param_dtype=dtype): one
+    dtype for all weights, diffusers' keep-in-fp32 modules included. The sampler holds exactly
+    these values, so it computes the learner's velocities bit for bit. Buffers (RoPE tables)
+    stay as built, as FSDP2 leaves them.
+    """
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
+def configure_vae(vae: nn.Module, cfg) -> None:
+    """Tiled and/or sliced decoding as `model.vae_tiling` / `model.vae_slicing` ask."""
+    if cfg.vae_tiling:
+        vae.enable_tiling()
+    if cfg.vae_slicing:
+        vae.enable_slicing()
+
+
 def frames_to_uint8(video: Tensor) -> Tensor:
     """A decoder's [B, 3, F, H, W] output in [-1, 1] → uint8 [B, F, H, W, 3], rounded as diffusers does."""
     video = (video.float() / 2 + 0.5).clamp(0, 1)
@@ -139,3 +168,10 @@ def require_weights(root: Path, parts: list[str], what: str) -> None:
 def is_local(path: str) -> bool:
     """A path that looks local (absolute, relative, or existing) rather than a hub id."""
     return path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
+
+
+def negative_kwargs(conditions) -> dict:
+    """`encode` keyword for the conditions' own negative prompts (a dataset's `negative_prompt`),
+    or nothing when none has one (so adapters without CFG need not take it)."""
+    negs = [getattr(c, "negative_prompt", None) for c in conditions]
+    return {} if all(n is None for n in negs) else {"negative_prompts": negs}

@@ -5,6 +5,12 @@ along channels, timestep t = σ·1000, the Qwen2.5-VL and ByT5 text states with 
 and SigLIP image states (zeros for T2V, which the transformer reads as "no image"). CFG is
 uncond + g·(cond - uncond), run only when guidance_scale > 1. Latents are divided by the
 VAE's scaling_factor before decoding.
+
+The pipeline's guider (the checkpoint's `guider/` config) is honoured: its formulation and
+rescale are applied, and a guidance-distilled checkpoint (guider scale 1.0: CFG is in the
+weights) refuses model.guidance_scale > 1, which would guide twice. MeanFlow (step-distilled)
+transformers get `timestep_r` = the step's end σ'·1000, as HunyuanVideo15ImageToVideoPipeline
+passes `timesteps[i + 1]` (0 after the last step); the T2V pipeline passes none.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from torch import Tensor, nn
 
 from common.config import ModelConfig
 from rollout_worker.models.base import (
+    DTYPES,
     Cond,
     ModelLoadError,
     VideoModel,
+    cast_params,
+    configure_vae,
     frames_to_uint8,
     is_local,
     require_dir,
@@ -47,7 +56,11 @@ class Hunyuan15VideoModel(VideoModel):
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
         self.transformer = pipe.transformer
+        self.guider = getattr(pipe, "guider", None)
         self.guidance_scale = cfg.guidance_scale
+        _check_guidance(cfg.guidance_scale, self.guider)
+        # MeanFlow: the I2V pipeline feeds the step's end as timestep_r; the T2V pipeline does not
+        self.needs_sigma_next = bool(self.transformer.config.get("use_meanflow", False)) and cfg.task == "i2v"
         if cfg.guidance_scale_2 is not None or cfg.boundary_ratio is not None:
             raise ValueError("model.guidance_scale_2 / model.boundary_ratio are Wan 2.2 options; "
                              "HunyuanVideo 1.5 has one transformer")
@@ -61,6 +74,8 @@ class Hunyuan15VideoModel(VideoModel):
         for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae, getattr(pipe, "image_encoder", None)):
             if m is not None:
                 m.requires_grad_(False)
+        cast_params(self.transformer, DTYPES[cfg.dtype])
+        configure_vae(pipe.vae, cfg)
         pipe.to(self.device)
 
     # --- construction ------------------------------------------------------------------
@@ -73,7 +88,7 @@ class Hunyuan15VideoModel(VideoModel):
 
         comps = dict(components)
         comps.setdefault("scheduler", FlowMatchEulerDiscreteScheduler())  # unused: the sampler owns the loop
-        comps.setdefault("guider", ClassifierFreeGuidance(guidance_scale=cfg.guidance_scale))
+        comps.setdefault("guider", ClassifierFreeGuidance(guidance_scale=max(cfg.guidance_scale, 1.0)))
         return cls(_pipeline_class(cfg.task)(**comps), cfg, device)
 
     @classmethod
@@ -95,7 +110,9 @@ class Hunyuan15VideoModel(VideoModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        """The compute dtype (model.dtype): what inputs are cast to. Not the parameters' dtype,
+        which is fp32 in the learner under FSDP2 (the masters; FSDP2 gathers them in this dtype)."""
+        return DTYPES[self.cfg.dtype]
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -109,11 +126,13 @@ class Hunyuan15VideoModel(VideoModel):
         return dict(zip(_TEXT_KEYS, out, strict=True))  # [B, L, D], [B, L], [B, L2, D2], [B, L2]
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         B, shape = len(prompts), self.latent_shape
-        # 1. Text, and the negative prompt when CFG runs
+        # 1. Text, and the negative prompt (per row, else model.negative_prompt) when CFG runs
         tensors = self._text(list(prompts))
-        uncond = self._text([self.cfg.negative_prompt] * B) if self.guidance_scale > 1.0 else None
+        negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * B)]
+        uncond = self._text(negs) if self.guidance_scale > 1.0 else None
         # 2. Image states and first-frame condition latents + mask (zeros for T2V)
         if self.cfg.task == "t2v":
             tensors["image_embeds"] = torch.zeros(B, self.pipe.vision_num_semantic_tokens,
@@ -137,9 +156,15 @@ class Hunyuan15VideoModel(VideoModel):
         tensors.update(image_embeds=torch.cat(embeds), cond_latents=torch.cat(conds), mask=torch.cat(masks))
         return Cond(tensors, uncond)
 
-    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
+    def velocity(self, x: Tensor, sigma: Tensor, cond: Cond, sigma_next: Tensor | None = None) -> Tensor:
         n = x.shape[0]
         t = (torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000.0)
+        extra = {}
+        if self.needs_sigma_next:
+            if sigma_next is None:
+                raise ValueError("this MeanFlow checkpoint needs sigma_next (the step's end) for timestep_r")
+            t_r = torch.as_tensor(sigma_next, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000.0
+            extra["timestep_r"] = t_r.to(self.dtype)
         c = cond.tensors
         x_in = torch.cat([x.to(self.device, self.dtype), c["cond_latents"], c["mask"]], dim=1)  # [B, 2C+1, F, H, W]
         kw = {k: c[k] for k in _TEXT_KEYS}
@@ -148,19 +173,45 @@ class Hunyuan15VideoModel(VideoModel):
         if do_cfg:  # one forward over [cond; uncond]
             kw = {k: torch.cat([v, cond.uncond[k]]) for k, v in kw.items()}
             x_in, t, image_embeds = torch.cat([x_in, x_in]), torch.cat([t, t]), torch.cat([image_embeds] * 2)
+            extra = {k: torch.cat([v, v]) for k, v in extra.items()}
         out = self.transformer(hidden_states=x_in, image_embeds=image_embeds, timestep=t.to(self.dtype),
-                               return_dict=False, **kw)[0].float()
+                               return_dict=False, **kw, **extra)[0].float()
         if not do_cfg:
             return out
-        v_cond, v_uncond = out[:n], out[n:]
-        return v_uncond + self.guidance_scale * (v_cond - v_uncond)
+        return _guide(self.guider, self.guidance_scale, out[:n], out[n:])
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
+        """One video at a time: the VAE's causal attention mask ([B, L, L] against [B, 1, L, C]
+        queries) only broadcasts for B = 1 in diffusers' AutoencoderKLHunyuanVideo15."""
         vae = self.pipe.vae
-        video = vae.decode(latents.to(self.device, vae.dtype) / vae.config.scaling_factor,
-                           return_dict=False)[0]  # [B, 3, F', H', W'] in [-1, 1]
-        return frames_to_uint8(video)
+        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor
+        video = torch.cat([vae.decode(z[i:i + 1], return_dict=False)[0] for i in range(len(z))])
+        return frames_to_uint8(video)  # [B, 3, F', H', W'] in [-1, 1] → uint8 [B, F', H', W', 3]
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
+
+
+def _check_guidance(scale: float, guider) -> None:
+    """A guidance-distilled checkpoint (its guider runs scale 1.0 or is off) takes no CFG on top."""
+    if guider is None or scale <= 1.0:
+        return
+    distilled = not guider._enabled or (guider.guidance_scale == 0.0 if guider.use_original_formulation
+                                         else guider.guidance_scale == 1.0)
+    if distilled:
+        raise ValueError(f"model.guidance_scale = {scale}: this checkpoint's guider runs guidance "
+                         f"{guider.guidance_scale} (guidance-distilled: CFG is in its weights), so CFG on top "
+                         "would guide twice; set model.guidance_scale: 1.0")
+
+
+def _guide(guider, scale: float, v_cond: Tensor, v_uncond: Tensor) -> Tensor:
+    """The guider's CFG mix (its formulation and rescale) at `scale`, in fp32."""
+    original = guider is not None and guider.use_original_formulation
+    v = (v_cond if original else v_uncond) + scale * (v_cond - v_uncond)
+    rescale = 0.0 if guider is None else guider.guidance_rescale
+    if rescale > 0.0:
+        from diffusers.guiders.guider_utils import rescale_noise_cfg
+
+        v = rescale_noise_cfg(v, v_cond, rescale)
+    return v

@@ -7,6 +7,7 @@ injected module's keys, e.g. `blocks.0.attn1.to_q.lora_A.default.weight`.
 
 from __future__ import annotations
 
+import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
@@ -32,7 +33,12 @@ def lora_targets(family: str, optim: OptimConfig) -> list[str]:
 
 
 def inject_lora(module: nn.Module, family: str, optim: OptimConfig) -> nn.Module:
-    """Add a LoRA adapter in place (B = 0, so the output is unchanged); only it requires grad."""
+    """Add a LoRA adapter in place (B = 0, so the output is unchanged); only it requires grad.
+
+    The adapter weights are fp32 whatever the base dtype (peft would make them bf16 on a bf16
+    model, where lr·grad falls below bf16 resolution); peft runs the adapter path in its dtype.
+    The learner and the rollout side both inject through here, so they compute alike.
+    """
     targets = lora_targets(family, optim)
     names = {n.rsplit(".", 1)[-1] for n, _ in module.named_modules()} | {
         n for n, _ in module.named_modules()}
@@ -41,7 +47,11 @@ def inject_lora(module: nn.Module, family: str, optim: OptimConfig) -> nn.Module
                          f"{family!r} transformer")
     cfg = LoraConfig(r=optim.lora_rank, lora_alpha=optim.lora_alpha, target_modules=targets,
                      lora_dropout=0.0, init_lora_weights=True)
-    return inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+    module = inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+    for name, p in module.named_parameters():
+        if is_lora_key(name) and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return module
 
 
 def is_lora_key(name: str) -> bool:

@@ -55,11 +55,12 @@ def tiny_wan_transformer(in_channels: int = 4, out_channels: int = 4, image_dim:
     ).eval()
 
 
-def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b"] = "t2v") -> dict:
+def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v") -> dict:
     """Components for WanPipeline / WanImageToVideoPipeline (z_dim 4, 1 layer, 2 heads × 8).
 
     `i2v` is Wan 2.1 I2V (CLIP image encoder, mask + condition channels); `t2v_a14b` is
-    Wan 2.2 with two experts and a boundary.
+    Wan 2.2 with two experts and a boundary; `i2v_a14b` is Wan 2.2 I2V-A14B: two experts that
+    take mask + condition channels and no CLIP image encoder (image_dim None).
     """
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
@@ -83,6 +84,11 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b"] = "t2v") -> d
             image_size=16, intermediate_size=8, patch_size=8)).eval()
         comps["image_processor"] = CLIPImageProcessor(crop_size=16, size={"shortest_edge": 16})
         comps["transformer"] = tiny_wan_transformer(2 * z + 4, z, image_dim=8)
+    elif variant == "i2v_a14b":
+        comps["transformer"] = tiny_wan_transformer(2 * z + 4, z)
+        comps["transformer_2"] = tiny_wan_transformer(2 * z + 4, z, seed=1)
+        comps["image_encoder"] = comps["image_processor"] = None
+        comps["boundary_ratio"] = 0.6
     else:
         comps["transformer"] = tiny_wan_transformer(z, z)
     if variant == "t2v_a14b":
@@ -138,3 +144,12 @@ def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v") -> dict:
             image_size=16, patch_size=8)).eval()
         comps["feature_extractor"] = SiglipImageProcessor(size={"height": 16, "width": 16})
     return comps
+
+
+def tiny_wan_model(model: dict, variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v"):
+    """The Wan adapter over `tiny_wan_components(variant)` with ModelConfig fields `model`
+    (a plain function of plain data, so it ships to Ray actors as a model factory)."""
+    from common.config import ModelConfig
+    from rollout_worker.models.wan import WanVideoModel
+
+    return WanVideoModel.from_components(tiny_wan_components(variant), ModelConfig.model_validate(model))

@@ -5,9 +5,15 @@
 - Text encoder: frozen random embeddings, one per word, drawn from a generator seeded by
   (encoder seed, crc32(word)) — no vocabulary file, any word gets a stable vector, and the
   empty prompt (all-zero padding) is the unconditional input for CFG.
-- The transformer sees 10 input channels: the noisy video (3), the I2V first frame
-  broadcast over time (3) plus a mask channel saying whether it is given (1), and fixed
-  (t, y, x) coordinates in [-1, 1] (3). One checkpoint serves T2V (mask 0) and I2V.
+- The transformer sees 10 input channels: the noisy video (3), the I2V condition video (3)
+  plus a mask channel (1), and fixed (t, y, x) coordinates in [-1, 1] (3). The condition
+  layout is the checkpoint's `i2v_layout`:
+  - `first_frame` (Wan 2.1/2.2 I2V): the first frame sits at frame 0 of an otherwise black
+    condition video and the mask is 1 on frame 0 only — the first-frame latent and its mask,
+    concatenated on the channels, as WanImageToVideoPipeline builds them;
+  - `broadcast` (the T2V base, and checkpoints without the key): the first frame at every frame,
+    mask 1 everywhere.
+  A T2V row (no image) is all zeros in both layouts, so one checkpoint serves T2V and I2V.
 - A checkpoint is `NAME.safetensors` (transformer weights) + `NAME.json` (configs and the
   pretraining record). `from_pretrained(None)` loads the committed one in assets/.
 """
@@ -30,6 +36,8 @@ ASSETS = Path(__file__).parent / "assets"
 BASE_CHECKPOINT = ASSETS / "toy_base.safetensors"
 DIR_WEIGHTS, DIR_META = "toy.safetensors", "toy.json"
 IN_CHANNELS = 10   # noisy video 3 + first frame 3 + first-frame mask 1 + coordinates 3
+BASE_I2V_CHECKPOINT = ASSETS / "toy_i2v_base.safetensors"
+I2V_LAYOUTS = ("broadcast", "first_frame")
 
 DEFAULT_TRANSFORMER: dict[str, Any] = {
     "patch_size": [1, 4, 4], "num_attention_heads": 4, "attention_head_dim": 16,
@@ -91,7 +99,11 @@ class ToyVideoModel(VideoModel):
 
     def __init__(self, transformer_cfg: dict[str, Any] | None = None, text_cfg: dict[str, Any] | None = None,
                  world: dict[str, Any] | None = None, guidance_scale: float = 1.0,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 i2v_layout: str = "first_frame"):
+        if i2v_layout not in I2V_LAYOUTS:
+            raise ModelLoadError(f"toy model: i2v_layout {i2v_layout!r} is not one of {list(I2V_LAYOUTS)}")
+        self.i2v_layout = i2v_layout
         self.transformer_cfg = dict(transformer_cfg or DEFAULT_TRANSFORMER)
         self.text_cfg = dict(text_cfg or DEFAULT_TEXT)
         self.world = dict(world or DEFAULT_WORLD)
@@ -114,7 +126,8 @@ class ToyVideoModel(VideoModel):
         weights, meta_path = _resolve(path)
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            model = cls(meta["transformer"], meta["text"], meta["world"], guidance_scale, dtype, device)
+            model = cls(meta["transformer"], meta["text"], meta["world"], guidance_scale, dtype, device,
+                        meta.get("i2v_layout", "broadcast"))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"toy model: sidecar {str(meta_path)!r} is malformed ({e})") from None
         try:
@@ -138,11 +151,13 @@ class ToyVideoModel(VideoModel):
     def from_config(cls, cfg) -> ToyVideoModel:
         """From a common.config.RunConfig: its model.path, dtype and guidance_scale."""
         m = cfg.model
-        model = cls.from_pretrained(m.path, getattr(torch, m.dtype), m.guidance_scale)
+        # no path: the committed base of the task (the I2V one conditions on a first frame as Wan I2V does)
+        path = m.path if m.path is not None or m.task == "t2v" else BASE_I2V_CHECKPOINT
+        model = cls.from_pretrained(path, getattr(torch, m.dtype), m.guidance_scale)
         want = {"num_frames": m.num_frames, "height": m.height, "width": m.width}
         if want != {k: model.world[k] for k in want}:
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
-                                 f"checkpoint's {model.world} (path {m.path or str(BASE_CHECKPOINT)!r})")
+                                 f"checkpoint's {model.world} (path {str(path or BASE_CHECKPOINT)!r})")
         return model
 
     @classmethod
@@ -160,7 +175,7 @@ class ToyVideoModel(VideoModel):
                  for k, v in self.transformer.state_dict().items()}
         save_file(state, str(weights))
         meta = {"format": "vgrpo-toy/1", "transformer": self.transformer_cfg, "text": self.text_cfg,
-                "world": self.world, **(record or {})}
+                "world": self.world, "i2v_layout": self.i2v_layout, **(record or {})}
         weights.with_name(weights.stem + ".json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         return weights
 
@@ -173,7 +188,8 @@ class ToyVideoModel(VideoModel):
     def trainable_module(self) -> nn.Module:
         return self.transformer
 
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         B, (_, _, H, W) = len(prompts), self.latent_shape
         text = self.text_encoder(prompts)                                  # [B, L, D]
         image = torch.zeros(B, 4, H, W)                                    # rgb + mask
@@ -183,7 +199,9 @@ class ToyVideoModel(VideoModel):
                                  f"{images.dtype} {tuple(images.shape)}")
             image[:, :3] = images.permute(0, 3, 1, 2).float() / 127.5 - 1.0
             image[:, 3] = 1.0
-        uncond = {"text": torch.zeros_like(text), "image": image.clone()} if self.guidance_scale != 1.0 else None
+        # CFG's unconditional text: the empty prompt (zeros), or a row's negative prompt
+        negs = [n or "" for n in (negative_prompts or [None] * B)]
+        uncond = {"text": self.text_encoder(negs), "image": image.clone()} if self.guidance_scale != 1.0 else None
         return Cond({"text": text, "image": image}, uncond).to(self.device)
 
     def _coords(self, B: int) -> Tensor:
@@ -194,7 +212,10 @@ class ToyVideoModel(VideoModel):
 
     def _forward(self, x: Tensor, sigma: Tensor, text: Tensor, image: Tensor) -> Tensor:
         B, _, F = x.shape[:3]
-        cond_img = image[:, :, None].expand(-1, -1, F, -1, -1)             # [B, 4, F, H, W]
+        if self.i2v_layout == "broadcast":
+            cond_img = image[:, :, None].expand(-1, -1, F, -1, -1)         # [B, 4, F, H, W]
+        else:                                                              # frame 0 given, the rest black
+            cond_img = torch.cat([image[:, :, None], image.new_zeros(B, 4, F - 1, *image.shape[2:])], dim=2)
         inp = torch.cat([x.float(), cond_img.float(), self._coords(B)], dim=1)  # [B, 10, F, H, W]
         t = (sigma.float().reshape(-1).expand(B) * 1000.0).to(self.dtype)
         out = self.transformer(inp.to(self.dtype), t, text.to(self.dtype), return_dict=False)[0]

@@ -2,7 +2,8 @@
 
 Recipe (from the feasibility runs in issue 4):
 - data: a random prompt of the whole world (all 16 colour × direction pairs), a random start;
-  with probability `i2v_prob` its first frame is given as the I2V condition; with probability
+  with probability `i2v_prob` it is an I2V video (toyworld.i2v_spec) whose first frame is given
+  as the I2V condition; with probability
   `cfg_drop` the text is dropped (zero embeddings) so CFG has an unconditional model;
 - σ ~ logit-normal shifted by `shift` (σ' = s·u / (1 + (s-1)·u), u = sigmoid(N(0, 1))): the
   direction is decided at σ > 0.8, which plain logit-normal almost never trains;
@@ -46,9 +47,11 @@ def ode_sample(model: ToyVideoModel, prompts: list[str], seeds: list[int], steps
     return model.decode(x)
 
 
-def summarize(frames: torch.Tensor, prompts: list[str]) -> dict[str, Any]:
-    """Mean ± stderr of each head and part over a batch of videos, plus direction accuracy."""
-    rows = [toyscore.score_video(f.numpy(), p) for f, p in zip(frames, prompts, strict=True)]
+def summarize(frames: torch.Tensor, prompts: list[str], images: torch.Tensor | None = None) -> dict[str, Any]:
+    """Mean ± stderr of each head and part over a batch of videos, plus direction accuracy
+    (and IA with its parts when the I2V condition images uint8 [B, H, W, 3] are given)."""
+    imgs = [None] * len(prompts) if images is None else [i.numpy() for i in images]
+    rows = [toyscore.score_video(f.numpy(), p, i) for f, p, i in zip(frames, prompts, imgs, strict=True)]
     out: dict[str, Any] = {"n": len(rows)}
     for key in rows[0]:
         vals = np.asarray([r[key] for r in rows])
@@ -58,20 +61,30 @@ def summarize(frames: torch.Tensor, prompts: list[str]) -> dict[str, Any]:
     return out
 
 
+def eval_images(pairs: list[tuple[str, int]]) -> torch.Tensor:
+    """The I2V condition of each eval (prompt, seed): its seeded first frame. uint8 [N, H, W, 3]"""
+    return torch.from_numpy(np.stack([tw.i2v_condition(p, s) for p, s in pairs]))
+
+
 def evaluate(model: ToyVideoModel, seeds_per_prompt: int = 16, steps: int = EVAL_STEPS,
-             shift: float = EVAL_SHIFT, batch: int = 64) -> dict[str, Any]:
-    """Heads on the fixed eval set (toyworld.eval_pairs), sampled with the ODE."""
+             shift: float = EVAL_SHIFT, batch: int = 64, i2v: bool = False) -> dict[str, Any]:
+    """Heads on the fixed eval set (toyworld.eval_pairs), sampled with the ODE; `i2v` conditions
+    each pair on its seeded first frame and adds IA."""
     pairs = tw.eval_pairs(seeds_per_prompt)
+    images = eval_images(pairs) if i2v else None
     frames = torch.cat([ode_sample(model, [p for p, _ in pairs[i:i + batch]], [s for _, s in pairs[i:i + batch]],
-                                   steps, shift) for i in range(0, len(pairs), batch)])
-    return summarize(frames, [p for p, _ in pairs])
+                                   steps, shift, None if images is None else images[i:i + batch])
+                        for i in range(0, len(pairs), batch)])
+    return summarize(frames, [p for p, _ in pairs], images)
 
 
 def make_batch(rng: np.random.Generator, batch: int, i2v_prob: float, num_frames: int, size: int):
     """Rendered training videos: (prompts [B], frames uint8 [B, F, H, W, 3], first frames or None per row)."""
     prompts = [tw.WORLD_PROMPTS[i] for i in rng.integers(0, len(tw.WORLD_PROMPTS), batch)]
-    frames = np.stack([tw.render(tw.random_spec(p, rng, size), num_frames, size) for p in prompts])
     use_img = rng.uniform(size=batch) < i2v_prob
+    # an I2V row is an I2V video (centre start, short travel): its first frame does not tell the direction
+    frames = np.stack([tw.render((tw.i2v_spec if i2v else tw.random_spec)(p, rng, size), num_frames, size)
+                       for p, i2v in zip(prompts, use_img, strict=True)])
     return prompts, torch.from_numpy(frames), torch.from_numpy(use_img)
 
 
@@ -83,11 +96,20 @@ def sample_sigma(gen: torch.Generator, batch: int, shift: float) -> torch.Tensor
 def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_path: str | Path | None = None,
              eval_every: int = 200, eval_seeds: int = 16, snapshot_dir: str | Path | None = None,
              warmup: int = 100, shift: float = 3.0, cfg_drop: float = 0.1, i2v_prob: float = 0.25,
-             weight_decay: float = 0.0, command: str = "", progress: bool = True) -> tuple[ToyVideoModel, list[dict]]:
-    """Train from scratch; returns the model and the eval history [{step, loss (mean since the last eval), eval}]."""
+             weight_decay: float = 0.0, command: str = "", progress: bool = True,
+             init: str | Path | None = None, i2v_layout: str = "first_frame",
+             eval_i2v: bool | None = None) -> tuple[ToyVideoModel, list[dict]]:
+    """Train from scratch (or go on from the checkpoint `init`, with the condition layout
+    `i2v_layout`); returns the model and the eval history [{step, loss (mean since the last
+    eval), eval}]. The eval is I2V (with IA) when `eval_i2v`, by default when i2v_prob >= 0.5."""
     # 1. Model, optimizer and the two independent streams (data / noise) from one seed.
     torch.manual_seed(seed)
-    model = ToyVideoModel()
+    if init is None:
+        model = ToyVideoModel(i2v_layout=i2v_layout)
+    else:
+        model = ToyVideoModel.from_pretrained(init)
+        model.i2v_layout = i2v_layout
+    eval_i2v = i2v_prob >= 0.5 if eval_i2v is None else eval_i2v
     net = model.trainable_module().train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(warmup, 1)))
@@ -98,6 +120,7 @@ def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_p
     history: list[dict] = []
     record = {"command": command, "seed": seed, "steps": steps, "batch": batch, "lr": lr, "warmup": warmup,
               "shift": shift, "cfg_drop": cfg_drop, "i2v_prob": i2v_prob, "weight_decay": weight_decay,
+              "init": None if init is None else str(init), "i2v_layout": i2v_layout, "eval_i2v": eval_i2v,
               "params": n_params, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "eval_set": {"prompts": list(tw.EVAL_PROMPTS), "seeds_per_prompt": eval_seeds,
                            "ode_steps": EVAL_STEPS, "shift": EVAL_SHIFT}}
@@ -105,7 +128,7 @@ def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_p
     def checkpoint(step: int, loss: float, path: Path) -> None:
         if not history or history[-1]["step"] != step:                  # one eval per step
             net.eval()
-            history.append({"step": step, "loss": loss, "eval": evaluate(model, eval_seeds)})
+            history.append({"step": step, "loss": loss, "eval": evaluate(model, eval_seeds, i2v=eval_i2v)})
             net.train()
         model.save_pretrained(path, {"pretrain": {**record, **history[-1]}})
 
@@ -144,7 +167,8 @@ def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_p
                 ev = history[-1]["eval"]
                 bar.console.print(f"step {step}: loss {mean_loss:.4f}  VQ {ev['VQ']['mean']:.3f}  MQ {ev['MQ']['mean']:.3f}"
                                   f"  TA {ev['TA']['mean']:.3f}  colour {ev['colour']['mean']:.3f}"
-                                  f"  dir-acc {ev['direction_correct']['mean']:.3f}")
+                                  f"  dir-acc {ev['direction_correct']['mean']:.3f}"
+                                  + (f"  IA {ev['IA']['mean']:.3f}" if "IA" in ev else ""))
 
     # 3. The final checkpoint, with its eval record.
     net.eval()

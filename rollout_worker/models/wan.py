@@ -8,6 +8,9 @@ sampler owns the loop. Conventions follow `WanPipeline.__call__`:
   `guidance_scale`, and `transformer_2` below it, with `guidance_scale_2`;
 - CFG runs only when guidance_scale > 1; I2V concatenates [x, mask, condition latents];
 - latents are denormalised with the VAE's latents_mean/std before decoding.
+
+Precision: the VAE loads in fp32 (as diffusers documents for Wan; a bf16 load would round its
+weights), the transformer(s) hold every weight in `model.dtype` (see `base.cast_params`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from torch import Tensor, nn
 
 from common.config import ModelConfig
 from rollout_worker.models.base import (
+    DTYPES,
     Cond,
     ModelLoadError,
     VideoModel,
+    cast_params,
+    configure_vae,
     frames_to_uint8,
     is_local,
     require_dir,
@@ -70,6 +76,10 @@ class WanVideoModel(VideoModel):
         self.boundary_timestep = None if self.transformer_2 is None else boundary * 1000.0
         self.guidance_scale = cfg.guidance_scale
         self.guidance_scale_2 = cfg.guidance_scale if cfg.guidance_scale_2 is None else cfg.guidance_scale_2
+        for t in (self.transformer, self.transformer_2):
+            if t is not None:
+                cast_params(t, DTYPES[cfg.dtype])
+        configure_vae(pipe.vae, cfg)
         self._check_shapes()
         self._freeze()
         pipe.to(self.device)
@@ -89,18 +99,19 @@ class WanVideoModel(VideoModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                         device="cpu") -> WanVideoModel:
-        """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; VAE stays fp32."""
-        from diffusers import WanImageToVideoPipeline, WanPipeline
+        """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; the VAE in fp32."""
+        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
         path = str(path)
         if is_local(path):
             _check_local(path, cfg.task)
         pipe_cls = WanImageToVideoPipeline if cfg.task == "i2v" else WanPipeline
         try:
-            pipe = pipe_cls.from_pretrained(path, torch_dtype=dtype)
+            # the VAE loads in fp32 from the file: upcasting a bf16 load would keep its rounded weights
+            vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
+            pipe = pipe_cls.from_pretrained(path, vae=vae, torch_dtype=dtype)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"wan: could not load model path {path!r}: {e}") from e
-        pipe.vae.to(torch.float32)  # decoding in low precision visibly degrades Wan videos
         return cls(pipe, cfg, device)
 
     def _check_shapes(self) -> None:
@@ -130,7 +141,9 @@ class WanVideoModel(VideoModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        """The compute dtype (model.dtype): what inputs are cast to. Not the parameters' dtype,
+        which is fp32 in the learner under FSDP2 (the masters; FSDP2 gathers them in this dtype)."""
+        return DTYPES[self.cfg.dtype]
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
@@ -139,11 +152,13 @@ class WanVideoModel(VideoModel):
                 c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], images: Tensor | None = None) -> Cond:
+    def encode(self, prompts: list[str], images: Tensor | None = None,
+               negative_prompts: list[str | None] | None = None) -> Cond:
         # 1. Text (and the negative prompt when CFG runs), as WanPipeline.encode_prompt does
         do_cfg = self.guidance_scale > 1.0
+        negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * len(prompts))]
         prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=list(prompts), negative_prompt=[self.cfg.negative_prompt] * len(prompts) if do_cfg else None,
+            prompt=list(prompts), negative_prompt=negs if do_cfg else None,
             do_classifier_free_guidance=do_cfg, max_sequence_length=self.cfg.max_sequence_length,
             device=self.device)
         tensors = {"encoder_hidden_states": prompt_embeds.to(self.dtype)}  # [B, L, D]

@@ -1,0 +1,204 @@
+"""Image-to-video datasets: a JSONL manifest, or a folder of images with a caption beside each.
+
+Manifest (`*.jsonl`), one JSON object per line (blank lines are skipped):
+    {"prompt": "a red square moving left", "image": "images/red_0.png",
+     "id": "red-0", "negative_prompt": "blurry"}
+`prompt` and `image` are required; `image` is relative to the manifest's folder (or absolute);
+`id` (unique) names the row's samples; `negative_prompt` is kept on the condition.
+
+Folder: `NAME.png` (or .jpg, .jpeg, .webp, .bmp) with its caption in `NAME.txt` (UTF-8; line
+breaks become spaces).
+
+Every image is decoded once here, so a bad row stops the run before any actor starts: every
+defect gets one line naming the file (and line) and the fix, all reported together. Rows
+carry the image by path (common/images.py); each role decodes and fits it to the model's
+resolution itself. A condition's id hashes the prompt, the negative prompt and the image's
+bytes: the same prompt with two images is two conditions (two bank slots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor
+
+from common.config import ConfigError
+from common.images import ImageError, condition_image, decode
+from common.types import Condition
+
+TOY_I2V_DIR = Path(__file__).resolve().parent.parent / "rollout_worker" / "models" / "assets" / "toy_i2v"
+BUILTIN_MANIFESTS = {"toy-i2v-train": TOY_I2V_DIR / "train.jsonl", "toy-i2v-eval": TOY_I2V_DIR / "eval.jsonl"}
+"""The toy world's I2V sets, committed (written by `vgrpo toy i2v-data`)."""
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+FIELDS = ("prompt", "image", "id", "negative_prompt")
+
+
+def i2v_condition_id(prompt: str, image_bytes: bytes, negative_prompt: str | None = None) -> str:
+    """A stable id over the text and the image's bytes (16 hex digits, like text-only ids)."""
+    h = hashlib.sha1()
+    for part in (prompt.encode("utf-8"), (negative_prompt or "").encode("utf-8"),
+                 hashlib.sha1(image_bytes).digest()):
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.hexdigest()[:16]
+
+
+class _Rows:
+    """Collects conditions and defects; `done()` raises one ConfigError listing every defect."""
+
+    def __init__(self, source: Path):
+        self.source = source
+        self.defects: list[str] = []
+        self.conditions: dict[str, Condition] = {}
+        self.names: dict[str, str] = {}
+
+    def image(self, path: Path, where: str) -> bytes | None:
+        if not path.is_file():
+            self.defects.append(f"{where}: image {str(path)!r} not found; fix the path "
+                                "(relative to the manifest's folder) or add the file")
+            return None
+        data = path.read_bytes()
+        try:
+            decode(data, f"{where}: image {str(path)!r}")
+        except ImageError as e:
+            self.defects.append(str(e))
+            return None
+        return data
+
+    def add(self, prompt: str, image: Path, data: bytes, where: str, name: str | None = None,
+            negative: str | None = None) -> None:
+        from cluster.prompts import clean_prompt
+
+        try:
+            prompt = clean_prompt(prompt, where)
+            negative = None if negative is None else clean_prompt(negative, f"{where}: negative_prompt")
+        except ConfigError as e:
+            self.defects.append(str(e))
+            return
+        if not prompt:
+            self.defects.append(f"{where}: the prompt is empty; write the caption")
+            return
+        if name is not None:
+            if name in self.names:
+                self.defects.append(f"{where}: id {name!r} is already used by {self.names[name]}; ids must be unique")
+                return
+            self.names[name] = where
+        cid = i2v_condition_id(prompt, data, negative)
+        self.conditions.setdefault(cid, Condition(id=cid, prompt=prompt, image_path=str(image.resolve()),
+                                                  negative_prompt=negative, name=name))
+
+    def done(self) -> list[Condition]:
+        if self.defects:
+            raise ConfigError("\n".join(self.defects))
+        if not self.conditions:
+            raise ConfigError(f"{self.source}: holds no (image, prompt) rows")
+        return list(self.conditions.values())
+
+
+def read_manifest(path: Path) -> list[Condition]:
+    """A JSONL manifest → one Condition per distinct (prompt, negative prompt, image bytes)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: manifest not found")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    rows = _Rows(path)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            rows.defects.append(f"{where}: not a JSON object ({e.msg} at column {e.colno}); "
+                                'write {"prompt": "...", "image": "..."}')
+            continue
+        if not isinstance(row, dict):
+            rows.defects.append(f'{where}: not a JSON object; write {{"prompt": "...", "image": "..."}}')
+            continue
+        unknown = sorted(set(row) - set(FIELDS))
+        wrong = [f for f in FIELDS if f in row and not isinstance(row[f], str)]
+        missing = [f for f in ("prompt", "image") if not row.get(f) and f not in wrong]
+        if unknown or wrong or missing:
+            parts = ([f"missing {' and '.join(repr(f) for f in missing)}"] if missing else []) + \
+                    ([f"{', '.join(repr(f) for f in wrong)} must be a string"] if wrong else []) + \
+                    ([f"unknown field(s) {unknown}; expected {list(FIELDS)}"] if unknown else [])
+            rows.defects.append(f"{where}: {'; '.join(parts)}")
+            continue
+        image = (path.parent / row["image"]).expanduser()
+        data = rows.image(image, where)
+        if data is not None:
+            rows.add(row["prompt"], image, data, where, row.get("id"), row.get("negative_prompt"))
+    return rows.done()
+
+
+def read_folder(folder: Path) -> list[Condition]:
+    """A folder of NAME.png + NAME.txt pairs → one Condition per pair (sorted by name)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: dataset folder not found")
+    rows = _Rows(folder)
+    images: dict[str, Path] = {}
+    for p in sorted(folder.iterdir()):
+        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file():
+            if p.stem in images:
+                rows.defects.append(f"{p}: a second image for {p.stem!r} (also {images[p.stem].name}); keep one")
+                continue
+            images[p.stem] = p
+    captions = {p.stem: p for p in sorted(folder.glob("*.txt")) if p.is_file()}
+    for stem in sorted(set(captions) - set(images)):
+        rows.defects.append(f"{captions[stem]}: caption without an image; add {stem}.png or remove it")
+    for stem, image in images.items():
+        where = str(image)
+        cap = captions.get(stem)
+        if cap is None:
+            rows.defects.append(f"{where}: no caption; write the prompt into {stem}.txt beside it")
+            continue
+        try:
+            text = " ".join(cap.read_text(encoding="utf-8").split())
+        except UnicodeDecodeError as e:
+            rows.defects.append(f"{cap}: not UTF-8 text (byte {e.start})")
+            continue
+        data = rows.image(image, where)
+        if data is not None:
+            rows.add(text, image, data, str(cap), stem)
+    return rows.done()
+
+
+# --- a dataset in a run --------------------------------------------------------------------
+
+
+def check_task(conditions: list[Condition], task: str, spec: str) -> None:
+    """model.task and the prompt set agree: i2v needs a first frame on every row, t2v none."""
+    with_image = sum(c.is_i2v for c in conditions)
+    if task == "i2v" and with_image < len(conditions):
+        raise ConfigError(f"{spec}: model.task = 'i2v' needs a first frame per prompt, but "
+                          f"{len(conditions) - with_image} of {len(conditions)} rows have none; use a JSONL "
+                          "manifest or an image folder (docs/datasets.md)")
+    if task == "t2v" and with_image:
+        raise ConfigError(f"{spec}: its rows carry first frames, but model.task = 't2v'; set "
+                          "model.task: i2v (with an I2V model) or use a text prompt set")
+
+
+def reward_images(condition: Condition, size: int) -> Tensor | str | None:
+    """What the reward role gets for a group's first frames: the path (read there), the
+    in-memory image expanded to the group, or None for text-to-video."""
+    if condition.image is not None:
+        return condition.image.unsqueeze(0).expand(size, -1, -1, -1)
+    return condition.image_path
+
+
+def side_by_side(frames: np.ndarray, condition: Condition, model_cfg, gap: int = 1) -> np.ndarray:
+    """A video uint8 [F, H, W, 3] with its condition's first frame to its left in every frame
+    (unchanged for text-to-video), so a viewer sees the image beside what came of it."""
+    image = condition_image(condition, model_cfg.height, model_cfg.width)
+    if image is None:
+        return frames
+    F, H = frames.shape[:2]
+    img = np.broadcast_to(image.numpy()[None], (F, *image.shape))
+    sep = np.full((F, H, gap, 3), 128, np.uint8)
+    return np.concatenate([img, sep, frames], axis=2)

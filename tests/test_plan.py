@@ -1,0 +1,84 @@
+"""`vgrpo plan`: its learner memory against the measured peak of CPU train steps (three small Wan
+sizes, within 25%), and its output for the real-model configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.cli import main
+from common.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(900)
+
+# (heads × 64 width, ffn, blocks, frames, height = width, activation checkpointing)
+SIZES = [(4, 1024, 2, 17, 256, False), (8, 2048, 3, 9, 256, False), (6, 1536, 2, 17, 192, True)]
+
+
+def _save_wan(path: Path, heads: int, ffn: int, layers: int) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from rollout_worker.models.tiny import tiny_wan_components
+
+    comps = tiny_wan_components("t2v")
+    torch.manual_seed(0)
+    comps["transformer"] = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=64, ffn_dim=ffn, num_layers=layers, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)
+    WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **comps).save_pretrained(path)
+
+
+@pytest.mark.parametrize(("heads", "ffn", "layers", "frames", "size", "ckpt"), SIZES)
+def test_plan_learner_memory_matches_a_measured_cpu_train_step(tmp_path, heads, ffn, layers, frames, size, ckpt):
+    _save_wan(tmp_path, heads, ffn, layers)
+    # glibc keeps freed heap resident; with large blocks mmapped, resident memory tracks live tensors
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    res = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plan_check", str(tmp_path), f"model.num_frames={frames}",
+         f"model.height={size}", f"model.width={size}", f"model.gradient_checkpointing={str(ckpt).lower()}"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["plan"] > 50 * 2**20  # sizes where the step's memory is well above measurement noise
+    assert 0.75 < out["measured"] / out["plan"] < 1.25, out
+
+
+@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml"])
+def test_plan_for_the_real_configs(config, capsys):
+    cfg = load_config(ROOT / config)
+    assert cfg.model.gradient_checkpointing and cfg.model.vae_tiling  # on in the real-model configs
+    assert main(["plan", "-c", str(ROOT / config), "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    for line in ("weights", "grads", "optimizer", "activations (checkpointing)", "activations (no checkpointing)",
+                 "vae decode", "rollout per video", "train per video", "rollout :"):
+        assert line in out, line
+    assert "peak, with checkpointing" in out and "(fits)" in out.split("peak, with checkpointing")[1].splitlines()[0]
+    assert "(does NOT fit)" in out.split("peak, without checkpointing")[1].splitlines()[0]
+
+
+def test_plan_counts_the_released_sizes_and_both_wan_experts():
+    from cluster.plan_cmd import arch, plan
+
+    wan = arch(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml"))
+    assert 14.0e9 < wan.params < 14.5e9 and (wan.experts, wan.trained_experts) == (2, 1)
+    assert wan.tokens == 14 * 20 * 36  # 53 frames → 14 latent frames; 320x576 / 8 / 2
+    hy = arch(load_config(ROOT / "configs/hunyuan15_t2v_sage.yaml"))
+    assert 8.2e9 < hy.params < 8.5e9 and hy.lora_params > 0
+    p = plan(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml"), "A100")
+    assert p.split["rollout gpus"] + p.split["learner gpus"] == pytest.approx(p.split["gpus"])
+    assert p.seconds["rollout per video"] > plan(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml"),
+                                                 "H100").seconds["rollout per video"]
+
+
+def test_plan_rejects_a_family_it_cannot_size(capsys):
+    assert main(["plan", "model.family=toy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.family = 'toy'" in err

@@ -1,0 +1,129 @@
+"""Mixed precision at the production dtype (bf16) on CPU: fp32 master weights and optimizer state,
+fp32 LoRA adapters, and identical numerics in the sampler and the learner (log r = 0 on replay
+with unchanged weights), single-process and FSDP2 over 2 ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from common.config import RunConfig
+from common.types import Condition, TrainBatch
+from learner.actor import LearnerGroup
+from learner.rows import build_rows, micro_batches
+from learner.trainer import Trainer
+from rollout_worker.models.lora import inject_lora, is_lora_key
+from rollout_worker.models.tiny import tiny_wan_model
+from rollout_worker.sampler import _velocity, sample_group
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = {"family": "wan", "num_frames": 5, "height": 16, "width": 16, "guidance_scale": 2.0,
+         "max_sequence_length": 16, "dtype": "bfloat16"}
+
+
+def _cfg(finetune: str, **over) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": MODEL, "schedule": {"steps": 4, "shift": 3.0}, "sde": {"scheme": "sage"},
+        "sampler": {"group_size": 3, "train_steps": "all", "latent_dtype": "bfloat16"},
+        "optim": {"finetune": finetune, "micro_batch": 4, "lora_rank": 4, "lr": 1e-5},
+        "kl": {"strategy": "dual"},
+        "pools": {"learner": {"num_cpus": 0.5, "torch_threads": 1}}, **over})
+
+
+def _batch(cfg: RunConfig, groups: int = 2) -> TrainBatch:
+    """Groups from the real sampler on a rollout-side model (with the same adapter for LoRA)."""
+    rollout = tiny_wan_model(MODEL)
+    if cfg.optim.finetune == "lora":
+        inject_lora(rollout.trainable_module(), "wan", cfg.optim)
+    out = []
+    for c in range(groups):
+        g = sample_group(rollout, Condition(id=f"c{c}", prompt=f"prompt {c}"), cfg, seed=c, policy_version=0)
+        g.composite = torch.randn(g.size, generator=torch.Generator().manual_seed(c))
+        out.append(g)
+    return TrainBatch(fresh=out)
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_bf16_replay_is_exact_and_masters_are_fp32(finetune):
+    cfg = _cfg(finetune)
+    batch = _batch(cfg)
+    model = tiny_wan_model(MODEL)
+    assert model.transformer.dtype == torch.bfloat16
+    tr = Trainer(cfg, model).setup()
+    pol = tr.policy
+    opt_params = pol.optim_parameters()
+    assert all(p.dtype == torch.float32 for p in opt_params)
+    if finetune == "lora":
+        assert all(is_lora_key(n) for n in pol.params) and not pol.master  # adapters are fp32 themselves
+    else:
+        assert {p.dtype for p in pol.params.values()} == {torch.bfloat16} and len(pol.master) == len(pol.params)
+
+    # the learner's velocities (grad on, micro-batch rows) equal the sampler's bit for bit
+    rows = build_rows(batch, cfg)
+    mb = next(micro_batches(rows, cfg.optim.micro_batch))
+    cond = tr.encode(rows).index(mb.cond_idx)
+    learner_v = pol.velocity(mb.x.float(), mb.sigma, cond)
+    with torch.no_grad():
+        sampler_v = torch.cat([_velocity(model, mb.x[i:i + 1].float(), float(mb.sigma[i]), cond.index([i]))
+                               for i in range(len(mb.x))])
+    assert torch.equal(learner_v.detach(), sampler_v)
+
+    st = tr.train_step(batch)
+    # log r on replay: not 0 bit for bit only because σ reaches the SDE scheme as the schedule's
+    # float64 in the sampler and as float32 in the learner's rows (learner/rows.py), which moves
+    # Sage's float64 variance by an ulp; measured 6e-8, far below clip ε = 1e-4.
+    assert st["logratio_first_absmax"] < 1e-6
+    assert st["clipfrac"] == 0.0 and st["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert st["grad_norm"] > 0
+    state = [s for p in opt_params for s in tr.optimizer.state[p].values() if torch.is_tensor(s) and s.ndim]
+    assert state and all(s.dtype == torch.float32 for s in state)
+    if finetune == "full":
+        # lr 1e-5 moves the fp32 masters by less than bf16 resolves: the compute weights are the
+        # rounded masters, and the masters keep the small updates a bf16 optimizer would lose
+        lost = [n for n, m in pol.master.items() if not torch.equal(m.to(torch.bfloat16).float(), m.detach())]
+        assert lost
+        for n, m in pol.master.items():
+            assert torch.equal(pol.params[n], m.detach().to(torch.bfloat16)), n
+
+
+def test_learner_sees_the_sampler_transformer_dtype():
+    """Without the shared compute dtype the learner (fp32) would not replay a bf16 sampler exactly."""
+    cfg = _cfg("lora")
+    batch = _batch(cfg)
+    fp32 = tiny_wan_model({**MODEL, "dtype": "float32"})
+    st = Trainer(cfg, fp32).setup().train_step(batch)
+    assert st["logratio_first_absmax"] > cfg.grpo.clip_eps  # such rows would all clip
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_fsdp2_two_ranks_replay_bf16_exactly(ray_session, finetune):
+    cfg = _cfg(finetune)
+    batch = _batch(cfg)
+    group = LearnerGroup(cfg, model_factory=functools.partial(tiny_wan_model, MODEL), num_ranks=2)
+    try:
+        st = group.train_step(batch)
+        assert st["logratio_first_absmax"] < 1e-6  # see test_bf16_replay_is_exact_and_masters_are_fp32
+        assert st["clipfrac"] == 0.0 and st["grad_norm"] > 0
+        payload = group.weights_payload()
+    finally:
+        group.shutdown()
+    # the published weights are the fp32 masters (full) or fp32 adapters; the rollout side
+    # rounds masters into its bf16 weights and keeps adapters in fp32
+    assert {v.dtype for v in payload.values()} == {torch.float32}
+
+
+def test_checkpoint_keeps_the_fp32_masters(tmp_path):
+    cfg = _cfg("full")
+    batch = _batch(cfg)
+    a = Trainer(cfg, tiny_wan_model(MODEL)).setup()
+    a.train_step(batch)
+    path = a.save_checkpoint(tmp_path)
+    b = Trainer(cfg, tiny_wan_model(MODEL)).setup()
+    b.load_checkpoint(path)
+    for n, m in a.policy.master.items():
+        assert torch.equal(b.policy.master[n], m), n  # not the bf16 compute weights, which lose the step
+        assert torch.equal(b.policy.params[n], a.policy.params[n]), n
+    assert b.train_step(batch)["loss"] == a.train_step(batch)["loss"]
