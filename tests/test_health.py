@@ -372,3 +372,11 @@ def test_kl_to_pi0_is_measured_and_equals_the_fixed_anchors_kl():
         else:
             assert "kl/d_pi0" not in a
     assert b["kl/d_anchor"] > 0  # the policy moved away from π_0
+
+
+def test_vgrpo_plan_prints_the_pre_launch_warnings(tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["plan", "-c", "configs/wan22_i2v_tagrpo.yaml", f"run.root={tmp_path}", "train.groups_per_step=1"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: train.groups_per_step = 1: one step's gradient comes from fewer than 2 prompts" in out
