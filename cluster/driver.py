@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from cluster.datasets import check_task, side_by_side
+from cluster.health_hook import DriverHealth
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
@@ -106,6 +107,7 @@ class Driver:
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
         self._secret_dir: Path | None = None
+        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health.py)
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
@@ -478,6 +480,7 @@ class Driver:
         values["reward_mean"] = pulled.reward_mean
         for h, v in pulled.head_means.items():
             values[f"reward/{h}"] = v
+        values.update(pulled.spread)  # health: zero-spread share per head (computed on rank 0)
         return values
 
     def _refill_dropped(self, gids: list[str]) -> None:
@@ -560,6 +563,7 @@ class Driver:
         self.videos_at_start = self.counts["videos"]
         prev = signal.signal(signal.SIGINT, self._on_sigint) if threading.current_thread() is threading.main_thread() else None
         try:
+            self.health.heldout(self, start=True)  # health: the held-out baseline
             if self.cfg.train.mode == "sync":
                 self._run_sync(progress)
             else:
@@ -594,6 +598,7 @@ class Driver:
                 continue  # a corrupt group was dropped: make its replacement first
             self.publish()
             self._after_step(record, progress)
+            self.health.heldout(self)  # health: every health.eval_every steps
 
     def _run_async(self, progress) -> None:
         gps, ahead = self.cfg.train.groups_per_step, max(1, self.cfg.train.max_staleness)
@@ -641,6 +646,7 @@ class Driver:
                 with produced:
                     produced.notify_all()
                 self._after_step(record, progress)
+                self.health.heldout(self)  # health: with the weights the actors hold now
         finally:
             done.set()
             with produced:
@@ -658,6 +664,7 @@ class Driver:
             bank = None
         record = step_record(self.step, time.monotonic() - self.t_start, stats, self.counts, self.timers,
                              self.videos_at_start, bank)
+        self.health.on_step(record, self.metrics)  # health: checks, and their keys in the row
         self.run_dir.log(record)
         self.exporter.export(record, self.counts)
         if progress is not None:
@@ -667,6 +674,7 @@ class Driver:
         step_videos(self)  # every log.video_every steps: the fixed eval pairs as one video
         if self.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
+        self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def heads(self) -> list[str]:
         return [h for hs in self.rewards.head_names.values() for h in hs]

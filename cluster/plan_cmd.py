@@ -340,4 +340,8 @@ def run(args) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(render(cfg, p, args.config or "defaults"))
+    from cluster.preflight import health_warnings
+
+    for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
+        print(f"warning: {line}")
     return 0

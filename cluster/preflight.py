@@ -50,3 +50,54 @@ def preflight(cfg: RunConfig) -> None:
     check_prompts(cfg)
     check_model_path(cfg)
     check_rewards(cfg)
+
+
+# --- training health, before any GPU is spent (cluster/health.py) ----------------------------
+
+def health_warnings(cfg: RunConfig) -> list[str]:
+    """Settings users repeatedly report as silent failures, one line each (warnings, not errors).
+
+    A prompt group split across learner ranks needs no warning here: every rank computes the
+    advantages over whole groups of the full batch before its rows are split (learner/rows.py)."""
+    h, out = cfg.health, []
+    g, n = cfg.sampler.group_size, cfg.train.groups_per_step
+    if g < h.min_group_size:
+        out.append(f"sampler.group_size = {g}: advantages from fewer than {h.min_group_size} samples per group "
+                   f"are mostly noise (with 2, every group's advantages are ±1 whatever the rewards); "
+                   f"raise it to {h.min_group_size} or more")
+    if n < h.min_groups_per_step:
+        out.append(f"train.groups_per_step = {n}: one step's gradient comes from fewer than "
+                   f"{h.min_groups_per_step} prompts; raise it to {h.min_groups_per_step} or more")
+    drift = measured_drift(cfg)
+    if drift is not None and cfg.grpo.clip_eps <= drift[0]:
+        out.append(f"grpo.clip_eps = {cfg.grpo.clip_eps:g} is not above the numeric drift max |log r| = "
+                   f"{drift[0]:.2e} measured at the first update of {drift[1]} (same model): ratios would be "
+                   "clipped by numerics alone; fix the sampler/learner mismatch or raise grpo.clip_eps")
+    return out
+
+
+def measured_drift(cfg: RunConfig) -> tuple[float, Path] | None:
+    """The first-update max |log r| of the newest earlier run under run.root with the same model
+    (family, path, dtype), from its health.json; None when there is none."""
+    import yaml
+
+    from cluster.health_hook import HEALTH_FILE, read_health
+
+    root = Path(cfg.run.root)
+    if not root.is_dir():
+        return None
+    want = (cfg.model.family, cfg.model.path, cfg.model.dtype)
+    found: list[tuple[float, float, Path]] = []
+    for path in root.glob(f"*/{HEALTH_FILE}"):
+        n = (read_health(path.parent) or {}).get("numerics")
+        try:
+            model = (yaml.safe_load((path.parent / "config.yaml").read_text(encoding="utf-8")) or {}).get("model") or {}
+            value = float(n["logratio_onpolicy_absmax"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+            continue  # no measurement, or a damaged run directory
+        if (model.get("family"), model.get("path"), model.get("dtype")) == want and value == value:
+            found.append((path.stat().st_mtime, value, path.parent))
+    if not found:
+        return None
+    _, value, run = max(found, key=lambda f: f[0])
+    return value, run

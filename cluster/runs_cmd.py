@@ -1,5 +1,5 @@
 """`vgrpo runs [ROOT]`: the run directories under ROOT, each with its step, status, last reward,
-before/after result and wall time."""
+before/after result, training health and wall time."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def register(sub) -> None:
     p = sub.add_parser("runs", help="list run directories and how each stands",
                        description="List the run directories under ROOT (default: runs, the default "
                        "run.root): step reached of train.steps, status (running, finished, or stopped "
-                       "and why), the last training reward, the before → after evaluation composite "
-                       "and the wall time.")
+                       "and why), the last training reward, the before → after evaluation composite, "
+                       "the training health (ok, or the checks that warned or stopped) and the wall time.")
     p.add_argument("root", nargs="?", default="runs", help="folder holding run directories (default: runs)")
     p.add_argument("--json", action="store_true", help="one JSON object per run, for scripts")
     p.set_defaults(func=run)
@@ -71,7 +71,22 @@ def describe(path: Path) -> dict[str, Any]:
     return {"run": path.name, "path": str(path), "step": last.get("step", 0), "steps": steps,
             "status": state, "reason": reason, "reward": last.get("reward_mean"),
             "before": (summary.get("before") or {}).get("composite_mean"),
-            "after": (summary.get("after") or {}).get("composite_mean"), "wall_s": wall}
+            "after": (summary.get("after") or {}).get("composite_mean"), "wall_s": wall,
+            "health": health_status(path, summary)}
+
+
+def health_status(path: Path, summary: dict[str, Any]) -> str | None:
+    """`ok`, `warn: <checks>` or `stop: <check>` from RUN_DIR/health.json (or summary.json's
+    health section); None for a run without health checks."""
+    from cluster.health_hook import read_health
+
+    h = read_health(path) or summary.get("health")
+    if not isinstance(h, dict) or not isinstance(h.get("checks"), dict):
+        return None
+    fired = {name: c.get("level") for name, c in h["checks"].items() if isinstance(c, dict) and c.get("fired")}
+    status = h.get("status", "ok")
+    names = [n for n, lvl in fired.items() if lvl == status] if status != "ok" else []
+    return status + (f": {', '.join(names)}" if names else "")
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -104,12 +119,13 @@ def run(args) -> int:
     from rich.table import Table
 
     table = Table(title=f"runs in {root}")
-    for col in ("run", "step", "status", "reward", "before → after", "wall time"):
-        table.add_column(col, justify="left" if col in ("run", "status") else "right")
+    for col in ("run", "step", "status", "reward", "before → after", "health", "wall time"):
+        table.add_column(col, justify="left" if col in ("run", "status", "health") else "right")
     for r in rows:
         status = r["status"] + (f": {r['reason']}" if r["reason"] else "")
         result = "—" if r["after"] is None else f"{_num(r['before'])} → {_num(r['after'])}"
-        table.add_row(r["run"], f"{r['step']}/{r['steps']}", status, _num(r["reward"]), result, _wall(r["wall_s"]))
+        table.add_row(r["run"], f"{r['step']}/{r['steps']}", status, _num(r["reward"]), result, r["health"] or "—",
+                      _wall(r["wall_s"]))
     Console(width=200).print(table)
     if not rows:
         print(f"no run directories in {root}")

@@ -36,13 +36,15 @@ def register(sub) -> None:
 
 def train(args) -> int:
     from cluster.driver import check_model_path
-    from cluster.preflight import preflight
+    from cluster.preflight import health_warnings, preflight
     from cluster.run_dir import RunDir
     from common.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
     preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
     check_model_path(cfg)
+    for line in health_warnings(cfg):  # settings that fail silently: said before any GPU is spent
+        print(f"warning: {line}")
     return _run(cfg, RunDir.create(cfg), resume=None, evaluate=not args.no_eval)
 
 
@@ -111,6 +113,7 @@ def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> Non
 def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
     """(exit code, final state, reason) of the training and evaluation proper."""
     from cluster.evaluate import paired, summary_table
+    from cluster.health_hook import report_health
     from cluster.progress import TrainProgress
 
     before = driver.evaluate("before") if evaluate and resume is None else None
@@ -119,6 +122,8 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
     driver.checkpoint()
     if driver.stop_reason is not None:
         # a fault the run could not ride out: one line, and how to continue
+        health = report_health(driver, console)
+        run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
         console.print(f"error: {driver.stop_reason}")
         console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
         return 1, "stopped", driver.stop_reason
@@ -133,9 +138,12 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
                                         "(prompt, seed) pairs, ODE sampling, before vs after"))
             summary["before"] = before.to_dict()
             summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
+        summary["health"] = report_health(driver, console, before, after)
         run_dir.summary_file.write_text(json.dumps(summary, indent=2))
         if run_dir.tracker is not None:
             run_dir.tracker.summary({f"{when}/{k}": v for when in ("before", "after") if when in summary
                                      for k, v in summary[when].items()}, driver.step)
+    else:
+        report_health(driver, console)
     console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
     return 0, "finished", None

@@ -368,6 +368,66 @@ class LogConfig(Section):
         return [b for b in dict.fromkeys(self.backends) if b != "jsonl"]
 
 
+# --- training health (cluster/health.py) ---------------------------------------------
+
+HealthCheck = Literal["numerics", "clip", "approx_kl", "zero_spread", "head_against", "kl_growth",
+                      "hacking", "stagnation"]
+
+
+class HealthConfig(Section):
+    """Checks of the run's own numbers (cluster/health.py). A check listed in `stop_on` stops the
+    run with a checkpoint and one line; one listed in `off` is not run; every other one warns."""
+
+    enabled: bool = True
+    stop_on: list[HealthCheck] = Field(default_factory=lambda: ["numerics"])
+    off: list[HealthCheck] = Field(default_factory=list)
+    numerics_frac: float = Field(0.1, gt=0.0)
+    """numerics: max |log r| over the first update's on-policy rows (the weights that sampled them)
+    must stay below numerics_frac·grpo.clip_eps."""
+    clipfrac_max: float = Field(0.2, ge=0.0, le=1.0)
+    """clip: bound on the clip fraction of on-policy rows."""
+    approx_kl_max: float = Field(1e-4, gt=0.0)
+    """approx_kl: bound on the approximate KL of on-policy rows."""
+    zero_spread_max: float = Field(0.5, gt=0.0, le=1.0)
+    """zero_spread: warn when at least this share of a step's groups (or of one head's) has no spread."""
+    window: int = Field(10, ge=3)
+    """Steps over which trends (head_against, kl_growth) are measured."""
+    z: float = Field(3.0, gt=0.0)
+    """|z| a trend or a paired held-out difference must reach to count."""
+    kl_growth_max: float = Field(10.0, gt=1.0)
+    """kl_growth: the KL to the anchor (or D_step) growing more than this factor over one window."""
+    kl_pi0_every: int = Field(10, ge=0)
+    """kl_growth: measure the KL to π_0 every this many steps (one extra no-grad forward per
+    micro-batch on those steps; 0: never). With kl.strategy=fixed it is D_anchor, measured anyway."""
+    kl_floor: float = Field(1e-3, gt=0.0)
+    """kl_growth: KL values below this count as this, so a KL that starts at 0 does not grow ∞×."""
+    eval_every: int = Field(20, ge=0)
+    """Held-out ODE evaluation every this many steps (hacking, stagnation); 0 turns it off."""
+    eval_prompts: str | None = None
+    """Held-out prompts; None takes train.eval_prompts."""
+    eval_seeds: int = Field(2, ge=2)
+    """Seeds per held-out prompt (the first of train.eval_seeds' fixed seeds)."""
+    stagnation_evals: int = Field(3, ge=1)
+    """stagnation: held-out rewards that move by less than stagnation_z over this many evaluations."""
+    stagnation_z: float = Field(1.0, gt=0.0)
+    min_group_size: int = Field(4, ge=2)
+    """Pre-launch: warn when sampler.group_size is below this."""
+    min_groups_per_step: int = Field(2, ge=1)
+    """Pre-launch: warn when train.groups_per_step is below this."""
+
+    @model_validator(mode="after")
+    def _one_level_per_check(self) -> HealthConfig:
+        both = sorted(set(self.stop_on) & set(self.off))
+        if both:
+            raise ValueError(f"health check(s) {', '.join(both)} are both in stop_on and off; keep each in one")
+        return self
+
+    def level(self, check: str) -> Literal["off", "warn", "stop"]:
+        if not self.enabled or check in self.off:
+            return "off"
+        return "stop" if check in self.stop_on else "warn"
+
+
 class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -384,6 +444,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @property
     def records_mu_old(self) -> bool:

@@ -98,6 +98,27 @@ _SPECS = [
     MetricSpec("vgrpo_errors_total", "counter", "Errors caught and retried, by kind.", ("kind",)),
 ]
 
+# -- training health (cluster/health.py, cluster/health_hook.py)
+_SPECS += [
+    MetricSpec("vgrpo_health_status", "gauge", "Run health so far: 0 ok, 1 a warning fired, 2 a stop check fired."),
+    MetricSpec("vgrpo_health_findings", "gauge",
+               "Health findings so far in this run, per check (level: the check's configured warn or stop).",
+               ("check", "level")),
+    MetricSpec("vgrpo_onpolicy_logratio_absmax", "gauge",
+               "Max abs(log r) over the rows the learner's current weights sampled (0 up to numerics)."),
+    MetricSpec("vgrpo_onpolicy_clip_fraction", "gauge", "Fraction of on-policy rows outside the clip range."),
+    MetricSpec("vgrpo_onpolicy_approx_kl", "gauge", "Approximate KL on on-policy rows."),
+    MetricSpec("vgrpo_zero_spread_ratio", "gauge",
+               "Fraction of the step's groups with no reward spread, per head (head=composite for R).",
+               ("head",)),
+    MetricSpec("vgrpo_reward_trend_z", "gauge", "Slope z-score of a reward head over health.window steps.",
+               ("head",)),
+    MetricSpec("vgrpo_kl_growth", "gauge", "KL growth factor over health.window steps (term=anchor, step).",
+               ("term",)),
+    MetricSpec("vgrpo_heldout_z", "gauge", "Paired z of the held-out evaluation against the run's first one.",
+               ("head",)),
+]
+
 CATALOGUE: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
 
 # TrainStats keys (and other per-step stats) → (metric, extra labels).
@@ -119,6 +140,8 @@ STAT_KEYS: dict[str, tuple[str, dict[str, str]]] = {
     "staleness_mean": ("vgrpo_version_lag", {}),
     "idle_ratio": ("vgrpo_idle_ratio", {}),
 }
+# -- training health: the learner's KL to π_0, on the steps that measure it (health.kl_pi0_every)
+STAT_KEYS["kl/d_pi0"] = ("vgrpo_kl", {"term": "pi0"})
 _REWARD_HEAD_PREFIX = "reward/"
 
 

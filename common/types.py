@@ -190,5 +190,6 @@ class PullReceipt:
     reward_mean: float = float("nan")                          # composite, over fresh members
     head_means: dict[str, float] = field(default_factory=dict)
     bank_entries: int = 0
+    spread: dict[str, float] = field(default_factory=dict)    # health: share of groups with no spread
     dropped: list[str] = field(default_factory=list)
     box: list | None = None

@@ -61,11 +61,12 @@ class LossConfig:
 
 def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Scheme,
                  lc: LossConfig, lam_kl: float, n_rows: int, n_align: int,
-                 anchor_v: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 anchor_v: Tensor | None = None, pi0_v: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Returns (this micro-batch's share of L_total, detached sums for the step's stats).
 
     cond: the micro-batch's encoded conditions (rows aligned with mb).
     anchor_v: velocity of the D_anchor anchor on mb.x, no grad.
+    pi0_v: velocity of π_0 on mb.x, no grad, when the KL to π_0 is measured (health; no loss term).
     """
     if lc.anchor is not None and anchor_v is None:
         raise ValueError(f"kl.strategy={lc.strategy!r} needs the {lc.anchor!r} anchor's velocity (anchor_v)")
@@ -129,4 +130,14 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
             "kl/d_step": (m * d_step).sum() / n_rows,
             "logratio_absmax": (m * logratio.abs()).max(),
         }
+        # the same on rows the current weights sampled (health's numerics check, cluster/health.py)
+        onp = m * (mb.on_policy.float() if mb.on_policy is not None else torch.zeros_like(m))
+        sums.update({"onpolicy/rows": onp.sum(),
+                     "onpolicy/clip": (onp * ((ratio - 1).abs() > lc.clip_eps).float()).sum(),
+                     "onpolicy/approx_kl": (onp * ((ratio - 1) - logratio)).sum(),
+                     "onpolicy/logratio_absmax": (onp * logratio.abs()).max()})
+        d_pi0 = torch.zeros_like(new_logp)
+        if pi0_v is not None:
+            d_pi0 = gaussian_kl(new_mu, scheme.mean(mb.x, pi0_v, mb.sigma, mb.sigma_next), std)  # [B]
+        sums["kl/d_pi0"] = (m * d_pi0).sum() / n_rows
     return loss, sums

@@ -39,6 +39,8 @@ class Rows:
     conditions: list[Condition]
     scheme: Scheme
     stats: dict[str, float]
+    policy_version: Tensor | None = None  # [N] long, the version that sampled each row
+    on_policy: Tensor | None = None       # [N] bool, set by the learner: sampled by its current weights
 
     @property
     def n(self) -> int:
@@ -66,6 +68,7 @@ class MicroBatch:
     mask: Tensor         # [B] 1 for real rows, 0 for padding (keeps ranks in lockstep)
     cond_idx: Tensor     # [B] long
     mu_old: Tensor | None = None  # [B, C, F, H, W] fp32
+    on_policy: Tensor | None = None  # [B] bool: sampled by the learner's current weights (health stats)
 
     def to(self, device) -> MicroBatch:
         return MicroBatch(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
@@ -97,7 +100,8 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
     """
     g_cfg = cfg.grpo
     need_mu = cfg.records_mu_old
-    cols: dict[str, list] = {k: [] for k in ("x", "x_next", "logp_old", "mu_old", "k", "adv", "cond", "win", "lose")}
+    cols: dict[str, list] = {k: [] for k in ("x", "x_next", "logp_old", "mu_old", "k", "adv", "cond", "win", "lose",
+                                             "version")}
     a_pos_rows, a_neg_rows = [], []
     targets: list[Tensor] = []
     target_at: dict[tuple[int, int], int] = {}   # (member, k) -> index into targets
@@ -145,6 +149,7 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
                 if need_mu:
                     cols["mu_old"].append(t.mu_old[j].float())
                 cols["k"].append(int(k))
+                cols["version"].append(int(t.policy_version))
                 cols["adv"].append(adv[mi])
                 cols["cond"].append(gi)
                 cols["win"].append(base + win)
@@ -191,6 +196,7 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
         targets=torch.stack(targets), pos_row=torch.tensor(pos_row), neg_row=torch.tensor(neg_row),
         a_pos=torch.stack(a_pos_rows).float(), a_neg=torch.stack(a_neg_rows).float(),
         conditions=[g.condition for g in batch.fresh], scheme=scheme, stats=stats,
+        policy_version=torch.tensor(cols["version"], dtype=torch.long),
     )
 
 
@@ -221,6 +227,7 @@ def micro_batches(rows: Rows, size: int, rank: int = 0, world_size: int = 1) -> 
             adv=rows.adv[i], weight=rows.weight[i], a_pos=rows.a_pos[i], a_neg=rows.a_neg[i],
             align_mask=ok_align[i].float(), mask=m, cond_idx=rows.cond_idx[i],
             mu_old=None if rows.mu_old is None else rows.mu_old[i],
+            on_policy=None if rows.on_policy is None else rows.on_policy[i],
         )
 
 

@@ -69,7 +69,8 @@ class Trainer:
         with torch.no_grad():
             return self.model.encode([c.prompt for c in conds], images, **negative_kwargs(conds)).to(self.device)
 
-    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float) -> tuple[Tensor, dict[str, Tensor]]:
+    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float,
+                   pi0: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch's share of L_total (with grad) and its stats sums; see losses.compute_loss."""
         lc, policy = self.loss_cfg, self.policy
         mb = mb.to(self.device)
@@ -77,11 +78,12 @@ class Trainer:
         nxt = mb.sigma_next  # MeanFlow checkpoints also read the step's end (the sampler passes it too)
         # anchors first: swapping weights after the grad forward would corrupt backward
         anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond, nxt) if lc.anchor else None
+        pi0_v = policy.anchor_velocity("pi0", mb.x.float(), mb.sigma, cond, nxt) if pi0 else None  # health only
 
         def velocity(x: Tensor, sigma: Tensor, c: Cond) -> Tensor:
             return policy.velocity(x, sigma, c, nxt)
 
-        return compute_loss(mb, cond, velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v)
+        return compute_loss(mb, cond, velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
 
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
@@ -90,6 +92,7 @@ class Trainer:
 
         # 1. rows: advantages, equalizer weights, winner/loser rows
         rows = build_rows(batch, cfg)
+        rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
 
         # 2. conditions, encoded once
         cond_all = self.encode(rows)
@@ -97,17 +100,19 @@ class Trainer:
         # 3. accumulate gradients over this rank's micro-batches
         self.optimizer.zero_grad(set_to_none=True)
         keys = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
-                "kl/d_anchor", "kl/d_step"]
+                "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
         sums = torch.zeros(len(keys), dtype=torch.float64)
+        onp_max = torch.zeros(world_size, dtype=torch.float64)  # one slot per rank: a sum-reduce gives the max
         first_logratio = float("nan")
         for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
-            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl)
+            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())
             (loss * world_size).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0:
                 first_logratio = float(s["logratio_absmax"])
+            onp_max[rank] = max(float(onp_max[rank]), float(s["onpolicy/logratio_absmax"]))
         if reduce is not None:
-            sums = reduce(sums)
+            sums, onp_max = reduce(torch.cat([sums, onp_max])).split([len(keys), world_size])
 
         # 4. clip, step the fp32 masters, round them into the compute weights
         policy.grads_to_master()
@@ -127,10 +132,24 @@ class Trainer:
         self.kl.update(measured_kl)
 
         stats.update(rows.stats)
+        stats.update(_onpolicy_stats(stats, float(onp_max.max())))
+        if lc.anchor == "pi0":
+            stats["kl/d_pi0"] = stats["kl/d_anchor"]
+        elif not self.measures_pi0(self.version - 1):
+            del stats["kl/d_pi0"]  # not measured at this step
         stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
                       "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
                       "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
         return TrainStats(stats)
+
+    def measures_pi0(self, version: int | None = None) -> bool:
+        """Whether the step at `version` (default: the current) measures the KL to π_0 for the health
+        checks with an extra no-grad forward: every health.kl_pi0_every steps, when π_0 is kept
+        (LoRA keeps it) and is not the loss's own anchor (then D_anchor is that KL already)."""
+        every = self.cfg.health.kl_pi0_every
+        v = self.version if version is None else version
+        return (every > 0 and v % every == 0 and "pi0" in self.policy.anchors
+                and self.loss_cfg.anchor != "pi0")
 
     def shard(self, mesh) -> None:
         """FSDP2-shard the policy's module in place (before the first step) and re-point the
@@ -192,6 +211,16 @@ class Trainer:
         state, extra, _ = checkpoint.load(dir, map_location=self.device)
         self.load_state_dict(state)
         return extra
+
+
+def _onpolicy_stats(stats: dict[str, float], logratio_absmax: float) -> dict[str, float]:
+    """Clip fraction, approx-KL and max |log r| over the rows the pre-update weights sampled
+    (NaN when the batch has none: every row stale or from the bank)."""
+    n = stats.pop("onpolicy/rows")
+    clip, akl = stats.pop("onpolicy/clip"), stats.pop("onpolicy/approx_kl")
+    nan = float("nan")
+    return {"onpolicy_rows": n, "clipfrac_onpolicy": clip / n if n else nan,
+            "approx_kl_onpolicy": akl / n if n else nan, "logratio_onpolicy_absmax": logratio_absmax if n else nan}
 
 
 def _py_rng_to_list(state: tuple) -> list:

@@ -74,6 +74,8 @@ def test_two_fsdp_ranks_match_one_rank(ray_session, tmp_path):
             for k in ("loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "clipfrac"):
                 assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+            for k in ("onpolicy_rows", "clipfrac_onpolicy", "approx_kl_onpolicy", "logratio_onpolicy_absmax"):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True), k  # health's on-policy stats
         assert set(w) == set(ref_w) and all(".lora_" in k for k in w)
         moved = 0
         for k in ref_w:

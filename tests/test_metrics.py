@@ -144,8 +144,9 @@ def test_ray_actor_metrics_reach_the_node_exporter(ray_session):
     ray.kill(actor)
     for w in want:
         assert f"\n{w}{{" in text, f"{w} not exported by Ray's metrics agent"
-    line = next(x for x in text.splitlines() if x.startswith("ray_vgrpo_lambda_kl{"))
-    assert 'role="learner"' in line and 'pool="learner"' in line and line.endswith(" 0.25")
+    # other learner actors of the shared Ray session (an earlier real run) may still be listed
+    lines = [x for x in text.splitlines() if x.startswith("ray_vgrpo_lambda_kl{")]
+    assert any('role="learner"' in x and 'pool="learner"' in x and x.endswith(" 0.25") for x in lines), lines
 
 
 def test_docs_list_every_metric():

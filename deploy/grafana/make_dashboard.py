@@ -94,6 +94,37 @@ ROWS = [
 ]
 
 
+def training_health_panels() -> list:
+    """The training health checks (cluster/health.py): status and findings, the first-update and
+    on-policy numerics, zero-spread groups per head, reward trends, KL growth, held-out drift."""
+    return [
+        ("Health status (0 ok, 1 warn, 2 stop)", "none", [(_gauge("vgrpo_health_status"), "{{pool}}")]),
+        ("Health findings per check", "none",
+         [(_gauge("vgrpo_health_findings", "check, level"), "{{check}} ({{level}})")]),
+        ("On-policy max abs(log r)", "none", [(_gauge("vgrpo_onpolicy_logratio_absmax"), "{{pool}}")]),
+        ("On-policy clip fraction and approx-KL", "none",
+         [(_gauge("vgrpo_onpolicy_clip_fraction"), "clip fraction"),
+          (_gauge("vgrpo_onpolicy_approx_kl"), "approx-KL")]),
+        ("Zero-spread groups per head", "percentunit", [(_gauge("vgrpo_zero_spread_ratio", "head"), "{{head}}")]),
+        ("Reward trend z per head", "none", [(_gauge("vgrpo_reward_trend_z", "head", "avg"), "{{head}}")]),
+        ("KL growth over the window", "none", [(_gauge("vgrpo_kl_growth", "term"), "{{term}}")]),
+        ("Held-out paired z vs the first evaluation", "none",
+         [(_gauge("vgrpo_heldout_z", "head", "avg"), "{{head}}")]),
+    ]
+
+
+def add_training_health(rows: list) -> None:
+    """Into the "Health" row (after the service panels), or a "Health" row of its own."""
+    row = next((r for r in rows if r[0] == "Health"), None)
+    if row is None:
+        rows.append(("Health", training_health_panels()))
+    else:
+        row[1].extend(training_health_panels())
+
+
+add_training_health(ROWS)
+
+
 def _variable(name: str, label: str, query: str) -> dict:
     return {
         "name": name, "label": label, "type": "query", "datasource": DS,

@@ -1,0 +1,176 @@
+"""The driver's side of the health checks (cluster/health.py): feed each step's record to the
+monitor, run the held-out ODE evaluation every `health.eval_every` steps, report findings in the
+console, the step's row, Prometheus and RUN_DIR/health.json, and stop the run on a `stop` finding.
+
+The driver calls it in a few lines; everything that needs Ray is in `heldout_eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cluster.health import CHECKS, SPREAD_PREFIX, Finding, HealthMonitor
+from common.config import RunConfig
+
+HEALTH_FILE = "health.json"
+# record key → (metric, labels) for the gauges of the health row in the dashboard
+GAUGES = {"logratio_onpolicy_absmax": ("vgrpo_onpolicy_logratio_absmax", {}),
+          "clipfrac_onpolicy": ("vgrpo_onpolicy_clip_fraction", {}),
+          "approx_kl_onpolicy": ("vgrpo_onpolicy_approx_kl", {}),
+          "health/status": ("vgrpo_health_status", {}),
+          "health/kl_growth/anchor": ("vgrpo_kl_growth", {"term": "anchor"}),
+          "health/kl_growth/pi0": ("vgrpo_kl_growth", {"term": "pi0"}),
+          "health/kl_growth/step": ("vgrpo_kl_growth", {"term": "step"})}
+
+
+class DriverHealth:
+    def __init__(self, cfg: RunConfig, run_dir, note: Callable[[str], None], stop_exc: type[Exception]):
+        self.cfg, self.run_dir, self.note, self.stop_exc = cfg, run_dir, note, stop_exc
+        self.monitor = HealthMonitor(cfg)
+        self.on = cfg.health.enabled
+        self.held_out_lines: list[str] = []  # held-out findings, carried into the next step's row
+
+    # --- every step ------------------------------------------------------------------------
+
+    def on_step(self, record: dict[str, Any], metrics=None) -> None:
+        """Check the step's record and add the health keys to it (before it is logged)."""
+        if not self.on:
+            return
+        first = self.monitor.numerics is None
+        found = self.monitor.observe(record)
+        record.update(self.monitor.record_keys(found))
+        if self.held_out_lines:
+            record["health/findings"] = self.held_out_lines + record.get("health/findings", [])
+            self.held_out_lines = []
+        self._report(found, metrics)
+        if metrics is not None:
+            export(metrics, record, self.monitor)
+        if found or (first and self.monitor.numerics is not None):
+            self.write()  # the first update's measurement is what a later run's preflight reads
+
+    def raise_if_stopped(self) -> None:
+        if self.on and self.monitor.stop_reason is not None:
+            raise self.stop_exc(self.monitor.stop_reason)
+
+    # --- held out ----------------------------------------------------------------------------
+
+    def heldout(self, driver, start: bool = False) -> None:
+        """At the start of the run (the baseline) and every health.eval_every steps after it."""
+        every = self.cfg.health.eval_every
+        if not self.on or every == 0 or (not start and driver.step % every) \
+                or any(s == driver.step for s, _ in self.monitor.evals):
+            return
+        if start and driver.step + every > self.cfg.train.steps:
+            return  # no held-out evaluation would follow to compare with
+        try:
+            result = heldout_eval(driver, self.cfg)
+        except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it
+            self.note(f"health: held-out evaluation at step {driver.step} skipped: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}")
+            return
+        found = self.monitor.observe_eval(driver.step, result)
+        self.held_out_lines += [f.line() for f in found]
+        self.note(f"health: held-out evaluation at step {driver.step}: composite {result.composite.mean():.3f} "
+                  f"on {len(result.composite)} pairs")
+        self._report(found, driver.metrics)
+        for key, z in self.monitor.values.items():
+            if key.startswith("heldout_z/"):
+                driver.metrics.set("vgrpo_heldout_z", _bounded(z, 0.0), head=key.split("/", 1)[1])
+        self.write()
+        self.raise_if_stopped()
+
+    def final(self, before, after, step: int) -> None:
+        if self.on and before is not None and after is not None:
+            self._report(self.monitor.final(before, after, step), None)
+
+    # --- surfaces ----------------------------------------------------------------------------
+
+    def _report(self, found: list[Finding], metrics) -> None:
+        for f in found:
+            self.note(f.line())
+        if metrics is not None:  # every check that is on, 0 until it fires: each series exists
+            for check in CHECKS:
+                if (level := self.cfg.health.level(check)) != "off":
+                    n = sum(1 for f in self.monitor.findings if f.check == check)
+                    metrics.set("vgrpo_health_findings", float(n), check=check, level=level)
+
+    def summary(self) -> dict[str, Any]:
+        return self.monitor.summary()
+
+    def write(self) -> Path:
+        path = Path(self.run_dir.path) / HEALTH_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=2, default=_nan_safe))
+        tmp.replace(path)
+        return path
+
+
+def _nan_safe(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else str(v)
+
+
+def _bounded(v: Any, neutral: float = math.nan) -> float:
+    """A gauge value: `neutral` when not measured (yet), ±inf (an exact trend) clipped to ±1e6."""
+    if not isinstance(v, (int, float)) or math.isnan(v):
+        return neutral
+    return max(-1e6, min(1e6, float(v)))
+
+
+def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None) -> None:
+    """The health gauges of one step's record. A trend, growth or held-out z not measured yet
+    (a window not full, one held-out evaluation) is exported as its neutral value (z 0, growth 1),
+    so every series the dashboard queries exists from the first step (Ray drops NaN gauges)."""
+    for key, (name, labels) in GAUGES.items():
+        v = _bounded(record.get(key), 1.0 if key.startswith("health/kl_growth/") else math.nan)
+        if not math.isnan(v):
+            metrics.set(name, v, **labels)
+    heads = ["composite", *(k[len("reward/"):] for k in record if k.startswith("reward/"))]
+    for head in heads:
+        metrics.set("vgrpo_reward_trend_z", _bounded(record.get(f"health/trend_z/{head}"), 0.0), head=head)
+        if monitor is not None and not monitor.evals[1:]:  # before the second held-out evaluation
+            metrics.set("vgrpo_heldout_z", 0.0, head=head)
+    for key, v in record.items():
+        if key.startswith(SPREAD_PREFIX) and isinstance(v, (int, float)):
+            metrics.set("vgrpo_zero_spread_ratio", _bounded(v), head=key[len(SPREAD_PREFIX):])
+
+
+def heldout_eval(driver, cfg: RunConfig):
+    """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
+    hold, scored by the reward role (no GIFs, no video: cheaper than Driver.evaluate)."""
+    from cluster.evaluate import EvalResult, sample_pairs
+    from cluster.prompts import load_prompts
+    from common.toyworld import eval_seeds
+
+    prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
+    pairs = [(p, s) for p in prompts for s in eval_seeds(cfg.health.eval_seeds)]
+    frames = sample_pairs(driver.rollouts, pairs)
+    scores = driver.rewards.score(frames, [p for p, _ in pairs], None)
+    return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.composite(scores).numpy())
+
+
+def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:
+    """At the end of a run: the before/after hacking check, RUN_DIR/health.json, the console
+    table; returns the summary.json section (None with health.enabled=false)."""
+    from cluster.health import health_table
+
+    h: DriverHealth = driver.health
+    if not h.on:
+        return None
+    h.final(before, after, driver.step)
+    h.write()
+    summary = h.summary()
+    console.print(health_table(summary))
+    return summary
+
+
+def read_health(run_path: Path) -> dict[str, Any] | None:
+    """A run directory's health section (health.json), or None when it has none or it is damaged."""
+    try:
+        data = json.loads((Path(run_path) / HEALTH_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
