@@ -140,7 +140,8 @@ class Driver:
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
         # 3. pools: the reward pool first (rollout actors score with it), then the rollout pool
-        reward_actors = create_reward_actors(cfg.rewards.models, cfg.pools.reward, self.reward_factory)
+        reward_actors = (create_reward_actors(cfg.rewards.models, cfg.pools.reward) if self.reward_factory is None
+                         else create_reward_actors(cfg.rewards.models, cfg.pools.reward, self.reward_factory))
         self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models),
                                                             cfg.rewards.models, strict=True)))
         n_roll = max(1, cfg.pools.rollout.num_actors)
