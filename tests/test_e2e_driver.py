@@ -62,8 +62,13 @@ def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, mode):
         conds = [c.id for c in driver.conditions]
         assert all(len(driver.bank.entries(c)) <= cfg.bank.capacity for c in conds)
         assert any(r["bank_entries_used"] > 0 for r in rows[1:])
-        # 4. learner stats are real numbers, on-policy ratio ≈ 1 on the first micro-step
-        assert all(abs(r["logratio_first_absmax"]) < 1e-3 for r in rows if r["staleness_max"] == 0)
+        # 4. learner stats are real numbers; rows sampled by the learner's current weights replay
+        #    to log r ≈ 0 (an ulp of the velocity: the micro-batch's GEMM shape differs from the
+        #    sampler's), and such rows exist, so this cannot pass vacuously
+        on_policy = [r for r in rows if r["onpolicy_rows"] > 0]
+        assert sum(r["onpolicy_rows"] for r in rows) > 0 and on_policy
+        assert all(r["logratio_onpolicy_absmax"] < 1e-6 for r in on_policy), \
+            [r["logratio_onpolicy_absmax"] for r in on_policy]
         assert all(r["reward_mean"] == r["reward_mean"] for r in rows)
         # 5. the run directory: metrics, reward curve, GIFs, a checkpoint
         assert run_dir.curve_file.read_bytes()[:4] == b"\x89PNG"
