@@ -183,6 +183,12 @@ class Driver:
         self._finish_commit(extra.get("uncommitted") or [])
         if extra.get("bank"):
             self.bank.restore(extra["bank"])
+        # what the lost run sampled after the checkpoint carries version numbers the resumed learner
+        # reuses for other weights: it would pass as on-policy, so it goes (its cursors drawn again)
+        groups, entries = self.bank.discard_after(self.step)
+        if groups or entries:
+            self.note(f"discarded {groups} queued groups and {entries} bank entries sampled after the "
+                      f"checkpoint (step {self.step}) by weights this resume rolls back")
         # Groups still queued are trained as they are; groups drawn but not queued (in flight at the
         # checkpoint, or trained only by the lost run after it) are drawn again from their cursors.
         queued = self.bank.queued_ids()

@@ -204,3 +204,21 @@ def test_queued_ids_lists_fresh_groups_oldest_first(bank):
     assert bank.queued_ids() == ids
     bank.pull(2, version=0)
     assert bank.queued_ids() == ids[2:]
+
+
+def test_resume_discards_what_a_lost_timeline_sampled_after_the_checkpoint(bank):
+    # the lost run trained to version 3 and pushed groups stamped v3 and v4; a resume at step 2
+    # reuses those version numbers for other weights, so they must not pass as on-policy
+    bank.push_group(make_group("c0", "g0000000-v1", version=1, seed=0))
+    bank.push_group(make_group("c0", "g0000001-v2", version=2, seed=1))
+    bank.commit(bank.pull(2, version=2), 3)                            # banked at versions 1 and 2
+    bank.push_group(make_group("c1", "g0000002-v3", version=3, seed=2))
+    bank.commit(bank.pull(1, version=3), 4)                            # banked at version 3
+    for gid, v in (("g0000003-v2", 2), ("g0000004-v3", 3), ("g0000005-v4-a1", 4)):
+        bank.push_group(make_group("c0", gid, version=v, seed=v + 10))
+    groups, entries = bank.discard_after(2)
+    assert (groups, entries) == (2, 4)                                 # g…4-v3, g…5-v4-a1; c1's 4 members
+    assert bank.queued_ids() == ["g0000003-v2"]
+    assert bank.entries("c1") == []
+    assert sorted({e.trajectory.policy_version for e in bank.entries("c0")}) == [1, 2]
+    assert bank.pull(5, version=2).fresh[0].group_id == "g0000003-v2"
