@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
 	# HPSv3's instruction text is read from its wheel; its own deps pin an old transformers.
-	$(PY) -m pip install -q --no-deps hpsv3
+	$(PY) -m pip install -q --no-deps "hpsv3==1.0.0"
 	touch $(STAMP)
 
 install: $(STAMP)
