@@ -707,6 +707,7 @@ class Driver:
         scores = self.rewards.score(frames, [p for p, _ in pairs], images)
         composite = self.rewards.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
+        self.eval_frames = getattr(self, "eval_frames", {}) | {label: (frames.numpy(), len(seeds))}  # before_after.png
         for i in range(min(gifs, len(pairs))):
             k = i * len(seeds)  # the first seed of each prompt
             video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it

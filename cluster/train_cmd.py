@@ -138,6 +138,7 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
                                         "(prompt, seed) pairs, ODE sampling, before vs after"))
             summary["before"] = before.to_dict()
             summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
+            _write_before_after(driver, run_dir, console)
         summary["health"] = report_health(driver, console, before, after)
         run_dir.summary_file.write_text(json.dumps(summary, indent=2))
         if run_dir.tracker is not None:
@@ -147,3 +148,12 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
         report_health(driver, console)
     console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
     return 0, "finished", None
+
+
+def _write_before_after(driver, run_dir, console) -> None:
+    """run_dir/before_after.png: the same evaluation pairs before and after training, by eye."""
+    from cluster.before_after import write_before_after
+
+    (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
+    path = write_before_after(run_dir.path / "before_after.png", b, a, per)
+    console.print(f"before/after grid: {path}")

@@ -1,0 +1,35 @@
+"""The before/after picture of a run: the same (prompt, seed) evaluation pairs, ODE-sampled by the
+base and by the trained policy, one PNG a reader can judge by eye (`run_dir/before_after.png`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cluster.media import grid_image
+
+
+def before_after_grid(before: np.ndarray, after: np.ndarray, seeds_per_prompt: int,
+                      prompts: int = 4, seeds: int = 4) -> np.ndarray:
+    """uint8 [N, F, H, W, 3] twice (pairs in the same order, prompt-major) → one image.
+
+    For each of the first `prompts` prompts, its first `seeds` seeds: a row of the base's videos,
+    then the same seeds after training (each video's frames side by side)."""
+    if before.shape != after.shape:
+        raise ValueError(f"before/after grid: the evaluations differ in shape {before.shape} vs {after.shape}; "
+                         "both must sample the same (prompt, seed) pairs")
+    n_prompts = min(prompts, before.shape[0] // seeds_per_prompt)
+    k = min(seeds, seeds_per_prompt)
+    rows = []
+    for p in range(n_prompts):
+        idx = np.arange(p * seeds_per_prompt, p * seeds_per_prompt + k)
+        rows += [before[idx], after[idx]]
+    return grid_image(np.concatenate(rows), per_row=k)
+
+
+def write_before_after(path: Path, before: np.ndarray, after: np.ndarray, seeds_per_prompt: int) -> Path:
+    import imageio.v3 as iio
+
+    iio.imwrite(path, before_after_grid(before, after, seeds_per_prompt))
+    return path
