@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
+from cluster.prompts import read_lines
 from common.config import ConfigError
 from common.images import ImageError, condition_image, decode
 from common.types import Condition
@@ -100,12 +101,7 @@ class _Rows:
 def read_manifest(path: Path) -> list[Condition]:
     """A JSONL manifest → one Condition per distinct (prompt, negative prompt, image bytes)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: manifest not found")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    lines = read_lines(path, "manifest")
     rows = _Rows(path)
     for i, line in enumerate(lines, 1):
         if not line.strip():

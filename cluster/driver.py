@@ -63,6 +63,12 @@ def cursor_of(gid: str) -> int | None:
     return int(head[1:]) if head[:1] == "g" and head[1:].isdigit() else None
 
 
+def version_of(gid: str) -> int | None:
+    """The policy version in a group id `g0000012-v3[-a1]`, or None for another id."""
+    part = gid.split("-")[1:2]
+    return int(part[0][1:]) if part and part[0][:1] == "v" and part[0][1:].isdigit() else None
+
+
 @dataclass
 class Flight:
     """One group on its way through a rollout actor: weights, then stage, then deliver."""
@@ -185,7 +191,8 @@ class Driver:
             self.bank.restore(extra["bank"])
         # what the lost run sampled after the checkpoint carries version numbers the resumed learner
         # reuses for other weights: it would pass as on-policy, so it goes (its cursors drawn again)
-        groups, entries = self.bank.discard_after(self.step)
+        lost = [g for g in self.bank.queued_ids() if (v := version_of(g)) is not None and v > self.step]
+        groups, entries = self.bank.discard(lost, after_version=self.step)
         if groups or entries:
             self.note(f"discarded {groups} queued groups and {entries} bank entries sampled after the "
                       f"checkpoint (step {self.step}) by weights this resume rolls back")

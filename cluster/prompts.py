@@ -27,14 +27,19 @@ def clean_prompt(prompt: str, where: str) -> str:
     return text
 
 
-def read_prompt_file(path: Path) -> list[str]:
-    """One prompt per line; blank lines and lines starting with # are skipped."""
+def read_lines(path: Path, what: str) -> list[str]:
+    """A UTF-8 text file's lines, or one ConfigError naming the file (`what`: prompts file, manifest)."""
     if not path.is_file():
-        raise ConfigError(f"{path}: prompts file not found")
+        raise ConfigError(f"{path}: {what} not found")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    lines = read_lines(path, "prompts file")
     prompts = [clean_prompt(line, f"{path}:{i}") for i, line in enumerate(lines, 1)
                if line.strip() and not line.lstrip().startswith("#")]
     if not prompts:

@@ -291,23 +291,24 @@ class MemoryBank:
         return n
 
     @_reachable
-    def discard_after(self, version: int) -> tuple[int, int]:
-        """Drop what a resume rolled back: queued fresh groups and banked entries stamped with a
-        policy version above `version`. They were sampled by weights of a lost timeline, whose
-        version numbers the resumed learner reuses for other weights. Returns (groups, entries)."""
+    def discard(self, gids: list[str], after_version: int) -> tuple[int, int]:
+        """Drop what a resume rolled back: the queued fresh groups `gids`, and banked entries
+        stamped with a policy version above `after_version`. Both were sampled by weights of a
+        lost timeline whose version numbers the resumed learner reuses. Returns (groups, entries)."""
         k = self.keys
-        lost = [g for g in self.queued_ids() if (v := _version_of(g)) is not None and v > version]
-        for gid in lost:
+        groups = 0
+        for gid in gids:
             if self.r.lrem(k.fresh, 0, gid):
                 self.r.rpush(k.pending(self.consumer), gid)
                 self._drop_group(gid)  # out of the queue into the dead list, entries deleted
-        n_entries = 0
+                groups += 1
+        entries = 0
         for cid in sorted(_s(c) for c in self.r.smembers(k.conds)):
-            late = [e.id for e in self.entries(cid) if e.trajectory.policy_version > version]
+            late = [e.id for e in self.entries(cid) if e.trajectory.policy_version > after_version]
             if late:
                 self._evict_banked(cid, late)
-                n_entries += len(late)
-        return len(lost), n_entries
+                entries += len(late)
+        return groups, entries
 
     @_reachable
     def requeue_all_pending(self) -> int:
@@ -568,14 +569,6 @@ class MemoryBank:
     def _corrupt(self, what: str) -> None:
         log.error("bank: skipped %s", what)
         self.r.hincrby(self.keys.counts, "corrupt", 1)
-
-
-def _version_of(gid: str) -> int | None:
-    """The policy version in a driver group id `g0000012-v3[-a1]`, or None for another id."""
-    for part in gid.split("-")[1:]:
-        if part[:1] == "v" and part[1:].isdigit():
-            return int(part[1:])
-    return None
 
 
 def _s(v: bytes | str) -> str:

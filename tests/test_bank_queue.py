@@ -12,6 +12,7 @@ import pytest
 import torch
 from bank_helpers import HEADS, make_group
 
+from cluster.driver import version_of
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
 from memory_bank.errors import DuplicateGroup, UnscoredGroup
@@ -216,7 +217,8 @@ def test_resume_discards_what_a_lost_timeline_sampled_after_the_checkpoint(bank)
     bank.commit(bank.pull(1, version=3), 4)                            # banked at version 3
     for gid, v in (("g0000003-v2", 2), ("g0000004-v3", 3), ("g0000005-v4-a1", 4)):
         bank.push_group(make_group("c0", gid, version=v, seed=v + 10))
-    groups, entries = bank.discard_after(2)
+    lost = [g for g in bank.queued_ids() if version_of(g) > 2]           # the driver's id format
+    groups, entries = bank.discard(lost, after_version=2)
     assert (groups, entries) == (2, 4)                                 # g…4-v3, g…5-v4-a1; c1's 4 members
     assert bank.queued_ids() == ["g0000003-v2"]
     assert bank.entries("c1") == []
