@@ -4,8 +4,13 @@
     budget: [train.steps=20, ...]    # the same for every row (steps, groups, seeds, eval pairs)
     seeds: 3                         # runs per row, train.seed = 0 … seeds-1
     quick: {budget: [...], seeds: 1} # what --quick replaces
+    parallel: 2                      # (row, seed) runs at once (default 1; --parallel wins)
+    reference: DanceGRPO             # every other row's paired difference is against this row
     rows:
       DanceGRPO: [sde.scheme=dance, kl.strategy=none]
+      SAGE: [sde.scheme=sage, kl.strategy=dual]
+    claims:                          # judged on the paired composite difference better − worse
+      - {claim: "SAGE beats DanceGRPO", better: SAGE, worse: DanceGRPO}   # worse may be a list
 
 Every row is validated (base + budget + row + a seed) before anything runs. A row may not touch
 the budget keys: then it would not be the same budget.
@@ -13,7 +18,7 @@ the budget keys: then it would not be the same budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,17 @@ from common.config import (
 BUDGET_KEYS = ("train.steps", "train.groups_per_step", "sampler.group_size", "train.seed",
                "train.eval_prompts", "train.eval_seeds", "train.prompts", "schedule", "model",
                "rewards", "run", "pools")
-TOP_KEYS = {"base", "budget", "seeds", "quick", "rows", "title"}
+TOP_KEYS = {"base", "budget", "seeds", "quick", "rows", "title", "parallel", "reference", "claims"}
+CLAIM_KEYS = {"claim", "better", "worse"}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A paper's claim: row `better` beats each row in `worse` on the composite gain."""
+
+    claim: str
+    better: str
+    worse: tuple[str, ...]
 
 
 @dataclass
@@ -43,6 +58,9 @@ class Matrix:
     rows: dict[str, list[str]]
     quick: dict[str, Any] = field(default_factory=dict)
     base_name: str = ""
+    parallel: int = 1             # (row, seed) runs in flight at once
+    reference: str | None = None  # the row every paired difference is taken against
+    claims: list[Claim] = field(default_factory=list)
 
     def for_mode(self, quick: bool, seeds: int | None = None) -> Matrix:
         """The matrix as it will run: --quick swaps in its budget and seeds; --seeds wins over both."""
@@ -52,7 +70,7 @@ class Matrix:
             merged = {item.split("=", 1)[0].strip(): item for item in [*budget, *self.quick.get("budget", [])]}
             budget = list(merged.values())
             n = self.quick.get("seeds", n)
-        return Matrix(self.source, self.title, self.base, budget, seeds or n, self.rows, self.quick, self.base_name)
+        return replace(self, budget=budget, seeds=seeds or n)
 
     def config(self, row: str, seed: int, extra: list[str] = ()) -> RunConfig:
         """The resolved config of one run; errors name the matrix file and the row."""
@@ -84,6 +102,35 @@ def _touches_budget(item: str) -> str | None:
         if key == b or key.startswith(b + "."):
             return key
     return None
+
+
+def _claims(value: Any, rows: dict[str, list[str]], p: Path) -> list[Claim]:
+    """The claims: list; each names rows of this matrix (`worse` a row or a list of rows)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{p}: claims: expected a list of {{claim, better, worse}} entries")
+    out = []
+    for i, item in enumerate(value):
+        name = item.get("claim") if isinstance(item, dict) else None
+        where = f"{p}: claim {name!r}" if isinstance(name, str) else f"{p}: claims[{i}]"
+        if not isinstance(item, dict) or set(item) != CLAIM_KEYS:
+            raise ConfigError(f"{where}: expected exactly the keys claim, better, worse "
+                              f"(worse: a row or a list of rows), got {item!r}")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{where}: claim: the claim in words, a non-empty string")
+        better, worse = item["better"], item["worse"]
+        worse = [worse] if isinstance(worse, str) else worse
+        if not isinstance(better, str) or not isinstance(worse, list) or not worse \
+                or not all(isinstance(w, str) for w in worse):
+            raise ConfigError(f"{where}: better must be a row name and worse a row name or a non-empty list of them")
+        for r in [better, *worse]:
+            if r not in rows:
+                raise ConfigError(f"{where}: unknown row {r!r}; the matrix has {list(rows)}")
+        if better in worse:
+            raise ConfigError(f"{where}: row {better!r} is both better and worse")
+        out.append(Claim(name, better, tuple(worse)))
+    return out
 
 
 def load_matrix(path: str | Path) -> Matrix:
@@ -121,8 +168,14 @@ def load_matrix(path: str | Path) -> Matrix:
     quick = {"budget": _str_list(quick.get("budget"), f"{p}: quick.budget"), "seeds": quick.get("seeds", seeds)}
     if not isinstance(quick["seeds"], int) or quick["seeds"] < 1:
         raise ConfigError(f"{p}: quick.seeds = {quick['seeds']!r}: must be an integer ≥ 1")
+    parallel = data.get("parallel", 1)
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+        raise ConfigError(f"{p}: parallel = {parallel!r}: must be an integer ≥ 1 (runs in flight at once)")
+    reference = data.get("reference")
+    if reference is not None and reference not in parsed:
+        raise ConfigError(f"{p}: reference = {reference!r} is not a row; the matrix has {list(parsed)}")
     m = Matrix(p, str(data.get("title", p.stem)), base, _str_list(data.get("budget"), f"{p}: budget"),
-               seeds, parsed, quick, data["base"])
+               seeds, parsed, quick, data["base"], parallel, reference, _claims(data.get("claims"), parsed, p))
     m.validate_all()
     m.for_mode(quick=True).validate_all()
     return m

@@ -131,3 +131,100 @@ def plot_curves(metrics: dict[str, list[list[dict[str, Any]]]], heads: list[str]
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+# --- paired differences and claims (cluster/compare_stats.py) ---------------------------------
+
+def _ci(p) -> str:
+    if p.n < 2:
+        return f"{p.mean:+.3f} (1 seed)"
+    return f"{p.mean:+.3f} [{p.low:+.3f}, {p.high:+.3f}]"
+
+
+def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str]) -> dict[str, dict[str, Any]]:
+    """row → key → Paired (row − reference on the same seeds and pairs), rows that share a seed with it."""
+    from cluster.compare_stats import paired_difference
+
+    if not runs:
+        return {}
+    keys = ["composite", *runs[0]["heads"]]
+    out = {}
+    for row in rows_order:
+        if row == reference:
+            continue
+        per_key = {k: paired_difference(runs, row, reference, k) for k in keys}
+        if per_key["composite"] is not None:
+            out[row] = per_key
+    return out
+
+
+def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: list[str]) -> str:
+    """Row − reference: mean and 95% Student-t interval over seeds, composite and each head, and
+    whether the composite interval is narrow enough to separate an effect of RESOLUTION."""
+    from cluster.compare_stats import RESOLUTION
+
+    if reference is None:
+        return ""
+    title = f"## Paired difference vs {reference}\n"
+    table = paired_rows(runs, reference, rows_order)
+    if not table:
+        return title + f"\n_no row shares a finished seed with {reference}_\n"
+    keys = ["composite", *runs[0]["heads"]]
+    lines = ["| method | seeds | " + " | ".join(f"Δ {k} − ref" for k in keys) + " | CI half-width (composite) |",
+             "|" + "---|" * (len(keys) + 3)]
+    for row, per_key in table.items():
+        c = per_key["composite"]
+        hw = "—" if c.n < 2 else f"{c.half_width:.3f} {'≤' if c.half_width <= RESOLUTION else '>'} {RESOLUTION}"
+        lines.append(f"| {row} | {c.n} | " + " | ".join(_ci(per_key[k]) for k in keys) + f" | {hw} |")
+    widths = [pk["composite"].half_width for pk in table.values() if pk["composite"].n >= 2]
+    if not widths:
+        res = "With one seed per row there is no interval: run at least 2 seeds to resolve anything."
+    elif max(widths) <= RESOLUTION:
+        res = (f"Resolution: every composite interval's half-width is ≤ {RESOLUTION} (largest {max(widths):.3f}), "
+               f"so an effect of {RESOLUTION} composite is resolved.")
+    else:
+        n_ok = sum(w <= RESOLUTION for w in widths)
+        res = (f"Resolution: {n_ok} of {len(widths)} composite intervals have half-width ≤ {RESOLUTION} "
+               f"(largest {max(widths):.3f}); an effect of {RESOLUTION} composite is not resolved in every "
+               "row: more seeds or more eval pairs would narrow it.")
+    notes = [f"\nEach cell: mean over seeds of (row's gain − {reference}'s gain on the same train.seed and the "
+             "same eval pairs) [95% Student-t interval, n − 1 degrees of freedom].", res]
+    return title + "\n" + "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
+
+
+def _claim_line(better: str, worse: str, p, v: str) -> str:
+    if p is None:
+        return f"{better} − {worse}: not run"
+    return f"{better} − {worse} = {_ci(p)}, {p.n} seed{'s' if p.n != 1 else ''}: {v}"
+
+
+def claims_section(runs: list[dict[str, Any]], claims) -> tuple[str, list[dict[str, Any]]]:
+    """'Which claims reproduce': per claim the paired composite difference better − worse and a
+    verdict; with the same numbers as plain data for compare.json."""
+    from cluster.compare_stats import claim_verdict, paired_difference, verdict
+
+    if not claims:
+        return "", []
+    lines, data = ["## Which claims reproduce\n"], []
+    for c in claims:
+        parts = []
+        for w in c.worse:
+            p = paired_difference(runs, c.better, w, "composite") if runs else None
+            parts.append((w, p, verdict(p)))
+        overall = claim_verdict([v for _, _, v in parts])
+        data.append({"claim": c.claim, "better": c.better, "worse": list(c.worse), "verdict": overall,
+                     "comparisons": [{"worse": w, "verdict": v, **(p.to_dict() if p else {})} for w, p, v in parts]})
+        if len(parts) == 1:
+            lines.append(f"- **{c.claim}**: {overall}. {_claim_line(c.better, *parts[0])}.")
+        else:
+            lines.append(f"- **{c.claim}**: {overall}.")
+            lines += [f"  - {_claim_line(c.better, *part)}." for part in parts]
+    lines.append(
+        "\nEach difference is the composite gain of the first row minus the second's on the same "
+        "train.seed and eval pairs, mean [95% Student-t interval] over seeds. Reproduces: the interval "
+        "lies above 0. Contradicted: it lies below 0. Not resolved: it contains 0, so this budget cannot "
+        "tell the two apart. A claim against several rows reproduces only if it does against each and is "
+        "contradicted if it is against any. A claim of \"at least as good\" is judged by the same rule: "
+        "not resolved means no difference was found at this resolution, which is consistent with the "
+        "claim but does not prove it; contradicted refutes it.")
+    return "\n".join(lines) + "\n", data

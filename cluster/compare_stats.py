@@ -1,0 +1,180 @@
+"""Paired statistics for `vgrpo compare`: the Student-t quantile, paired differences between rows
+on the same seeds, and the verdict on a claim. numpy and the standard library only.
+
+Two rows run with the same train.seed share the base, the prompt stream's seeds and the fixed
+eval pairs, so row A's gain minus row B's gain on one seed cancels what the seed and the pairs
+contribute to both. Over seeds those differences are independent draws: mean, standard error
+and a 95% Student-t interval with n − 1 degrees of freedom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CONFIDENCE = 0.95
+RESOLUTION = 0.02  # the composite effect the comparison must separate (issue: "comparison power")
+
+
+# --- 1. the Student-t distribution -------------------------------------------------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (modified Lentz's method)."""
+    tiny, eps = 1e-300, 1e-15
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))  # the even step
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))  # the odd step
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < eps:
+            return h
+    raise ArithmeticError(f"incomplete beta: no convergence for a={a}, b={b}, x={x}")
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for a, b > 0 and 0 ≤ x ≤ 1."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"betainc: x = {x} is outside [0, 1]")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    # the continued fraction converges fast for x < (a+1)/(a+b+2); use the symmetry otherwise
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, dof: int) -> float:
+    """P(T ≤ t) for Student's t with `dof` degrees of freedom:
+    1 − ½·I_{ν/(ν+t²)}(ν/2, ½) for t ≥ 0, and its mirror for t < 0."""
+    if dof < 1:
+        raise ValueError(f"t_cdf: dof = {dof}: needs at least 1 degree of freedom")
+    tail = 0.5 * betainc(dof / 2.0, 0.5, dof / (dof + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """The t with P(T ≤ t) = p, by bisection on t_cdf (monotone), to about 1e-10."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"t_quantile: p = {p} must lie strictly between 0 and 1")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, dof)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, dof) < p:  # bracket: t_{0.9995, 1} ≈ 637, so this doubles a few times at most
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, dof) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-10 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+# --- 2. paired differences between rows --------------------------------------------------------
+
+def run_gains(run: dict[str, Any]) -> dict[str, float]:
+    """One run's gains on its eval pairs: key (composite, each head) → mean(after − before)."""
+    before_c = np.asarray(run["before"]["composite"], dtype=np.float64)
+    after_c = np.asarray(run["after"]["composite"], dtype=np.float64)
+    heads = run["heads"]
+    before = np.asarray(run["before"]["values"], dtype=np.float64).reshape(-1, len(heads))
+    after = np.asarray(run["after"]["values"], dtype=np.float64).reshape(-1, len(heads))
+    if before.shape != after.shape or before_c.shape != after_c.shape:
+        raise ValueError(f"run {run.get('row')!r} seed {run.get('seed')}: before and after cover different pairs")
+    out = {"composite": float(np.mean(after_c - before_c))}
+    out.update({h: float(np.mean(after[:, j] - before[:, j])) for j, h in enumerate(heads)})
+    return out
+
+
+@dataclass
+class Paired:
+    """Row A − row B over the seeds both ran: per-seed differences and their 95% interval."""
+
+    diffs: dict[int, float]   # train.seed → gain(A) − gain(B)
+    mean: float
+    se: float                 # nan with one seed
+    low: float                # nan with one seed: no interval from one draw
+    high: float
+
+    @property
+    def n(self) -> int:
+        return len(self.diffs)
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2.0
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(x: float) -> float | None:
+            return None if math.isnan(x) else x
+        return {"mean": self.mean, "se": num(self.se), "ci95": [num(self.low), num(self.high)],
+                "half_width": num(self.half_width), "n": self.n,
+                "per_seed": {str(s): d for s, d in sorted(self.diffs.items())}}
+
+
+def paired_difference(runs: list[dict[str, Any]], a: str, b: str, key: str = "composite") -> Paired | None:
+    """gain(a) − gain(b) on each train.seed both rows finished; None when they share no seed.
+
+    Runs of a and b on one seed must cover the same number of eval pairs (the same budget)."""
+    by = {(r["row"], r["seed"]): r for r in runs}
+    seeds = sorted({s for row, s in by if row == a} & {s for row, s in by if row == b})
+    if not seeds:
+        return None
+    diffs = {}
+    for s in seeds:
+        ra, rb = by[(a, s)], by[(b, s)]
+        if len(ra["after"]["composite"]) != len(rb["after"]["composite"]):
+            raise ValueError(f"seed {s}: rows {a!r} and {b!r} were evaluated on different pair sets")
+        diffs[s] = run_gains(ra)[key] - run_gains(rb)[key]
+    x = np.array([diffs[s] for s in seeds])
+    mean = float(x.mean())
+    if len(x) < 2:
+        return Paired(diffs, mean, math.nan, math.nan, math.nan)
+    se = float(x.std(ddof=1) / math.sqrt(len(x)))
+    half = t_quantile(0.5 + CONFIDENCE / 2.0, len(x) - 1) * se
+    return Paired(diffs, mean, se, mean - half, mean + half)
+
+
+def verdict(p: Paired | None) -> str:
+    """'reproduces' (interval above 0), 'contradicted' (below 0), else 'not resolved'."""
+    if p is None:
+        return "not run"
+    if p.n < 2:
+        return "not resolved (one seed: no interval)"
+    if p.low > 0:
+        return "reproduces"
+    if p.high < 0:
+        return "contradicted"
+    return "not resolved"
+
+
+def claim_verdict(parts: list[str]) -> str:
+    """A claim against several rows holds only if it holds against each of them."""
+    if any(v == "contradicted" for v in parts):
+        return "contradicted"
+    if parts and all(v == "reproduces" for v in parts):
+        return "reproduces"
+    if any(v == "not run" for v in parts):
+        return "not run" if all(v == "not run" for v in parts) else "not resolved"
+    return "not resolved"
