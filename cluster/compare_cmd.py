@@ -1,9 +1,10 @@
 """`vgrpo compare`: run a matrix of methods with one budget, then table their paired gains.
 
-Runs go one after another in this process against one Ray cluster; each is a Driver with its
-own run directory under --out (OUT/<row>/seed<k>), evaluated before and after on the fixed
-(prompt, seed) pairs. A finished run (compare_run.json next to an identical config.yaml) is
-reused, so an interrupted comparison continues where it stopped.
+Runs share one Ray cluster in this process; each is a Driver with its own run directory under
+--out (OUT/<row>/seed<k>), evaluated before and after on the fixed (prompt, seed) pairs.
+`parallel: N` (or --parallel N) keeps N runs in flight at once, each in its own thread; the
+records do not depend on N. A finished run (compare_run.json next to an identical config.yaml)
+is reused, so an interrupted comparison continues where it stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import os
 import platform
 import re
+import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +28,20 @@ def register(sub) -> None:
         "compare", help="compare methods (or an ablation) on the toy world with one budget",
         description="Run every row of a matrix file (configs/compare_toy.yaml, configs/ablate_*.yaml) "
         "for several seeds with the same budget, evaluate each run before and after training on the "
-        "fixed (prompt, seed) pairs, and write OUT/compare.md (method × reward heads: mean ± stderr "
-        "over seeds of the after − before gain) and OUT/curves.png (training reward, mean over seeds). "
+        "fixed (prompt, seed) pairs, and write OUT/compare.md and OUT/compare.json: method × reward "
+        "heads, mean ± stderr over seeds of the after − before gain; with `reference:` in the matrix, "
+        "each row's paired difference against that row on the same seeds and pairs, with its 95%% "
+        "Student-t interval and whether it resolves 0.02 composite; with `claims:`, which claims "
+        "reproduce (interval above 0), are contradicted (below 0) or are not resolved (it contains 0). "
+        "Also OUT/curves.png (training reward, mean over seeds). "
         "--quick replaces the budget with the matrix's quick: section (fewer steps, seeds and eval "
         "pairs).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-c", "--config", required=True, help="a matrix file, e.g. configs/compare_toy.yaml")
     p.add_argument("--quick", action="store_true", help="use the matrix's quick budget (about 10 min)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per row (overrides the matrix)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="runs in flight at once (overrides the matrix's parallel:, default 1); in sync "
+                   "mode a run keeps about one core busy, so 2 on 2 cores nearly halves the wall time")
     p.add_argument("--out", default=None, help="output directory (default: runs/compare-<matrix name>[-quick])")
     p.add_argument("--rows", default=None, help="comma-separated subset of row names to run")
     p.set_defaults(func=cmd_compare)
@@ -53,7 +63,66 @@ def _before_key(cfg) -> str:
                        d["train"]["eval_seeds"]], sort_keys=True)
 
 
-def run_one(cfg, before_cache: dict[str, Any], note=print) -> dict[str, Any] | None:
+class BeforeCache:
+    """Before-evaluations by key, measured once: the first run to need a key measures it, and a
+    run that needs it meanwhile (another thread) waits for that result instead of measuring again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[str, Any] = {}
+        self._pending: dict[str, threading.Event] = {}
+
+    def get(self, key: str, measure):
+        while True:
+            with self._lock:
+                if key in self._done:
+                    return self._done[key]
+                event = self._pending.get(key)
+                mine = event is None
+                if mine:
+                    event = self._pending[key] = threading.Event()
+            if not mine:
+                event.wait()  # the measuring run finished or failed; look again
+                continue
+            try:
+                value = measure()
+                with self._lock:
+                    self._done[key] = value
+                return value
+            finally:
+                with self._lock:
+                    del self._pending[key]
+                event.set()
+
+
+class ActiveDrivers:
+    """The Drivers in flight, so Ctrl-C (handled in the main thread; a Driver in a worker thread
+    installs no handler) stops each at the end of its step, and no new run starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drivers: set = set()
+        self.stopping = threading.Event()
+
+    def add(self, driver) -> None:
+        with self._lock:
+            self._drivers.add(driver)
+            if self.stopping.is_set():
+                driver.stop_requested.set()
+
+    def discard(self, driver) -> None:
+        with self._lock:
+            self._drivers.discard(driver)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            self.stopping.set()
+            for d in self._drivers:
+                d.stop_requested.set()
+
+
+def run_one(cfg, before_cache: BeforeCache | None = None, note=print,
+            active: ActiveDrivers | None = None) -> dict[str, Any] | None:
     """Train one run with a Driver; its record, or None when it was interrupted."""
     from cluster.compare_report import eval_from_dict, eval_to_dict
     from cluster.driver import Driver
@@ -61,19 +130,22 @@ def run_one(cfg, before_cache: dict[str, Any], note=print) -> dict[str, Any] | N
 
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
+    if active is not None:
+        active.add(driver)
     t0 = time.monotonic()
     try:
         driver.setup()
-        key = _before_key(cfg)
-        if key in before_cache:
-            before = before_cache[key]
-        else:
-            before = before_cache[key] = driver.evaluate("before", gifs=0)
+        measure = lambda: driver.evaluate("before", gifs=0)  # noqa: E731
+        before = (before_cache or BeforeCache()).get(_before_key(cfg), measure)
         driver.run()
+        if driver.stop_reason is not None:  # the run could not go on: a failed run, not Ctrl-C
+            raise RuntimeError(f"stopped at step {driver.step}: {driver.stop_reason}")
         if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
             return None
         after = driver.evaluate("after", gifs=1)
     finally:
+        if active is not None:
+            active.discard(driver)
         driver.teardown()
     heads = list(after.heads)
     record = {"row": None, "seed": cfg.train.seed, "heads": heads, "steps": driver.step,
@@ -83,9 +155,31 @@ def run_one(cfg, before_cache: dict[str, Any], note=print) -> dict[str, Any] | N
     return record
 
 
+def _fit_parallel(cfg, parallel: int, note) -> int:
+    """How many runs the Ray cluster can hold at once, at most `parallel`.
+
+    A cluster this command starts is sized for `parallel` runs: N × (each run's CPUs and role
+    resources). Ray's CPUs are scheduling tokens, not cores: in sync mode a run's rollout actor and
+    learner take turns, so N runs keep about N cores busy while asking Ray for 2N CPUs; every actor
+    still runs torch on one thread. A cluster joined here (RAY_ADDRESS, or one already up) is not
+    resized: N is cut to what it holds, since a run whose actors cannot be placed would wait and fail."""
+    import ray
+
+    from cluster.pools import local_cpus, local_resources
+
+    total = ray.cluster_resources()
+    need = {"CPU": float(local_cpus(cfg)), **local_resources(cfg)}
+    fits = min(int(total.get(k, 0.0) // v) for k, v in need.items() if v > 0)
+    if fits < parallel:
+        note(f"the Ray cluster holds {max(fits, 1)} run(s) at once ({dict(total)}), not {parallel}: "
+             f"running {max(fits, 1)} at a time")
+    return max(1, min(parallel, fits))
+
+
 def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
-               share_before: bool = True) -> dict[str, Any]:
-    """Every (row, seed) of `matrix` in turn; returns {"runs", "metrics", "failed", "interrupted"}.
+               share_before: bool = True, parallel: int | None = None) -> dict[str, Any]:
+    """Every (row, seed) of `matrix`, `parallel` at once (default: the matrix's); returns
+    {"runs", "metrics", "failed", "interrupted"}, runs and metrics in plan order (row, then seed).
 
     The before-evaluation is the base policy on the fixed pairs with ODE sampling, the same for
     every row; with `share_before` it is measured once and reused.
@@ -98,43 +192,93 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
     plan = [(row, s) for row in rows for s in range(matrix.seeds)]
     cfgs = {(row, s): matrix.config(row, s, [f"run.root={out / slug(row)}", f"run.name=seed{s}"])
             for row, s in plan}
-    handle = init_ray(cfgs[plan[0]])  # one cluster for every run; a Driver leaves it running
-    runs, metrics, failed = [], {}, {}
-    before_cache: dict[str, Any] = {}
-    interrupted = False
-    try:
-        for i, (row, s) in enumerate(plan):
+    parallel = parallel or matrix.parallel
+    # one cluster for every run, sized for `parallel` of them; a Driver leaves it running
+    handle = init_ray(cfgs[plan[0]], copies=parallel)
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    before_cache = BeforeCache() if share_before else None
+    active = ActiveDrivers()
+    todo: list[tuple[int, str, int]] = []
+    for i, (row, s) in enumerate(plan):
+        cfg = cfgs[(row, s)]
+        path = Path(cfg.run.root) / cfg.run.name
+        if (path / RUN_RECORD).is_file() and _same_config(cfg, path, save_config):
+            done[(row, s)] = json.loads((path / RUN_RECORD).read_text())
+            note(f"[{i + 1}/{len(plan)}] {row} seed {s}: reusing {path}")
+        else:
+            todo.append((i, row, s))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not active.stopping.is_set():
+            with lock:
+                if not todo:
+                    return
+                i, row, s = todo.pop(0)
             cfg = cfgs[(row, s)]
             path = Path(cfg.run.root) / cfg.run.name
-            rec_file = path / RUN_RECORD
-            if rec_file.is_file() and _same_config(cfg, path, save_config):
-                rec = json.loads(rec_file.read_text())
-                note(f"[{i + 1}/{len(plan)}] {row} seed {s}: reusing {path}")
-            else:
-                if path.exists():
-                    import shutil
-
-                    shutil.rmtree(path)  # a half-finished or differently configured run: start over
-                note(f"[{i + 1}/{len(plan)}] {row} seed {s}: training {cfg.train.steps} steps → {path}")
-                try:
-                    rec = run_one(cfg, before_cache if share_before else {}, note)
-                except Exception as e:  # one failed run does not lose the others
+            if path.exists():
+                shutil.rmtree(path)  # a half-finished or differently configured run: start over
+            note(f"[{i + 1}/{len(plan)}] {row} seed {s}: training {cfg.train.steps} steps → {path}")
+            try:
+                rec = run_one(cfg, before_cache, note, active)
+            except Exception as e:  # one failed run does not lose the others
+                with lock:
                     failed[f"{row} seed {s}"] = f"{type(e).__name__}: {e}"
-                    note(f"  failed: {type(e).__name__}: {e}")
-                    continue
-                if rec is None:
-                    interrupted = True
-                    note("interrupted: writing the table of the finished runs")
-                    break
-                rec["row"] = row
-                rec_file.write_text(json.dumps(rec))
-                d = rec["after"]["composite"]
-                note(f"  done in {rec['wall_s']:.0f}s; after: composite {sum(d) / len(d):.3f}")
-            runs.append(rec)
-            metrics.setdefault(row, []).append(RunDir(path).read_metrics())
+                note(f"  {row} seed {s} failed: {type(e).__name__}: {e}")
+                continue
+            if rec is None:
+                active.stop_all()
+                continue
+            rec["row"] = row
+            (path / RUN_RECORD).write_text(json.dumps(rec))
+            with lock:
+                done[(row, s)] = rec
+            d = rec["after"]["composite"]
+            note(f"  {row} seed {s} done in {rec['wall_s']:.0f}s; after: composite {sum(d) / len(d):.3f}")
+
+    try:
+        if todo:
+            n = _fit_parallel(cfgs[plan[0]], parallel, note)
+            _run_threads(worker, min(n, len(todo)), active, note)
     finally:
         handle.shutdown()
+    interrupted = active.stopping.is_set()
+    if interrupted:
+        note("interrupted: writing the table of the finished runs")
+    keys = [k for k in plan if k in done]
+    runs = [done[k] for k in keys]
+    metrics: dict[str, list] = {}
+    for row, s in keys:
+        cfg = cfgs[(row, s)]
+        metrics.setdefault(row, []).append(RunDir(Path(cfg.run.root) / cfg.run.name).read_metrics())
     return {"runs": runs, "metrics": metrics, "failed": failed, "interrupted": interrupted}
+
+
+def _run_threads(worker, n: int, active: ActiveDrivers, note) -> None:
+    """n worker threads; Ctrl-C in the main thread stops every run at the end of its step (a
+    second Ctrl-C aborts)."""
+    import signal
+
+    def on_sigint(signum, frame) -> None:
+        if active.stopping.is_set():
+            raise KeyboardInterrupt
+        active.stop_all()
+        note("Ctrl-C: every run in flight finishes its current step and stops (Ctrl-C again to abort)")
+
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGINT, on_sigint) if main else None
+    threads = [threading.Thread(target=worker, name=f"vgrpo-compare-{k}", daemon=True) for k in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=1.0)  # wakes the main thread for Ctrl-C
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGINT, prev)
 
 
 def _same_config(cfg, path: Path, save_config) -> bool:
@@ -147,8 +291,16 @@ def _same_config(cfg, path: Path, save_config) -> bool:
     return have.is_file() and have.read_text() == want
 
 
-def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapsed_s: float) -> Path:
-    from cluster.compare_report import gains, markdown_table, plot_curves
+def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapsed_s: float,
+                 parallel: int | None = None) -> Path:
+    from cluster.compare_report import (
+        claims_section,
+        gains,
+        markdown_table,
+        paired_rows,
+        paired_table,
+        plot_curves,
+    )
 
     rows = [r for r in matrix.rows if r in result["metrics"]]
     heads = result["runs"][0]["heads"] if result["runs"] else []
@@ -158,9 +310,15 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
     text = [f"# {matrix.title}\n",
             f"Command: `{command}`  ",
             f"Matrix: `{matrix.source}` (base `{matrix.base_name}`); budget: {budget}; "
-            f"{matrix.seeds} seed(s) per row.  ",
+            f"{matrix.seeds} seed(s) per row; {parallel or matrix.parallel} run(s) at once.  ",
             f"Machine: {machine()}; wall time {elapsed_s / 60:.1f} min.\n",
             markdown_table(result["runs"], result["metrics"], rows)]
+    paired_md = paired_table(result["runs"], matrix.reference, rows)
+    if paired_md:
+        text.append(paired_md)
+    claims_md, claims_data = claims_section(result["runs"], matrix.claims)
+    if claims_md:
+        text.append(claims_md)
     if curves:
         text.append(f"\nTraining reward curves: `{curves.name}`.\n")
     text.append("\nRows:\n")
@@ -169,14 +327,20 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
         text.append("\nFailed runs:\n")
         text += [f"- {k}: {v}" for k, v in result["failed"].items()]
     if result["interrupted"]:
-        text.append("\nInterrupted: the table covers the runs that finished.")
+        text.append("\nInterrupted: the tables cover the runs that finished.")
     md = out / "compare.md"
     md.write_text("\n".join(text) + "\n", encoding="utf-8")
     g = gains(result["runs"]) if result["runs"] else {}
+    paired = ({row: {k: p.to_dict() for k, p in per_key.items() if p is not None}
+               for row, per_key in paired_rows(result["runs"], matrix.reference, rows).items()}
+              if matrix.reference else {})
     (out / "compare.json").write_text(json.dumps(
         {"matrix": str(matrix.source), "seeds": matrix.seeds, "budget": matrix.budget,
          "gains": {r: {k: {"mean": v[0], "se": v[1], "n": v[2], "se_over_pairs": v[3]} for k, v in kv.items()}
                    for r, kv in g.items()},
+         "reference": matrix.reference, "paired": paired,
+         "resolution": {r: pk["composite"].get("half_width") for r, pk in paired.items()},
+         "claims": claims_data,
          "failed": result["failed"], "interrupted": result["interrupted"]}, indent=2))
     return md
 
@@ -199,8 +363,11 @@ def cmd_compare(args) -> int:
     command = "vgrpo " + " ".join(sys.argv[1:]) if sys.argv and "vgrpo" in sys.argv[0] else \
         f"vgrpo compare -c {args.config}{' --quick' if args.quick else ''}"
     t0 = time.monotonic()
-    result = run_matrix(matrix, out, rows, note=lambda s: print(s, flush=True))
-    md = write_report(matrix, result, out, command, time.monotonic() - t0)
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel}: must be at least 1 (runs in flight at once)")
+    parallel = args.parallel or matrix.parallel
+    result = run_matrix(matrix, out, rows, note=lambda s: print(s, flush=True), parallel=parallel)
+    md = write_report(matrix, result, out, command, time.monotonic() - t0, parallel)
     print(md.read_text())
     print(f"wrote {md}, {out / 'compare.json'} and {out / 'curves.png'}")
     if result["interrupted"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,9 @@ def local_cpus(cfg: RunConfig) -> int:
     return max(math.ceil(need), 1)
 
 
-def init_ray(cfg: RunConfig, address: str | None = None) -> RayHandle:
-    """Join RAY_ADDRESS (as under `ray job submit`) or start a local cluster sized for the config."""
+def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> RayHandle:
+    """Join RAY_ADDRESS (as under `ray job submit`) or start a local cluster sized for the config,
+    or for `copies` runs of it at once (`vgrpo compare --parallel`)."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
@@ -72,7 +74,8 @@ def init_ray(cfg: RunConfig, address: str | None = None) -> RayHandle:
             log.warning("the cluster declares no %s resource yet; actors will wait for autoscaling",
                         ", ".join(missing))
         return RayHandle(started_here=False)
-    ray.init(num_cpus=local_cpus(cfg), resources=local_resources(cfg), include_dashboard=False,
+    resources = {k: v * copies for k, v in local_resources(cfg).items()}
+    ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
              runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
     return RayHandle(started_here=True)
 
@@ -100,7 +103,9 @@ def placement_group_for(pool: PoolConfig, role: str, count: int):
     if pool.num_gpus:
         bundle["GPU"] = pool.num_gpus
     bundle = {k: v for k, v in bundle.items() if v > 0}
-    return placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=f"vgrpo-{role}")
+    # the name is unique per group: two runs in one process (`vgrpo compare --parallel`) each own one
+    return placement_group([dict(bundle) for _ in range(count)], strategy="PACK",
+                           name=f"vgrpo-{role}-{uuid.uuid4().hex[:8]}")
 
 
 def in_group(pg, index: int) -> dict[str, Any]:

@@ -110,13 +110,11 @@ class RunDir:
 
     def plot_rewards(self, heads: list[str]) -> Path:
         """Reward per step (composite and heads), with a moving average; rewritten as the run goes."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        from matplotlib.figure import Figure  # not pyplot: its global figure list is not thread-safe,
+                                               # and `vgrpo compare --parallel` plots from several threads
         rows = self.read_metrics()
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         steps = [r["step"] for r in rows]
         for key, label in [("reward_mean", "composite")] + [(f"reward/{h}", h) for h in heads]:
             ys = [r.get(key) for r in rows]
@@ -136,7 +134,6 @@ class RunDir:
         fig.tight_layout()
         tmp = self.curve_file.with_suffix(".tmp.png")
         fig.savefig(tmp, dpi=100)
-        plt.close(fig)
         tmp.replace(self.curve_file)
         if self.tracker is not None and rows:
             self.tracker.image("reward_curve", self.curve_file, rows[-1]["step"])

@@ -46,7 +46,8 @@ def test_compare_toy_rows_are_the_methods_and_quick_is_smaller():
     c = {r: m.config(r, 0) for r in m.rows}
     assert c["DanceGRPO"].sde.scheme == "dance" and c["FlowGRPO"].sde.scheme == "flow"
     assert c["CPS"].sde.scheme == "cps"
-    assert [c[r].kl.strategy for r in m.rows if r.startswith("SAGE")] == ["none", "fixed", "dual"]
+    assert [c[r].kl.strategy for r in m.rows if r.startswith("SAGE")] == ["none", "fixed", "step", "moving",
+                                                                           "dual", "dual"]
     tag = {r: (c[r].bank.enabled, c[r].align.enabled) for r in m.rows if r.startswith("TAGRPO")}
     assert set(tag.values()) == {(True, True), (False, True), (True, False)}
     q = m.for_mode(quick=True)
@@ -164,6 +165,38 @@ def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_sess
     again = run_matrix(m, out, note=notes.append)
     assert sum("reusing" in n for n in notes) == 2
     assert again["runs"] == result["runs"]
+
+
+def test_parallel_runs_give_the_same_records_as_one_at_a_time(ray_session, tmp_path):
+    """Two runs in flight at once (threads, one Ray cluster) against the same runs one after
+    another: sync mode is deterministic given train.seed, so every record is identical."""
+    from cluster.compare_cmd import run_matrix
+
+    p = tmp_path / "tiny.yaml"
+    p.write_text(
+        f"base: {QUICKSTART}\n"
+        "budget: [train.steps=2, train.groups_per_step=1, train.eval_seeds=1, sampler.group_size=4,\n"
+        "         schedule.steps=4, bank.capacity=4, train.checkpoint_every=1000, train.mode=sync]\n"
+        "seeds: 1\nparallel: 2\n"
+        "rows:\n  SAGE dual: [kl.strategy=dual]\n  FlowGRPO: [sde.scheme=flow, sde.eta=null, kl.strategy=none]\n")
+    m = load_matrix(p)
+    assert m.parallel == 2
+    notes: list[str] = []
+    one = run_matrix(m, tmp_path / "one", note=notes.append, parallel=1)
+    two = run_matrix(m, tmp_path / "two", note=notes.append)  # the matrix's parallel: 2
+    for res in (one, two):
+        assert not res["failed"] and not res["interrupted"], res["failed"]
+    assert not any("holds" in n for n in notes)  # the session's cluster fits two runs: no cut
+    strip = lambda r: {k: v for k, v in r.items() if k != "wall_s"}  # noqa: E731
+    assert [strip(r) for r in one["runs"]] == [strip(r) for r in two["runs"]]
+    assert [r["row"] for r in two["runs"]] == ["SAGE dual", "FlowGRPO"]  # plan order, whatever finished first
+    # not vacuous: training moved the policy, and the two methods moved it differently
+    a, b = (np.array(r["after"]["values"]) for r in two["runs"])
+    assert not np.array_equal(a, b) and not np.array_equal(a, np.array(two["runs"][0]["before"]["values"]))
+    # the training rewards per step too (the rest of a metrics row is timing)
+    rewards = lambda res: {r: [[{k: v for k, v in row.items() if k == "step" or k.startswith("reward")}  # noqa: E731
+                                for row in ms] for ms in per_row] for r, per_row in res["metrics"].items()}
+    assert rewards(one) == rewards(two) and rewards(two)["FlowGRPO"][0][1]["reward_mean"] is not None
 
 
 def test_cli_reports_a_bad_matrix_in_one_line_before_running_anything(tmp_path, capsys):
