@@ -47,12 +47,12 @@ AnchorName = Literal["pi0", "moving"]
 
 class Policy:
     def __init__(self, model: VideoModel, optim: OptimConfig, anchors: Sequence[AnchorName] = ("pi0", "moving"),
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, seed: int = 0):
         self.model = model
         self.finetune = optim.finetune
         self.module = model.trainable_module()
         if optim.finetune == "lora":
-            inject_lora(self.module, model.family, optim)
+            inject_lora(self.module, model.family, optim, seed=seed)  # lora_A from the seed
         else:
             self.module.requires_grad_(True)
         # No dropout: the learner must recompute exactly the log-probs the sampler computed.

@@ -47,7 +47,8 @@ class Trainer:
         if self.loss_cfg.anchor is not None:
             anchors.add(self.loss_cfg.anchor)
         self.model.trainable_module().to(self.device)
-        self.policy = Policy(self.model, cfg.optim, sorted(anchors), checkpointing=cfg.model.gradient_checkpointing)
+        self.policy = Policy(self.model, cfg.optim, sorted(anchors), checkpointing=cfg.model.gradient_checkpointing,
+                             seed=cfg.train.seed)
         # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01), over fp32 master weights
         self.optimizer = torch.optim.AdamW(self.policy.optim_parameters(), lr=cfg.optim.lr,
                                            weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)

@@ -32,7 +32,7 @@ def lora_targets(family: str, optim: OptimConfig) -> list[str]:
     return DEFAULT_TARGETS[family]
 
 
-def inject_lora(module: nn.Module, family: str, optim: OptimConfig) -> nn.Module:
+def inject_lora(module: nn.Module, family: str, optim: OptimConfig, seed: int = 0) -> nn.Module:
     """Add a LoRA adapter in place (B = 0, so the output is unchanged); only it requires grad.
 
     The adapter weights are fp32 whatever the base dtype (peft would make them bf16 on a bf16
@@ -47,7 +47,11 @@ def inject_lora(module: nn.Module, family: str, optim: OptimConfig) -> nn.Module
                          f"{family!r} transformer")
     cfg = LoraConfig(r=optim.lora_rank, lora_alpha=optim.lora_alpha, target_modules=targets,
                      lora_dropout=0.0, init_lora_weights=True)
-    module = inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+    # peft draws lora_A from torch's global RNG, whose state differs per process: seeded here, a
+    # run is reproducible from its config (the learner passes train.seed), on any device
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        module = inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
     for name, p in module.named_parameters():
         if is_lora_key(name) and p.dtype != torch.float32:
             p.data = p.data.float()
