@@ -30,7 +30,7 @@ def register(sub) -> None:
         "for several seeds with the same budget, evaluate each run before and after training on the "
         "fixed (prompt, seed) pairs, and write OUT/compare.md and OUT/compare.json: method × reward "
         "heads, mean ± stderr over seeds of the after − before gain; with `reference:` in the matrix, "
-        "each row's paired difference against that row on the same seeds and pairs, with its 95%% "
+        "each row's paired difference against that row on the same seeds and pairs, with its 95% "
         "Student-t interval and whether it resolves 0.02 composite; with `claims:`, which claims "
         "reproduce (interval above 0), are contradicted (below 0) or are not resolved (it contains 0). "
         "Also OUT/curves.png (training reward, mean over seeds). "
@@ -352,6 +352,8 @@ def cmd_compare(args) -> int:
     from common.config import ConfigError
 
     matrix = load_matrix(args.config).for_mode(args.quick, args.seeds)
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel}: must be at least 1 (runs in flight at once)")
     rows = None
     if args.rows:
         rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -363,8 +365,6 @@ def cmd_compare(args) -> int:
     command = "vgrpo " + " ".join(sys.argv[1:]) if sys.argv and "vgrpo" in sys.argv[0] else \
         f"vgrpo compare -c {args.config}{' --quick' if args.quick else ''}"
     t0 = time.monotonic()
-    if args.parallel is not None and args.parallel < 1:
-        raise ConfigError(f"--parallel {args.parallel}: must be at least 1 (runs in flight at once)")
     parallel = args.parallel or matrix.parallel
     result = run_matrix(matrix, out, rows, note=lambda s: print(s, flush=True), parallel=parallel)
     md = write_report(matrix, result, out, command, time.monotonic() - t0, parallel)

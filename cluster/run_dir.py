@@ -110,8 +110,10 @@ class RunDir:
 
     def plot_rewards(self, heads: list[str]) -> Path:
         """Reward per step (composite and heads), with a moving average; rewritten as the run goes."""
-        from matplotlib.figure import Figure  # not pyplot: its global figure list is not thread-safe,
-                                               # and `vgrpo compare --parallel` plots from several threads
+        # not pyplot: its global figure list is not thread-safe, and `vgrpo compare --parallel`
+        # plots from several threads
+        from matplotlib.figure import Figure
+
         rows = self.read_metrics()
         fig = Figure(figsize=(7, 4))
         ax = fig.subplots()

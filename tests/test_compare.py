@@ -210,3 +210,76 @@ def test_cli_reports_a_bad_matrix_in_one_line_before_running_anything(tmp_path, 
     assert main(["compare", "-c", str(ROOT / "configs" / "ablate_kl.yaml"), "--rows", "nope",
                  "--out", str(tmp_path / "o2")]) == 2
     assert "--rows: unknown row(s) ['nope']" in capsys.readouterr().err
+
+
+def test_cli_parallel_wins_over_the_matrix_and_is_checked(tmp_path, capsys, monkeypatch):
+    import cluster.compare_cmd as cc
+    from cluster.cli import main
+
+    kl = str(ROOT / "configs" / "ablate_kl.yaml")
+    assert main(["compare", "-c", kl, "--parallel", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--parallel 0: must be at least 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    seen = []
+
+    def fake_run_matrix(matrix, out, rows, note, parallel):  # records what the CLI passes, trains nothing
+        seen.append((matrix.parallel, parallel))
+        return {"runs": [], "metrics": {}, "failed": {}, "interrupted": False}
+
+    monkeypatch.setattr(cc, "run_matrix", fake_run_matrix)
+    assert main(["compare", "-c", kl, "--parallel", "3", "--out", str(tmp_path / "a")]) == 0
+    assert main(["compare", "-c", kl, "--out", str(tmp_path / "b")]) == 0
+    assert seen == [(1, 3), (1, 1)]  # ablate_kl.yaml sets no parallel: 1
+    assert "1 run(s) at once" in (tmp_path / "b" / "compare.md").read_text()
+    assert "3 run(s) at once" in (tmp_path / "a" / "compare.md").read_text()
+
+
+def test_before_cache_measures_each_key_once_across_threads_and_retries_after_a_failure():
+    import threading
+
+    from cluster.compare_cmd import BeforeCache
+
+    cache, calls, release = BeforeCache(), [], threading.Event()
+
+    def measure():
+        calls.append(threading.current_thread().name)
+        release.wait(timeout=60)  # held until the other thread has started asking
+        return "base"
+
+    got: list[str] = []
+    first = threading.Thread(target=lambda: got.append(cache.get("k", measure)), name="first")
+    first.start()
+    second = threading.Thread(target=lambda: got.append(cache.get("k", measure)), name="second")
+    second.start()
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert got == ["base", "base"] and len(calls) == 1  # whichever interleaving: measured once
+    assert cache.get("k", lambda: "never") == "base"
+
+    def broken():
+        raise RuntimeError("setup failed")
+
+    with pytest.raises(RuntimeError):
+        cache.get("other", broken)
+    assert cache.get("other", lambda: "measured again") == "measured again"  # a failure is not cached
+
+
+def test_ctrl_c_stops_every_run_in_flight_and_any_run_that_starts_after():
+    import threading
+
+    from cluster.compare_cmd import ActiveDrivers
+
+    class FakeDriver:  # only the attribute the Ctrl-C path touches
+        def __init__(self):
+            self.stop_requested = threading.Event()
+
+    active = ActiveDrivers()
+    a, b, late = FakeDriver(), FakeDriver(), FakeDriver()
+    active.add(a)
+    active.add(b)
+    active.discard(b)  # finished before Ctrl-C
+    active.stop_all()
+    assert a.stop_requested.is_set() and not b.stop_requested.is_set() and active.stopping.is_set()
+    active.add(late)
+    assert late.stop_requested.is_set()
