@@ -161,7 +161,7 @@ def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str
 def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: list[str]) -> str:
     """Row − reference: mean and 95% Student-t interval over seeds, composite and each head, and
     whether the composite interval is narrow enough to separate an effect of RESOLUTION."""
-    from cluster.compare_stats import RESOLUTION
+    from cluster.compare_stats import RESOLUTION, seeds_needed
 
     if reference is None:
         return ""
@@ -184,9 +184,14 @@ def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: 
                f"so an effect of {RESOLUTION} composite is resolved.")
     else:
         n_ok = sum(w <= RESOLUTION for w in widths)
+        widest = max(table, key=lambda r: table[r]["composite"].half_width if table[r]["composite"].n >= 2 else -1)
+        w = table[widest]["composite"]
+        need = seeds_needed(w.se * math.sqrt(w.n))
         res = (f"Resolution: {n_ok} of {len(widths)} composite intervals have half-width ≤ {RESOLUTION} "
                f"(largest {max(widths):.3f}); an effect of {RESOLUTION} composite is not resolved in every "
-               "row: more seeds or more eval pairs would narrow it.")
+               f"row. At the spread measured here the widest row ({widest}) would need "
+               f"{f'about {need} seeds' if need else 'more than 1000 seeds'}; more eval pairs per seed "
+               "also narrow it.")
     notes = [f"\nEach cell: mean over seeds of (row's gain − {reference}'s gain on the same train.seed and the "
              "same eval pairs) [95% Student-t interval, n − 1 degrees of freedom].", res]
     return title + "\n" + "\n".join(lines) + "\n" + "\n".join(notes) + "\n"

@@ -130,6 +130,7 @@ class Paired:
             return None if math.isnan(x) else x
         return {"mean": self.mean, "se": num(self.se), "ci95": [num(self.low), num(self.high)],
                 "half_width": num(self.half_width), "n": self.n,
+                "seeds_for_resolution": None if self.n < 2 else seeds_needed(self.se * math.sqrt(self.n)),
                 "per_seed": {str(s): d for s, d in sorted(self.diffs.items())}}
 
 
@@ -154,6 +155,15 @@ def paired_difference(runs: list[dict[str, Any]], a: str, b: str, key: str = "co
     se = float(x.std(ddof=1) / math.sqrt(len(x)))
     half = t_quantile(0.5 + CONFIDENCE / 2.0, len(x) - 1) * se
     return Paired(diffs, mean, se, mean - half, mean + half)
+
+
+def seeds_needed(sd: float, half_width: float = RESOLUTION, most: int = 1000) -> int | None:
+    """The fewest seeds n ≥ 2 whose 95% interval half-width t_{0.975, n−1}·sd/√n is ≤ half_width,
+    for a spread `sd` of the per-seed differences; None above `most`."""
+    for n in range(2, most + 1):
+        if t_quantile(0.5 + CONFIDENCE / 2.0, n - 1) * sd / math.sqrt(n) <= half_width:
+            return n
+    return None
 
 
 def verdict(p: Paired | None) -> str:

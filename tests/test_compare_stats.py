@@ -12,7 +12,14 @@ import pytest
 
 from cluster.compare_matrix import load_matrix
 from cluster.compare_report import claims_section, paired_table
-from cluster.compare_stats import betainc, paired_difference, t_cdf, t_quantile, verdict
+from cluster.compare_stats import (
+    betainc,
+    paired_difference,
+    seeds_needed,
+    t_cdf,
+    t_quantile,
+    verdict,
+)
 from common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +94,14 @@ def test_paired_difference_by_hand():
     assert paired_difference(runs, "up", "nobody") is None
 
 
+def test_seeds_needed_by_hand():
+    assert seeds_needed(0.02) == 7        # see test_paired_table_in_markdown
+    assert seeds_needed(0.0) == 2         # no spread: the fewest seeds with an interval
+    # sd 0.05: needs t_{n−1}/√n ≤ 0.4; n = 27: 2.056/5.196 = 0.3957, n = 26: 2.060/5.099 = 0.404
+    assert seeds_needed(0.05) == 27
+    assert seeds_needed(10.0) is None
+
+
 @pytest.mark.parametrize("gains, want", [
     ([0.10, 0.14, 0.12], "reproduces"),          # differences +0.05 +0.09 +0.07: CI [+0.020, +0.120]
     ([0.00, -0.04, -0.02], "contradicted"),      # differences −0.05 −0.09 −0.07: CI [−0.120, −0.020]
@@ -114,6 +129,9 @@ def test_paired_table_in_markdown():
     assert not any(x.startswith("| ref |") for x in lines)
     assert "1 of 2 composite intervals have half-width ≤ 0.02 (largest 0.050)" in md
     assert "not resolved in every row" in md
+    # up's per-seed spread is sd 0.02: t_{0.975,n−1}·0.02/√n ≤ 0.02 needs t_{n−1} ≤ √n, first at
+    # n = 7 (t_6 = 2.447 ≤ 2.646; n = 6: t_5 = 2.571 > 2.449)
+    assert "the widest row (up) would need about 7 seeds" in md
     assert paired_table(runs, None, ["ref", "up"]) == ""
 
 
@@ -162,6 +180,7 @@ def test_write_report_puts_paired_numbers_and_claims_in_compare_json(tmp_path):
     assert j["paired"]["up"]["composite"]["mean"] == pytest.approx(0.07)
     assert j["paired"]["up"]["composite"]["per_seed"] == pytest.approx({"0": 0.05, "1": 0.09, "2": 0.07})
     assert j["resolution"]["up"] == pytest.approx(0.049683, abs=1e-6)
+    assert j["paired"]["up"]["composite"]["seeds_for_resolution"] == 7  # sd 0.02 (test_seeds_needed_by_hand)
     assert j["claims"][0]["verdict"] == "reproduces"
 
 
