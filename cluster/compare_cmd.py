@@ -240,6 +240,7 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
 
     try:
         if todo:
+            _warm_imports(cfgs[plan[0]])
             n = _fit_parallel(cfgs[plan[0]], parallel, note)
             _run_threads(worker, min(n, len(todo)), active, note)
     finally:
@@ -254,6 +255,20 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
         cfg = cfgs[(row, s)]
         metrics.setdefault(row, []).append(RunDir(Path(cfg.run.root) / cfg.run.name).read_metrics())
     return {"runs": runs, "metrics": metrics, "failed": failed, "interrupted": interrupted}
+
+
+def _warm_imports(cfg) -> None:
+    """What Driver.setup imports and loads first, done once in this thread before the runs start:
+    diffusers' lazy module is not thread-safe, and two Drivers loading the model for the first time
+    at once failed with "cannot import name 'WanTransformer3DModel' from 'diffusers'"."""
+    import cluster.evaluate  # noqa: F401
+    import learner.actor  # noqa: F401
+    import memory_bank.connect  # noqa: F401
+    import reward_worker.actor  # noqa: F401
+    import rollout_worker.actor  # noqa: F401
+    from cluster.driver import check_model_path
+
+    check_model_path(cfg)  # the toy model: builds its transformer (diffusers); others: path checks
 
 
 def _run_threads(worker, n: int, active: ActiveDrivers, note) -> None:

@@ -283,3 +283,32 @@ def test_ctrl_c_stops_every_run_in_flight_and_any_run_that_starts_after():
     assert a.stop_requested.is_set() and not b.stop_requested.is_set() and active.stopping.is_set()
     active.add(late)
     assert late.stop_requested.is_set()
+
+
+def test_imports_are_warmed_in_the_main_thread_before_parallel_runs():
+    """In a fresh interpreter two Drivers building the toy model at once raced in diffusers' lazy
+    module ("cannot import name 'WanTransformer3DModel'"); run_matrix loads it once first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading\n"
+        "from common.config import load_config\n"
+        "from cluster.compare_cmd import _warm_imports\n"
+        "from cluster.driver import check_model_path\n"
+        f"cfg = load_config({str(QUICKSTART)!r})\n"
+        "assert 'diffusers.models.transformers.transformer_wan' not in sys.modules\n"
+        "_warm_imports(cfg)\n"
+        "assert 'diffusers.models.transformers.transformer_wan' in sys.modules\n"
+        "errors = []\n"
+        "def load():\n"
+        "    try:\n"
+        "        check_model_path(cfg)\n"
+        "    except Exception as e:\n"
+        "        errors.append(e)\n"
+        "ts = [threading.Thread(target=load) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "assert not errors, errors\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
