@@ -22,6 +22,9 @@ def register(sub) -> None:
     e.add_argument("--prompts", default=None, help="a prompts file or a built-in set (default: the run's eval set)")
     e.add_argument("--seeds", type=int, default=None, help="seeds per prompt (default: the run's train.eval_seeds)")
     e.add_argument("--out", default=None, help="where to write grid.png and GIFs (default: TARGET/eval)")
+    e.add_argument("--curve", action="store_true",
+                   help="evaluate the base and every kept checkpoint of the run on the same pairs; write "
+                   "curve.md, curve.json and curve.png (paired gain per head against the step) to --out")
     e.set_defaults(func=cmd_eval)
 
     s = sub.add_parser(
@@ -116,51 +119,73 @@ def score(cfg, frames, prompts, images=None):
     return scores, scores.composite(weights)
 
 
-def cmd_eval(args) -> int:
-    import imageio.v3 as iio
-    import numpy as np
-    from rich.console import Console
-    from rich.table import Table
-
-    from cluster.datasets import check_task, side_by_side
+def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: str | None = None):
+    """ODE-sample the evaluation pairs with the checkpoint (None: the base) and score them.
+    Returns (EvalResult, frames uint8 [N, F, H, W, 3], the pairs' conditions, seeds per prompt)."""
+    from cluster.datasets import check_task
     from cluster.evaluate import EvalResult
-    from cluster.media import grid_image, write_gif
     from cluster.prompts import load_prompts
     from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds
     from rollout_worker.sampler import sample_videos
 
-    cfg, ckpt = resolve_target(args.target, args.config)
-    spec = args.prompts or cfg.train.eval_prompts
+    spec = prompts or cfg.train.eval_prompts
     conds = load_prompts(spec)
     check_task(conds, cfg.model.task, spec)
-    prompts = [c.prompt for c in conds]
-    seeds = eval_seeds(args.seeds or cfg.train.eval_seeds)
-    pairs = [(p, s) for p in prompts for s in seeds]
-    pair_conds = [c for c in conds for _ in seeds]
+    seed_list = eval_seeds(seeds or cfg.train.eval_seeds)
+    pairs = [(c.prompt, s) for c in conds for s in seed_list]
+    pair_conds = [c for c in conds for _ in seed_list]
     images = condition_images(pair_conds, cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
     frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule),
                            images=images)
     scores, composite = score(cfg, frames, [p for p, _ in pairs], images)
-    result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
+    return EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), frames, pair_conds, len(seed_list)
+
+
+def cmd_eval(args) -> int:
+    import imageio.v3 as iio
+    import numpy as np
+    from rich.console import Console
+    from rich.table import Table
+
+    from cluster.datasets import side_by_side
+    from cluster.media import grid_image, write_gif
+
+    if args.curve:
+        from cluster.eval_curve import run_curve
+
+        run = Path(args.target)
+        if not (run / "config.yaml").is_file():
+            from common.config import ConfigError
+
+            raise ConfigError(f"{run}: --curve needs a run directory (with config.yaml), not a checkpoint or 'base'")
+        out = Path(args.out) if args.out else run / "eval"
+        text, png = run_curve(run, args.seeds, out,
+                              lambda cfg, ckpt, seeds: evaluate_policy(cfg, ckpt, seeds, args.prompts)[0])
+        print(text)
+        print(f"wrote {out / 'curve.md'}, curve.json and {png}")
+        return 0
+    cfg, ckpt = resolve_target(args.target, args.config)
+    result, frames, pair_conds, n_seeds = evaluate_policy(cfg, ckpt, args.seeds, args.prompts)
+    prompts = [c.prompt for c in pair_conds[::n_seeds]]
     out = Path(args.out) if args.out else (Path(args.target) / "eval" if args.target != "base" else Path("eval"))
     out.mkdir(parents=True, exist_ok=True)
     # I2V: every video is shown with its first frame to its left
     shown = np.stack([side_by_side(f.numpy(), c, cfg.model) for f, c in zip(frames, pair_conds, strict=True)])
-    iio.imwrite(out / "grid.png", grid_image(shown, per_row=len(seeds)))
+    iio.imwrite(out / "grid.png", grid_image(shown, per_row=n_seeds))
     for i, p in enumerate(prompts):
-        write_gif(shown[i * len(seeds)], out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
-    t = Table(title=f"{args.target}{'' if ckpt is None else ' @ ' + ckpt.name}: {len(pairs)} (prompt, seed) pairs, ODE")
+        write_gif(shown[i * n_seeds], out / f"{i}_{p.replace(' ', '_')[:60]}.gif")
+    t = Table(title=f"{args.target}{'' if ckpt is None else ' @ ' + ckpt.name}: {len(pair_conds)} (prompt, seed) pairs, ODE")
     t.add_column("reward")
     t.add_column("mean ± stderr", justify="right")
-    for key in ["composite", *scores.heads]:
+    for key in ["composite", *result.heads]:
         m, se = result.mean_se(key)
         t.add_row(key, f"{m:.3f} ± {se:.3f}")
     Console().print(t)
     (out / "eval.json").write_text(json.dumps({"target": str(args.target), "checkpoint": str(ckpt),
-                                               "pairs": len(pairs), **result.to_dict()}, indent=2))
+                                               "pairs": len(pair_conds), **result.to_dict()}, indent=2))
     print(f"wrote {out / 'grid.png'}, eval.json and {len(prompts)} GIFs")
     return 0
 

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from cluster.driver import Driver
+from cluster.evaluate import paired
 from cluster.run_dir import RunDir
 from common.config import load_config
 
@@ -89,3 +90,11 @@ def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, mode):
         assert (tmp_path / "ev" / "grid.png").read_bytes()[:4] == b"\x89PNG"
         offline = json.loads((tmp_path / "ev" / "eval.json").read_text())
         assert offline["composite_mean"] == pytest.approx(after.to_dict()["composite_mean"], abs=1e-5)
+        # 8. `--curve`: the base and each kept checkpoint on the same pairs; the newest checkpoint's
+        #    row is the driver's own after − before (evaluated by the actors, not by this process)
+        assert main(["eval", str(run_dir.path), "--curve", "--seeds", "1", "--out", str(tmp_path / "cv")]) == 0
+        curve = json.loads((tmp_path / "cv" / "curve.json").read_text())
+        assert [r["step"] for r in curve["rows"]] == [2, STEPS]
+        want = {d.key: d.diff for d in paired(before, after)}
+        assert {k: curve["rows"][-1][k]["gain"] for k in want} == pytest.approx(want, abs=1e-5)
+        assert (tmp_path / "cv" / "curve.png").read_bytes()[:4] == b"\x89PNG"
