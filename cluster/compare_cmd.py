@@ -208,6 +208,7 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
             note(f"[{i + 1}/{len(plan)}] {row} seed {s}: reusing {path}")
         else:
             todo.append((i, row, s))
+    todo = run_order(todo)
     lock = threading.Lock()
 
     def worker() -> None:
@@ -255,6 +256,12 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
         cfg = cfgs[(row, s)]
         metrics.setdefault(row, []).append(RunDir(Path(cfg.run.root) / cfg.run.name).read_metrics())
     return {"runs": runs, "metrics": metrics, "failed": failed, "interrupted": interrupted}
+
+
+def run_order(todo: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
+    """(plan index, row, seed) in the order to run them: seed by seed, every row at each seed, so a
+    comparison cut short (Ctrl-C, a deadline) still has every row at the seeds it finished, paired."""
+    return sorted(todo, key=lambda t: (t[2], t[0]))
 
 
 def _warm_imports(cfg) -> None:

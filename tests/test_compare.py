@@ -312,3 +312,17 @@ def test_imports_are_warmed_in_the_main_thread_before_parallel_runs():
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_runs_go_seed_by_seed_so_a_cut_short_comparison_keeps_every_row_paired():
+    from cluster.compare_cmd import run_order
+
+    plan = [(i, row, s) for i, (row, s) in enumerate((r, s) for r in ("A", "B", "C") for s in range(3))]
+    order = run_order(plan)
+    assert [(row, s) for _, row, s in order][:3] == [("A", 0), ("B", 0), ("C", 0)]
+    # after any prefix of whole seeds, every row has the same seeds
+    for k in (3, 6, 9):
+        seen = {}
+        for _, row, s in order[:k]:
+            seen.setdefault(row, set()).add(s)
+        assert len({frozenset(v) for v in seen.values()}) == 1 and len(seen) == 3
