@@ -62,7 +62,8 @@ def test_training_the_toy_model_toward_one_direction_of_motion():
         return torch.tensor(out)
 
     cfg = load_config(ROOT / "configs/quickstart.yaml", [
-        "kl.strategy=none", "align.enabled=false", "optim.lr=2e-3", "sampler.initial_noise=group"])
+        "kl.strategy=none", "align.enabled=false", "optim.lr=2e-3", "sampler.initial_noise=group",
+        "grpo.per_head_advantages=false"])  # one scalar reward here, no heads
     model = ToyVideoModel.from_config(cfg)
     trainer = Trainer(cfg, model).setup()
     conds = [Condition(f"c{i}", make_prompt(c, d)) for i, (c, d) in

@@ -138,7 +138,10 @@ def test_ray_actor_metrics_reach_the_node_exporter(ray_session):
     deadline, text = time.monotonic() + 45, ""
     while time.monotonic() < deadline:  # the agent exports on Ray's report interval
         text = _scrape(url)
-        if all(f"\n{w}{{" in text for w in want):
+        # wait for this actor's value, not just the names: an earlier learner of the shared session
+        # may export vgrpo_lambda_kl with the same labels before this one's report lands
+        if all(f"\n{w}{{" in text for w in want) and any(
+                x.startswith("ray_vgrpo_lambda_kl{") and x.endswith(" 0.25") for x in text.splitlines()):
             break
         time.sleep(1)
     ray.kill(actor)
