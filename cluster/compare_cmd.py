@@ -374,6 +374,8 @@ def cmd_compare(args) -> int:
     from common.config import ConfigError
 
     matrix = load_matrix(args.config).for_mode(args.quick, args.seeds)
+    for w in matrix.warnings():
+        print(f"warning: {args.config}: {w}", flush=True)
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: must be at least 1 (runs in flight at once)")
     rows = None

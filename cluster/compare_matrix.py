@@ -87,6 +87,20 @@ class Matrix:
         for row in self.rows:
             self.config(row, 0)
 
+    def warnings(self) -> list[str]:
+        """Rows that would not measure what their name says at this budget (printed, not refused:
+        a plumbing test may run a dual row for two steps)."""
+        out = []
+        for row in self.rows:
+            cfg = self.config(row, 0)
+            # a moving anchor that never refreshes within the budget is the fixed anchor by construction
+            if cfg.kl.strategy in ("moving", "dual") and cfg.train.steps <= cfg.kl.anchor_period:
+                out.append(f"row {row!r}: kl.strategy={cfg.kl.strategy} refreshes its anchor every "
+                           f"{cfg.kl.anchor_period} steps but the budget trains {cfg.train.steps}, so the anchor "
+                           "never moves and the row equals a fixed KL; set kl.anchor_period below "
+                           "train.steps in the budget")
+        return out
+
 
 def _str_list(value: Any, where: str) -> list[str]:
     if value is None:

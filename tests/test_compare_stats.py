@@ -248,3 +248,23 @@ def test_compare_toy_declares_the_papers_claims_on_its_rows():
     both = by_name["alignment plus bank beats either alone"]
     assert c[both.better].bank.enabled and c[both.better].align.enabled
     assert {(c[w].bank.enabled, c[w].align.enabled) for w in both.worse} == {(True, False), (False, True)}
+
+
+def test_a_moving_anchor_that_never_moves_within_the_budget_is_named():
+    from cluster.compare_matrix import load_matrix
+
+    body = ("base: {base}\nbudget: [train.steps=8{extra}]\nseeds: 1\n"
+            "rows:\n  fixed: [kl.strategy=fixed]\n  dual: [kl.strategy=dual]\n")
+    base = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "m.yaml"
+        p.write_text(body.format(base=base, extra=""))  # the quickstart's anchor_period is 10 > 8 steps
+        (w,) = load_matrix(p).warnings()
+        assert w.startswith("row 'dual': kl.strategy=dual refreshes its anchor every 10 steps but the budget trains 8")
+        p.write_text(body.format(base=base, extra=", kl.anchor_period=3"))
+        assert load_matrix(p).warnings() == []
+    # the shipped matrix measures what its rows say, in both budgets
+    shipped = load_matrix(base.parent / "compare_toy.yaml")
+    assert shipped.warnings() == [] and shipped.for_mode(quick=True).warnings() == []
