@@ -13,32 +13,14 @@ import argparse
 import numpy as np
 
 from common import toyscore as ts
-from common import toyworld as tw
 
 
 def parts(frames: np.ndarray, prompt: str) -> dict[str, float]:
-    """One uint8 [F, H, W, 3] video: every part of its VQ, MQ and TA (toyscore's formulas, unrolled)."""
-    m = ts.foreground(frames)
-    F, H, W = m.shape
-    c, mass = ts.centroids(m)
-    area, half = tw.side(H) ** 2, tw.side(H) / 2 + 1.0
-    yy, xx = np.meshgrid(np.arange(H) + 0.5, np.arange(W) + 0.5, indexing="ij")
-    ok = np.isfinite(c).all(axis=1)
-    out = {"clean": float(np.mean([m[f][(np.abs(yy - c[f, 0]) <= half) & (np.abs(xx - c[f, 1]) <= half)].sum() / mass[f]
-                                   for f in range(F) if ok[f]])) if ok.any() else 0.0,
-           "size": float(np.mean([min(x / area, area / x) if x > 0 else 0.0 for x in mass])),
-           "crisp": float(np.mean([1 - np.mean(4 * m[f] * (1 - m[f])) for f in range(F)])),
-           "mass/area": float(mass.mean() / area)}
-    if ok.all():
-        d = np.diff(c, axis=0)
-        dm = d.mean(axis=0)
-        v = tw.travel(H) / (F - 1)
-        out.update(smooth=float(np.exp(-np.linalg.norm(d - dm, axis=1).mean() / 0.5)),
-                   steady=float(np.exp(-(mass.std() / mass.mean()) / 0.2)),
-                   speed=float(np.exp(-abs(np.linalg.norm(dm) - v) / v)), **{"|d|/v*": float(np.linalg.norm(dm) / v)})
+    """One uint8 [F, H, W, 3] video: the parts behind its VQ, MQ and TA (common.toyscore's own)."""
+    vq = {k: float(v.mean()) for k, v in ts.visual_parts(frames).items()}
+    mq = ts.motion_parts(frames) or {}
     s = ts.score_video(frames, prompt)
-    out.update({k: s[k] for k in ("VQ", "MQ", "TA", "colour", "direction")})
-    return out
+    return {**vq, **mq, **{k: s[k] for k in ("VQ", "MQ", "TA", "colour", "direction")}}
 
 
 def main() -> None:

@@ -95,16 +95,15 @@ def t_quantile(p: float, dof: int) -> float:
 
 def run_gains(run: dict[str, Any]) -> dict[str, float]:
     """One run's gains on its eval pairs: key (composite, each head) → mean(after − before)."""
-    before_c = np.asarray(run["before"]["composite"], dtype=np.float64)
-    after_c = np.asarray(run["after"]["composite"], dtype=np.float64)
+    from cluster.compare_report import eval_from_dict
+    from cluster.evaluate import paired
+
     heads = run["heads"]
-    before = np.asarray(run["before"]["values"], dtype=np.float64).reshape(-1, len(heads))
-    after = np.asarray(run["after"]["values"], dtype=np.float64).reshape(-1, len(heads))
-    if before.shape != after.shape or before_c.shape != after_c.shape:
-        raise ValueError(f"run {run.get('row')!r} seed {run.get('seed')}: before and after cover different pairs")
-    out = {"composite": float(np.mean(after_c - before_c))}
-    out.update({h: float(np.mean(after[:, j] - before[:, j])) for j, h in enumerate(heads)})
-    return out
+    try:
+        diffs = paired(eval_from_dict(run["before"], heads), eval_from_dict(run["after"], heads))
+    except ValueError:
+        raise ValueError(f"run {run.get('row')!r} seed {run.get('seed')}: before and after cover different pairs") from None
+    return {d.key: d.diff for d in diffs}
 
 
 @dataclass

@@ -56,39 +56,52 @@ def centroids(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return c, mass
 
 
-def visual_quality(frames: np.ndarray) -> float:
+def visual_parts(frames: np.ndarray) -> dict[str, np.ndarray]:
+    """VQ's parts per frame [F]: clean, size, crisp (0 where a frame has no object), and mass/area."""
     mask = foreground(frames)
     F, H, W = mask.shape
     area = tw.side(H) ** 2
     half = tw.side(H) / 2 + 1.0                   # box half-width: the square plus a pixel
     c, mass = centroids(mask)
     yy, xx = np.meshgrid(np.arange(H) + 0.5, np.arange(W) + 0.5, indexing="ij")
-    per_frame = []
+    out = {k: np.zeros(F) for k in ("clean", "size", "crisp")}
     for f in range(F):
         if not np.isfinite(c[f]).all():
-            per_frame.append(0.0)
             continue
         box = (np.abs(yy - c[f, 0]) <= half) & (np.abs(xx - c[f, 1]) <= half)
-        clean = mask[f][box].sum() / mass[f]
-        size = min(mass[f] / area, area / mass[f])
-        crisp = 1.0 - float(np.mean(4.0 * mask[f] * (1.0 - mask[f])))
-        per_frame.append(float((clean * size * crisp) ** (1 / 3)))
-    return float(np.mean(per_frame))
+        out["clean"][f] = mask[f][box].sum() / mass[f]
+        out["size"][f] = min(mass[f] / area, area / mass[f])
+        out["crisp"][f] = 1.0 - float(np.mean(4.0 * mask[f] * (1.0 - mask[f])))
+    out["mass/area"] = mass / area
+    return out
 
 
-def motion_quality(frames: np.ndarray, travel_px: float | None = None) -> float:
+def visual_quality(frames: np.ndarray) -> float:
+    p = visual_parts(frames)
+    # frame by frame as scalars: numpy's vectorised power can round the last bit differently
+    return float(np.mean([float((cl * si * cr) ** (1 / 3)) if cl > 0 else 0.0
+                          for cl, si, cr in zip(p["clean"].tolist(), p["size"].tolist(), p["crisp"].tolist(), strict=True)]))
+
+
+def motion_parts(frames: np.ndarray, travel_px: float | None = None) -> dict[str, float] | None:
+    """MQ's parts: smooth, steady, speed and |d̄|/v*; None when a frame has no object."""
     mask = foreground(frames)
     F, H, _ = mask.shape
     c, mass = centroids(mask)
     if F < 2 or not np.isfinite(c).all():
-        return 0.0
+        return None
     d = np.diff(c, axis=0)                                                # [F-1, 2]
     d_mean = d.mean(axis=0)
-    smooth = np.exp(-np.linalg.norm(d - d_mean, axis=1).mean() / 0.5)
-    steady = np.exp(-(mass.std() / mass.mean()) / 0.2)
     v_star = (tw.travel(H) if travel_px is None else travel_px) / (F - 1)
-    speed = np.exp(-abs(np.linalg.norm(d_mean) - v_star) / v_star)
-    return float((smooth * steady * speed) ** (1 / 3))
+    return {"smooth": float(np.exp(-np.linalg.norm(d - d_mean, axis=1).mean() / 0.5)),
+            "steady": float(np.exp(-(mass.std() / mass.mean()) / 0.2)),
+            "speed": float(np.exp(-abs(np.linalg.norm(d_mean) - v_star) / v_star)),
+            "|d|/v*": float(np.linalg.norm(d_mean) / v_star)}
+
+
+def motion_quality(frames: np.ndarray, travel_px: float | None = None) -> float:
+    p = motion_parts(frames, travel_px)
+    return 0.0 if p is None else float((p["smooth"] * p["steady"] * p["speed"]) ** (1 / 3))
 
 
 def colour_score(frames: np.ndarray, colour: str) -> float:

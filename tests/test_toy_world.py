@@ -154,3 +154,20 @@ def test_toy_reward_marks_unscorable_prompts_nan_and_rejects_bad_input():
         ToyReward().score(frames, [P])
     with pytest.raises(ValueError, match="unknown head"):
         ToyReward({"XX": 1.0})
+
+
+def test_the_parts_locate_what_changed_in_a_video():
+    """visual_parts / motion_parts (benchmarks/toy_parts.py) against the world's own geometry: a
+    rendered square has its true area and the world's speed; grown, only mass and size move;
+    jittered, only smoothness does."""
+    v = tw.render(P)
+    vp, mp = toyscore.visual_parts(v), toyscore.motion_parts(v)
+    assert vp["mass/area"] == pytest.approx(np.ones(6), abs=0.05) and vp["size"].min() > 0.95
+    assert mp["|d|/v*"] == pytest.approx(1.0, abs=0.05) and mp["speed"] > 0.95
+    grown = np.maximum(v, np.roll(v, 2, axis=1))           # the square smeared 2 px down in every frame
+    gp = toyscore.visual_parts(grown)
+    assert gp["mass/area"].mean() > 1.3 and gp["size"].mean() < vp["size"].mean() - 0.2
+    assert gp["crisp"].mean() == pytest.approx(vp["crisp"].mean(), abs=0.05)
+    jp = toyscore.motion_parts(_jitter(P, seed=0))
+    assert jp["smooth"] < mp["smooth"] - 0.3 and jp["|d|/v*"] == pytest.approx(1.0, abs=0.3)
+    assert toyscore.motion_parts(np.zeros((6, 16, 16, 3), np.uint8)) is None
