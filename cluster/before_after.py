@@ -19,13 +19,19 @@ def before_after_grid(before: np.ndarray, after: np.ndarray, seeds_per_prompt: i
     if before.shape != after.shape:
         raise ValueError(f"before/after grid: the evaluations differ in shape {before.shape} vs {after.shape}; "
                          "both must sample the same (prompt, seed) pairs")
-    n_prompts = min(prompts, before.shape[0] // seeds_per_prompt)
-    k = min(seeds, seeds_per_prompt)
+    idx, k = shown_pairs(before.shape[0], seeds_per_prompt, prompts, seeds)
     rows = []
-    for p in range(n_prompts):
-        idx = np.arange(p * seeds_per_prompt, p * seeds_per_prompt + k)
-        rows += [before[idx], after[idx]]
+    for p in range(len(idx) // k):
+        row = idx[p * k:(p + 1) * k]
+        rows += [before[row], after[row]]
     return grid_image(np.concatenate(rows), per_row=k)
+
+
+def shown_pairs(n: int, seeds_per_prompt: int, prompts: int = 4, seeds: int = 4) -> tuple[list[int], int]:
+    """(indices of the pairs the grid shows, prompt-major; seeds shown per prompt). The frames of
+    just these pairs, with `seeds_per_prompt` = the second value, give the same grid."""
+    k = min(seeds, seeds_per_prompt)
+    return [p * seeds_per_prompt + s for p in range(min(prompts, n // seeds_per_prompt)) for s in range(k)], k
 
 
 def write_before_after(path: Path, before: np.ndarray, after: np.ndarray, seeds_per_prompt: int) -> Path:

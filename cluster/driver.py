@@ -39,7 +39,7 @@ from cluster.health_hook import DriverHealth
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
-from cluster.tracking import eval_grid, step_videos
+from cluster.tracking import step_videos, video_grid
 from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
@@ -698,9 +698,13 @@ class Driver:
     def evaluate(self, label: str, gifs: int = 4):
         """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role.
 
-        The one place frames reach the driver: a handful of evaluation videos, for the GIFs."""
-        from cluster.evaluate import EvalResult, sample_pairs
+        Each rollout actor samples its share and scores it through its own reward client
+        (cluster/evaluate.score_pairs); the driver gets every pair's score row, and frames only
+        for the few pairs it renders: the GIFs, the tracker's grid and before_after.png."""
+        from cluster.before_after import shown_pairs
+        from cluster.evaluate import EvalResult, score_pairs
         from cluster.media import write_gif
+        from cluster.tracking import grid_pairs
         from common.toyworld import eval_seeds
 
         self._sync_idle_actors()
@@ -709,20 +713,23 @@ class Driver:
         seeds = eval_seeds(self.cfg.train.eval_seeds)
         pairs = [(c.prompt, s) for c in conds for s in seeds]
         images = [c.image_path for c in conds for _ in seeds] if conds[0].is_i2v else None  # by path
+        per = len(seeds)
+        gif_pairs = [i * per for i in range(min(gifs, len(conds)))]  # the first seed of each prompt
+        grid = grid_pairs(len(pairs), per, self.cfg.log.video_pairs)
+        shown, shown_per = shown_pairs(len(pairs), per)
         t0 = time.monotonic()
-        frames = sample_pairs(self.rollouts, pairs, images)
-        scores = self.rewards.score(frames, [p for p, _ in pairs], images)
+        scores, frames = score_pairs(self.rollouts, pairs, images, keep={*gif_pairs, *grid, *shown})
         composite = self.rewards.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
-        self.eval_frames = getattr(self, "eval_frames", {}) | {label: (frames.numpy(), len(seeds))}  # before_after.png
-        for i in range(min(gifs, len(pairs))):
-            k = i * len(seeds)  # the first seed of each prompt
+        self.eval_frames = getattr(self, "eval_frames", {}) | {label: (_stack(frames, shown), shown_per)}  # before_after.png
+        for i, k in enumerate(gif_pairs):
             video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
             name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt
             write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
-        self.run_dir.log_video(f"videos/{label}", eval_grid(frames.numpy(), len(seeds), self.cfg.log.video_pairs), self.step)
-        self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s, "
-                  f"composite {composite.mean():.3f}")
+        self.run_dir.log_video(f"videos/{label}", video_grid(_stack(frames, grid), per_row=min(len(grid), 4)),
+                               self.step)
+        self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s "
+                  f"({len(frames)} came back to render), composite {composite.mean():.3f}")
         return result
 
     # --- 7. checkpoints and teardown ---------------------------------------------------------
@@ -784,6 +791,11 @@ class Driver:
         if self.console is not None:
             self.console.log(text)
         log.info(text)
+
+
+def _stack(frames: dict, order: list[int]) -> np.ndarray:
+    """The kept evaluation frames of the pairs in `order`, uint8 [len(order), F, H, W, 3]."""
+    return np.stack([frames[k].numpy() for k in order])
 
 
 def check_model_path(cfg: RunConfig) -> None:

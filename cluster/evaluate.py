@@ -52,6 +52,50 @@ def sample_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str]
     return torch.stack(frames)
 
 
+def score_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None,
+                keep: set[int] | frozenset[int] = frozenset()):
+    """Each rollout actor ODE-samples its share of the pairs and scores it with the reward pool
+    itself (the data plane, as for training groups). Back come every pair's score row and the
+    frames of the pairs in `keep` only: (Scores [N, H], {pair index: uint8 [F, H, W, 3]})."""
+    import torch
+
+    from common.types import Scores
+
+    n = len(rollouts)
+    shares = [list(range(i, len(pairs), n)) for i in range(n)]
+    calls = [(a, share) for a, share in zip(rollouts, shares, strict=True) if share]
+    refs = [a.evaluate_pairs.remote([pairs[k][0] for k in share], [pairs[k][1] for k in share],
+                                    None if images is None else [images[k] for k in share],
+                                    [j for j, k in enumerate(share) if k in keep])
+            for a, share in calls]
+    rows: list = [None] * len(pairs)
+    frames: dict[int, torch.Tensor] = {}
+    heads = None
+    for (_, share), (scores, kept) in zip(calls, _get_scored(refs), strict=True):
+        if heads is not None and scores.heads != heads:
+            raise RuntimeError(f"rollout actors report different reward heads: {heads} vs {scores.heads}")
+        heads = scores.heads
+        for j, k in enumerate(share):
+            rows[k] = scores.values[j]
+        frames |= {share[j]: f for j, f in kept.items()}
+    return Scores(heads, torch.stack(rows)), frames
+
+
+def _get_scored(refs: list) -> list:
+    """ray.get, with a reward model's failure raised as itself (naming the model), as when the
+    caller scored the videos with its own RewardClient."""
+    import ray
+
+    from reward_worker.actor import RewardFailed, RewardTimeout
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, RewardFailed | RewardTimeout):
+            raise e.cause from None
+        raise
+
+
 @dataclass
 class PairedDiff:
     key: str

@@ -140,15 +140,14 @@ def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None
 
 def heldout_eval(driver, cfg: RunConfig):
     """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
-    hold, scored by the reward role (no GIFs, no video: cheaper than Driver.evaluate)."""
-    from cluster.evaluate import EvalResult, sample_pairs
+    hold, scored by the reward role from the actors (no GIFs, no video: cheaper than Driver.evaluate)."""
+    from cluster.evaluate import EvalResult, score_pairs
     from cluster.prompts import load_prompts
     from common.toyworld import eval_seeds
 
     prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
     pairs = [(p, s) for p in prompts for s in eval_seeds(cfg.health.eval_seeds)]
-    frames = sample_pairs(driver.rollouts, pairs)
-    scores = driver.rewards.score(frames, [p for p, _ in pairs], None)
+    scores, _ = score_pairs(driver.rollouts, pairs)  # scored by the actors: no frames come back
     return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.composite(scores).numpy())
 
 

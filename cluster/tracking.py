@@ -70,9 +70,13 @@ def video_grid(frames: np.ndarray, per_row: int, cell: int = 64, gap: int = 2) -
 def eval_grid(frames: np.ndarray, seeds: int, limit: int) -> np.ndarray:
     """The evaluation's videos (prompt-major, `seeds` per prompt) as one tiled video of at most
     `limit` of them: the first seed of every prompt first, so a short grid shows every prompt."""
-    n = len(frames)
-    order = [p * seeds + s for s in range(seeds) for p in range(n // seeds)][:limit]
+    order = grid_pairs(len(frames), seeds, limit)
     return video_grid(frames[order], per_row=min(len(order), 4))
+
+
+def grid_pairs(n: int, seeds: int, limit: int) -> list[int]:
+    """The indices `eval_grid` shows, in its order."""
+    return [p * seeds + s for s in range(seeds) for p in range(n // seeds)][:limit]
 
 
 def encode_gif(frames: np.ndarray, fps: float) -> bytes:

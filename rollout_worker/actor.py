@@ -1,5 +1,5 @@
 """The rollout actor: one model on one pool slot; verbs `stage` + `deliver` (the data plane),
-`generate`, `set_weights`, `version`, `ping`.
+`generate`, `evaluate_pairs`, `set_weights`, `version`, `ping`.
 
 Data plane. `stage(condition, seed, group_id, cursor)` generates a group and keeps it here;
 `deliver(group_id)` hands its frames to the reward pool (its own RewardClient over the reward
@@ -35,7 +35,7 @@ from torch import Tensor
 from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
 from common.sde import Schedule
-from common.types import Condition, Group, GroupReceipt
+from common.types import Condition, Group, GroupReceipt, Scores
 from common.weights import verify
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
@@ -204,6 +204,17 @@ class RolloutWorker:
         m = self.cfg.model
         return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
                              images=resolve_images(images, len(prompts), m.height, m.width))
+
+    def evaluate_pairs(self, prompts: list[str], seeds: list[int], images: list[str] | None = None,
+                       keep: list[int] = ()) -> tuple[Scores, dict[int, Tensor]]:
+        """ODE videos of the pairs, scored here with the reward pool (the frames go to the reward
+        actors through the object store, as in `deliver`). Returns the Scores [B, H] and, for the
+        positions in `keep` only, the frames uint8 [F, H, W, 3] (what the caller renders).
+        A reward model that fails raises RewardFailed / RewardTimeout naming it."""
+        frames = self.sample_videos(prompts, seeds, "ode", images)
+        scores = self._reward_client().score(frames, list(prompts), images)
+        # clone: a view would carry the whole batch's storage with it when pickled
+        return scores, {j: frames[j].clone() for j in keep}
 
     # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
 

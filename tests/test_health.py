@@ -309,7 +309,7 @@ def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
     from common.metrics import Metrics
 
     class DeadActor:
-        class sample_videos:  # noqa: N801 - mimics an actor method handle
+        class evaluate_pairs:  # noqa: N801 - mimics an actor method handle
             @staticmethod
             def remote(*args):
                 raise RuntimeError("actor died\nwith a long trace")
