@@ -722,6 +722,7 @@ class Driver:
         composite = self.rewards.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
         self.eval_frames = getattr(self, "eval_frames", {}) | {label: (_stack(frames, shown), shown_per)}  # before_after.png
+        self.eval_prompts = [c.prompt for c in conds]  # its row labels
         for i, k in enumerate(gif_pairs):
             video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
             name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt

@@ -155,5 +155,5 @@ def _write_before_after(driver, run_dir, console) -> None:
     from cluster.before_after import write_before_after
 
     (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
-    path = write_before_after(run_dir.path / "before_after.png", b, a, per)
+    path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None))
     console.print(f"before/after grid: {path}")
