@@ -153,6 +153,8 @@ class HealthMonitor:
         self.evals: list[tuple[int, Any]] = []       # (step, EvalResult)
         self.findings: list[Finding] = []
         self.firing: set[str] = set()                # checks that fired at the last observation
+        self.against: set[str] = set()               # heads head_against flagged in the training trend
+        self.cleared: dict[str, str] = {}            # of those, the ones held out rose: head → the numbers
         self.numerics: dict[str, float] | None = None
         self.values: dict[str, float] = {}           # the last trend / held-out numbers, for the row
         self.stop_reason: str | None = None
@@ -193,6 +195,7 @@ class HealthMonitor:
                 zh = slope_z(ys)
                 self.values[f"trend_z/{head}"] = zh
                 if zc > z and zh < -z:
+                    self.against.add(head)
                     out.append(("head_against", f"reward head {head} falls (trend z = {zh:.1f}) while the composite "
                                 f"rises (z = {zc:.1f}) over the last {w} steps: the composite is bought with {head}"))
         for term, key in (("anchor", "kl/d_anchor"), ("pi0", "kl/d_pi0"), ("step", "kl/d_step")):
@@ -247,8 +250,18 @@ class HealthMonitor:
         """The before/after evaluation of the whole run, through the hacking check."""
         from cluster.evaluate import paired
 
-        msgs = hacking(paired(before, after), [r for _, r in self.rewards], 0, self.h.z, "before → after")
+        rows = paired(before, after)
+        msgs = hacking(rows, [r for _, r in self.rewards], 0, self.h.z, "before → after")
+        # head_against reads the training samples' trend; where the held-out pairs show the head
+        # rising (paired z > health.z), that warning is not confirmed and does not set the status
+        held = {r.key: r for r in rows}
+        self.cleared = {h: f"{h} {held[h].diff:+.3f} (z {held[h].z:.1f})" for h in sorted(self.against)
+                        if h in held and held[h].z > self.h.z}
         return self._emit(step, msgs, per_step=False)
+
+    def not_confirmed(self, f: Finding) -> bool:
+        """A head_against finding when every head it flagged rose on the held-out pairs."""
+        return f.check == "head_against" and bool(self.against) and self.against <= self.cleared.keys()
 
     # 3. levels, the row, the summary
     def _emit(self, step: int, msgs: list[Message], per_step: bool) -> list[Finding]:
@@ -279,7 +292,7 @@ class HealthMonitor:
         return out
 
     def status(self) -> str:
-        levels = {f.level for f in self.findings}
+        levels = {f.level for f in self.findings if not self.not_confirmed(f)}
         return "stop" if "stop" in levels else "warn" if "warn" in levels else "ok"
 
     def summary(self) -> dict[str, Any]:
@@ -288,6 +301,9 @@ class HealthMonitor:
             fs = [f for f in self.findings if f.check == c]
             checks[c] = {"level": self.h.level(c), "fired": len(fs),
                          "first_step": fs[0].step if fs else None, "last": fs[-1].message if fs else None}
+            if fs and self.not_confirmed(fs[-1]):
+                checks[c]["held_out"] = (f"not confirmed held out: before → after {', '.join(self.cleared.values())}; "
+                                         "the training samples' trend only")
         return {"status": self.status(), "stop_reason": self.stop_reason, "numerics": self.numerics,
                 "held_out_evals": [s for s, _ in self.evals], "checks": checks,
                 "findings": [asdict(f) for f in self.findings[-50:]]}
@@ -322,8 +338,10 @@ def health_table(summary: dict[str, Any], title: str = "training health"):
     for name, c in summary["checks"].items():
         if c["level"] == "off":
             continue
-        t.add_row(name, c["level"], str(c["fired"]), "—" if c["first_step"] is None else str(c["first_step"]),
-                  c["last"] or "ok")
+        last = c["last"] or "ok"
+        if c.get("held_out"):
+            last = f"{c['held_out']}. {last}"
+        t.add_row(name, c["level"], str(c["fired"]), "—" if c["first_step"] is None else str(c["first_step"]), last)
     n = summary.get("numerics")
     if n:
         t.caption = (f"first update: max |log r| = {n['logratio_onpolicy_absmax']:.2e} on "

@@ -380,3 +380,39 @@ def test_vgrpo_plan_prints_the_pre_launch_warnings(tmp_path, capsys):
     assert main(["plan", "-c", "configs/wan22_i2v_tagrpo.yaml", f"run.root={tmp_path}", "train.groups_per_step=1"]) == 0
     out = capsys.readouterr().out
     assert "warning: train.groups_per_step = 1: one step's gradient comes from fewer than 2 prompts" in out
+
+
+def test_a_head_against_warning_the_held_out_pairs_contradict_does_not_set_the_status():
+    """head_against reads the training samples; the before → after evaluation decides it: where
+    the flagged head rose on the held-out pairs (paired z > health.z) the run's status is ok and the
+    table says the warning was not confirmed; where it did not rise, the warning stands."""
+    from cluster.health import health_table
+
+    rng = np.random.default_rng(3)
+    base_vq, base_mq = rng.normal(0.8, 0.05, 64), rng.normal(0.5, 0.1, 64)
+
+    def trained(vq_shift: float) -> HealthMonitor:
+        mon = HealthMonitor(_cfg("health.window=8"))
+        for s in range(1, 9):  # the training trend: composite up, VQ down
+            mon.observe({"step": s, "reward_mean": 0.1 * s + rng.normal(0, 0.01),
+                         "reward/VQ": 1.0 - 0.05 * s + rng.normal(0, 0.01), "reward/MQ": 0.1 * s})
+        before = _eval(base_vq, base_mq)
+        after = _eval(base_vq + vq_shift + rng.normal(0, 0.002, 64), base_mq + 0.05)
+        mon.final(before, after, 8)
+        return mon
+
+    rose = trained(+0.016)
+    assert [f.check for f in rose.findings] == ["head_against"]
+    summary = rose.summary()
+    assert summary["status"] == "ok"
+    note = summary["checks"]["head_against"]["held_out"]
+    assert note.startswith("not confirmed held out: before → after VQ +0.01") and "(z " in note
+    from rich.console import Console
+    console = Console(record=True, width=200)
+    console.print(health_table(summary))
+    text = console.export_text()
+    assert "training health: ok" in text and "not confirmed held out" in text
+
+    for shift in (0.0, -0.016):  # held out VQ flat, or falling: the warning stands
+        mon = trained(shift)
+        assert mon.summary()["status"] == "warn" and "held_out" not in mon.summary()["checks"]["head_against"]
