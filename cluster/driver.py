@@ -39,7 +39,7 @@ from cluster.health_hook import DriverHealth
 from cluster.prompts import load_prompts
 from cluster.run_dir import RunDir
 from cluster.step_record import StepExporter, step_record
-from cluster.tracking import step_videos, video_grid
+from cluster.tracking import step_videos, tiled
 from cluster.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
@@ -727,8 +727,7 @@ class Driver:
             video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
             name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt
             write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
-        self.run_dir.log_video(f"videos/{label}", video_grid(_stack(frames, grid), per_row=min(len(grid), 4)),
-                               self.step)
+        self.run_dir.log_video(f"videos/{label}", tiled(_stack(frames, grid)), self.step)
         self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s "
                   f"({len(frames)} came back to render), composite {composite.mean():.3f}")
         return result

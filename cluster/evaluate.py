@@ -31,24 +31,32 @@ class EvalResult:
         return out
 
 
+def split_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None):
+    """Round-robin shares of the pairs, one per rollout actor that gets any: (actor, pair indices,
+    prompts, seeds, first-frame paths or None). Each sample depends only on its own seed, so the
+    split does not change the result."""
+    n = len(rollouts)
+    for i, actor in enumerate(rollouts):
+        share = list(range(i, len(pairs), n))
+        if share:
+            yield (actor, share, [pairs[k][0] for k in share], [pairs[k][1] for k in share],
+                   None if images is None else [images[k] for k in share])
+
+
 def sample_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None):
     """ODE videos for (prompt, seed) pairs, split over the rollout actors. uint8 [N, F, H, W, 3]
 
-    Each sample depends only on its own seed, so the split does not change the result.
     I2V: `images[i]` is pair i's first-frame path; each actor reads the files itself.
     """
     import ray
     import torch
 
-    n = len(rollouts)
-    chunks = [pairs[i::n] for i in range(n)]
-    img_chunks = [None if images is None else images[i::n] for i in range(n)]
-    refs = [a.sample_videos.remote([p for p, _ in c], [s for _, s in c], "ode", im)
-            for a, c, im in zip(rollouts, chunks, img_chunks, strict=True) if c]
+    calls = list(split_pairs(rollouts, pairs, images))
+    refs = [a.sample_videos.remote(prompts, seeds, "ode", imgs) for a, _, prompts, seeds, imgs in calls]
     frames = [None] * len(pairs)
-    for i, part in enumerate(ray.get(refs)):
-        for j, f in enumerate(part):
-            frames[i + j * n] = f
+    for (_, share, *_), part in zip(calls, ray.get(refs), strict=True):
+        for k, f in zip(share, part, strict=True):
+            frames[k] = f
     return torch.stack(frames)
 
 
@@ -61,17 +69,13 @@ def score_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] 
 
     from common.types import Scores
 
-    n = len(rollouts)
-    shares = [list(range(i, len(pairs), n)) for i in range(n)]
-    calls = [(a, share) for a, share in zip(rollouts, shares, strict=True) if share]
-    refs = [a.evaluate_pairs.remote([pairs[k][0] for k in share], [pairs[k][1] for k in share],
-                                    None if images is None else [images[k] for k in share],
-                                    [j for j, k in enumerate(share) if k in keep])
-            for a, share in calls]
+    calls = list(split_pairs(rollouts, pairs, images))
+    refs = [a.evaluate_pairs.remote(prompts, seeds, imgs, [j for j, k in enumerate(share) if k in keep])
+            for a, share, prompts, seeds, imgs in calls]
     rows: list = [None] * len(pairs)
     frames: dict[int, torch.Tensor] = {}
     heads = None
-    for (_, share), (scores, kept) in zip(calls, _get_scored(refs), strict=True):
+    for (_, share, *_), (scores, kept) in zip(calls, _get_scored(refs), strict=True):
         if heads is not None and scores.heads != heads:
             raise RuntimeError(f"rollout actors report different reward heads: {heads} vs {scores.heads}")
         heads = scores.heads

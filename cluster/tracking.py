@@ -70,8 +70,12 @@ def video_grid(frames: np.ndarray, per_row: int, cell: int = 64, gap: int = 2) -
 def eval_grid(frames: np.ndarray, seeds: int, limit: int) -> np.ndarray:
     """The evaluation's videos (prompt-major, `seeds` per prompt) as one tiled video of at most
     `limit` of them: the first seed of every prompt first, so a short grid shows every prompt."""
-    order = grid_pairs(len(frames), seeds, limit)
-    return video_grid(frames[order], per_row=min(len(order), 4))
+    return tiled(frames[grid_pairs(len(frames), seeds, limit)])
+
+
+def tiled(frames: np.ndarray) -> np.ndarray:
+    """Videos [N, F, H, W, 3] in the given order as one tiled video, at most 4 per row."""
+    return video_grid(frames, per_row=min(len(frames), 4))
 
 
 def grid_pairs(n: int, seeds: int, limit: int) -> list[int]:
@@ -177,4 +181,4 @@ def step_videos(driver) -> None:
     except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on
         log.warning("step %d: no sample video (%s: %s)", driver.step, type(e).__name__, e)
         return
-    driver.run_dir.log_video("videos/train", video_grid(frames, per_row=min(len(pairs), 4)), driver.step)
+    driver.run_dir.log_video("videos/train", tiled(frames), driver.step)

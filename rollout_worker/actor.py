@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -206,7 +206,7 @@ class RolloutWorker:
                              images=resolve_images(images, len(prompts), m.height, m.width))
 
     def evaluate_pairs(self, prompts: list[str], seeds: list[int], images: list[str] | None = None,
-                       keep: list[int] = ()) -> tuple[Scores, dict[int, Tensor]]:
+                       keep: Sequence[int] = ()) -> tuple[Scores, dict[int, Tensor]]:
         """ODE videos of the pairs, scored here with the reward pool (the frames go to the reward
         actors through the object store, as in `deliver`). Returns the Scores [B, H] and, for the
         positions in `keep` only, the frames uint8 [F, H, W, 3] (what the caller renders).

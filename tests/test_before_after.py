@@ -55,6 +55,12 @@ def test_each_picture_row_is_labelled_beside_it_and_the_videos_are_unchanged(tmp
     assert np.array_equal(labels[1], labels[3]) and np.array_equal(labels[3], labels[5])  # "after" ×3
     assert not np.array_equal(labels[0], labels[2])                 # each "before" names its prompt
     assert not np.array_equal(labels[0], labels[1])
+    # without prompts (a caller that has none): "before" / "after" only, the same on every prompt's rows
+    bare = iio.imread(write_before_after(tmp_path / "bare.png", before, after, per))
+    strip = bare.shape[1] - grid.shape[1]
+    rows_ = [bare[r * (row + gap):r * (row + gap) + row, :strip] for r in range(6)]
+    assert np.array_equal(rows_[0], rows_[2]) and not np.array_equal(rows_[0], rows_[1])
+    assert (rows_[0] < 128).any()
 
 
 def test_labels_of_tiny_videos_stay_inside_their_rows(tmp_path):
