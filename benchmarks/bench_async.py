@@ -1,6 +1,6 @@
 """End-to-end throughput, async vs sync on the same cores (not a test).
 
-    python -m benchmarks.bench_async [--quick] [--steps N] [--gpu]
+    python -m benchmarks.bench_async [--quick] [--steps N] [--gpu] [KEY=VALUE ...]
 
 Runs the quickstart (toy model, every role its own Ray actor, embedded Redis) for the same
 number of optimizer steps in `sync` and then `async` mode, on one local Ray cluster, and prints
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="6 steps per mode")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 20)")
     ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 on one CUDA GPU")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="config overrides on the quickstart for both modes, e.g. train.groups_per_step=4")
     args = ap.parse_args(argv)
     steps = args.steps or (6 if args.quick else 20)
     if args.gpu:
@@ -58,21 +60,23 @@ def main(argv: list[str] | None = None) -> None:
 
         require_cuda()
     with tempfile.TemporaryDirectory() as root:
-        extra = []
+        extra = list(args.overrides)
         if args.gpu:
             from benchmarks.gpu import save_wan22_small, wan22_small_overrides
 
-            extra = [*wan22_small_overrides(save_wan22_small(f"{root}/wan22_small")), "schedule.steps=16",
+            extra += [*wan22_small_overrides(save_wan22_small(f"{root}/wan22_small")), "schedule.steps=16",
                      "pools.rollout.num_gpus=0.5", "pools.learner.num_gpus=0.5", "optim.micro_batch=8"]
-        handle = init_ray(load_config("configs/quickstart.yaml", extra))
+        cfg = load_config("configs/quickstart.yaml", extra)
+        handle = init_ray(cfg)
         try:
             rows = [run_mode(m, steps, root, extra) for m in ("sync", "async")]
         finally:
             handle.shutdown()
             ray.shutdown()
     model = "small Wan 2.2 (bf16, 33x240x416) on 1 GPU" if args.gpu else "the toy model on CPU"
-    print(f"config: configs/quickstart.yaml with {model}, {steps} optimizer steps per mode, "
-          "4 groups x 8 videos per step, 1 rollout + 1 reward + 1 learner actor")
+    print(f"config: configs/quickstart.yaml {' '.join(args.overrides)} with {model}, {steps} optimizer steps per "
+          f"mode, {cfg.train.groups_per_step} groups x {cfg.sampler.group_size} videos per step, "
+          f"{cfg.pools.rollout.num_actors} rollout + 1 reward + {cfg.pools.learner.num_actors} learner actor(s)")
     print(f"{'mode':6} {'steps':>5} {'wall s':>7} {'videos/s':>9} {'idle rollout':>13} {'idle reward':>12} "
           f"{'idle learner':>13} {'max staleness':>14}")
     for r in rows:
