@@ -512,26 +512,41 @@ class Driver:
         self.note(f"the bank dropped {len(gids)} corrupt fresh group(s) ({', '.join(gids)}); "
                   "drawing their conditions again")
 
-    def publish(self) -> None:
-        """Make the learner's newest weights the version rollout actors load before their next group."""
+    def export_policy(self) -> None:
+        """Every rollout actor loads the run's exported policy: the newest weights, or with
+        optim.ema_decay their moving average, which the final evaluation then samples. The average
+        goes out as version step + 1 (actors load only newer versions; no step trains after it)."""
+        if self.cfg.optim.ema_decay <= 0:
+            self._sync_idle_actors()
+            return
+        while self.busy:
+            self._collect(POLL_S)
+        self.publish(ema=True)
+        self._sync_idle_actors()
+        self.note(f"the rollout actors hold the exported policy: the moving average of the weights "
+                  f"(optim.ema_decay {self.cfg.optim.ema_decay}) after step {self.step}")
+
+    def publish(self, ema: bool = False) -> None:
+        """Make the learner's newest weights the version rollout actors load before their next group
+        (ema: the weights' moving average, as version step + 1; see export_policy)."""
         import ray
 
         t0 = time.monotonic()
         if self.cfg.weight_sync.transport == "object_store":
-            record = self.learner.weights_record(self.cfg.weight_sync.checksum)
-            record["version"] = self.step
-            self.registry.set.remote(self.step, record["box"])  # a restarted actor's source
+            record = self.learner.weights_record(self.cfg.weight_sync.checksum, ema)
+            record["version"] = self.step + int(ema)
+            self.registry.set.remote(record["version"], record["box"])  # a restarted actor's source
             with self.lock:
                 self.latest = record
         else:
             try:
-                self.learner.publish(self.rollouts)
+                self.learner.publish(self.rollouts, ema=ema)
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self._learner_check()
                 raise StopRun(f"weight sync of version {self.step} failed: {type(cause).__name__}: "
                               f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
-            self.actor_version = [self.step] * len(self.rollouts)
+            self.actor_version = [self.step + int(ema)] * len(self.rollouts)
         self.published = self.step
         seconds = time.monotonic() - t0
         self.timers["publish"] += seconds
@@ -583,7 +598,7 @@ class Driver:
             else:
                 self._run_async(progress)
             if self.step >= self.cfg.train.steps:
-                self._sync_idle_actors()  # a finished run leaves every rollout actor on the newest weights
+                self.export_policy()  # a finished run leaves every rollout actor on the exported policy
         except StopRun as e:
             # a clean stop: the caller writes a checkpoint (unless the learner is gone)
             self.stop_reason = str(e)

@@ -163,20 +163,25 @@ class LearnerRank:
         return out.cpu()
 
     @exports_weights_payload
-    def weights_payload(self) -> dict[str, Tensor] | None:
-        """Full tensors on rank 0 (adapter only with LoRA), None elsewhere. Collective."""
+    def weights_payload(self, ema: bool = False) -> dict[str, Tensor] | None:
+        """Full tensors on rank 0 (adapter only with LoRA), None elsewhere. Collective.
+        ema: the weights' moving average (the exported policy) when the run keeps one."""
         if self.world_size == 1:
-            return self.trainer.weights_payload()
+            return self.trainer.weights_payload(ema)
         names = self.trainer.weights_payload().keys()  # local view: only the names are used
-        full = fsdp.full_state_dict(self.trainer.policy.module, names)
+        if ema and self.trainer.exports_ema:
+            with self.trainer.policy.swapped("ema"):
+                full = fsdp.full_state_dict(self.trainer.policy.module, names)
+        else:
+            full = fsdp.full_state_dict(self.trainer.policy.module, names)
         return full if self.rank == 0 else None
 
-    def weights_record(self, with_checksum: bool) -> dict | None:
+    def weights_record(self, with_checksum: bool, ema: bool = False) -> dict | None:
         """Rank 0: the payload packed into the object store (one put, numpy buffers), as
         {"box": [ref], "checksum": str | None}; None elsewhere. Collective."""
         from rollout_worker.weight_receiver import pack
 
-        payload = self.weights_payload()
+        payload = self.weights_payload(ema)
         if payload is None:
             return None
         digest = None
@@ -187,24 +192,26 @@ class LearnerRank:
         return {"box": [ray.put(pack(payload))], "checksum": digest}
 
     def save_policy(self, path: str) -> None:
-        """Write the published weights as safetensors (rank 0; every rank joins the gather)."""
-        payload = self.weights_payload()
+        """Write the exported policy as safetensors: the live weights, or their moving average when
+        the run keeps one (rank 0; every rank joins the gather)."""
+        payload = self.weights_payload(ema=True)
         if payload is not None:
             from safetensors.torch import save_file
 
             save_file({k: v.detach().cpu().contiguous() for k, v in payload.items()}, path)
 
     @exports_publish
-    def publish(self, actors: list | None, names: list[str] | None = None) -> PublishReport | None:
-        """Gather the payload (all ranks) and push it from rank 0 to `actors`."""
-        payload = self.weights_payload()
+    def publish(self, actors: list | None, names: list[str] | None = None,
+                ema: bool = False) -> PublishReport | None:
+        """Gather the payload (all ranks) and push it from rank 0 to `actors` (ema: the moving average)."""
+        payload = self.weights_payload(ema)
         if self.rank != 0:
             return None
         if self.publisher is None or self.publisher.actors != list(actors):
             if self.publisher is not None:
                 self.publisher.close()
             self.publisher = WeightPublisher(self.cfg.weight_sync, actors, names, self.device)
-        return self.publisher.publish(payload, self.trainer.version)
+        return self.publisher.publish(payload, self.trainer.version + int(ema and self.trainer.exports_ema))
 
     def save_checkpoint(self, dir: str, extra: dict | None = None) -> str:
         if self.world_size == 1:
@@ -280,24 +287,24 @@ class LearnerGroup:
     def commit_ids(self, gids: list[str], step: int) -> int:
         return ray.get(self.ranks[0].commit_ids.remote(gids, step))
 
-    def weights_record(self, with_checksum: bool = False) -> dict:
+    def weights_record(self, with_checksum: bool = False, ema: bool = False) -> dict:
         """{"box": [ref of the packed payload], "checksum"}: the payload stays in the object store."""
-        return self._all("weights_record", with_checksum)[0]
+        return self._all("weights_record", with_checksum, ema)[0]
 
     def save_policy(self, path: str | Path) -> None:
         self._all("save_policy", str(path))
 
-    def weights_payload(self) -> dict[str, Tensor]:
-        return self._all("weights_payload")[0]
+    def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
+        return self._all("weights_payload", ema)[0]
 
     def weights_payload_ref(self) -> ray.ObjectRef:
         """Rank 0's payload as an object ref: rollout actors read it without a copy through the driver."""
         refs = [r.weights_payload.remote() for r in self.ranks]  # every rank joins the gather
         return refs[0]
 
-    def publish(self, actors: list, names: list[str] | None = None) -> PublishReport:
+    def publish(self, actors: list, names: list[str] | None = None, ema: bool = False) -> PublishReport:
         """Push the current version to rollout actors (cfg.weight_sync.transport) from rank 0."""
-        return self._all("publish", list(actors), names)[0]
+        return self._all("publish", list(actors), names, ema)[0]
 
     def save_checkpoint(self, dir: str | Path, extra: dict | None = None) -> Path:
         return Path(self._all("save_checkpoint", str(dir), extra)[0])

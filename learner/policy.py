@@ -4,6 +4,7 @@ Anchors (ALGORITHM.md section 5) are snapshots of the trainable parameters only,
 LoRA they are the adapter weights (a few MB), never a second copy of the model:
 - `pi0`: the policy at setup (the `fixed` strategy's anchor);
 - `moving`: refreshed every kl.anchor_period optimizer steps;
+- `ema`: the exponential moving average of the weights (optim.ema_decay), the exported policy;
 
 `anchor_velocity` swaps an anchor's weights into the live module, runs the forward without
 grad, and swaps them back, one parameter at a time. Call it before the policy's own forward
@@ -42,7 +43,7 @@ def enable_checkpointing(module: torch.nn.Module) -> None:
     for m in models:
         m.enable_gradient_checkpointing()
 
-AnchorName = Literal["pi0", "moving"]
+AnchorName = Literal["pi0", "moving", "ema"]
 
 
 class Policy:
@@ -132,6 +133,14 @@ class Policy:
             self.anchors[name][n].copy_(p.detach())
 
     @torch.no_grad()
+    def update_ema(self, decay: float) -> None:
+        """ema <- decay * ema + (1 - decay) * theta, from the fp32 masters (computed in fp32, kept in
+        the weights' own dtype, as every anchor is: LoRA adapters are fp32)."""
+        for n, p in self.params.items():
+            e = self.anchors["ema"][n]
+            e.copy_(e.float().lerp(self.master.get(n, p).detach().float(), 1.0 - decay))
+
+    @torch.no_grad()
     def _swap(self, name: str) -> None:
         snap = self.anchors[name]
         for n, p in self.params.items():
@@ -184,7 +193,9 @@ class Policy:
             if n in self.master:
                 self.master[n].copy_(params[n])
         for a in self.anchors:
-            if a not in anchors:
+            # a run that turns optim.ema_decay on at a resume starts its average at the resumed weights
+            src = anchors.get(a, params if a == "ema" else None)
+            if src is None:
                 raise KeyError(f"checkpoint has no {a!r} anchor")
             for n in self.params:
-                self.anchors[a][n].copy_(anchors[a][n])
+                self.anchors[a][n].copy_(src[n])

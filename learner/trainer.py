@@ -46,6 +46,8 @@ class Trainer:
         anchors = {"pi0", "moving"} if cfg.optim.finetune == "lora" else set()
         if self.loss_cfg.anchor is not None:
             anchors.add(self.loss_cfg.anchor)
+        if cfg.optim.ema_decay > 0:
+            anchors.add("ema")
         self.model.trainable_module().to(self.device)
         self.policy = Policy(self.model, cfg.optim, sorted(anchors), checkpointing=cfg.model.gradient_checkpointing,
                              seed=cfg.train.seed)
@@ -123,6 +125,8 @@ class Trainer:
         self.optimizer.step()
         policy.master_to_params()
         self.version += 1
+        if self.cfg.optim.ema_decay > 0:
+            policy.update_ema(ema_decay_at(self.cfg.optim.ema_decay, self.version))
 
         # 5. anchors and λ_KL for the next step
         if self.version % cfg.kl.anchor_period == 0 and "moving" in policy.anchors:
@@ -177,8 +181,17 @@ class Trainer:
 
     # --- weights and checkpoints -------------------------------------------------------
 
-    def weights_payload(self) -> dict[str, Tensor]:
-        """Adapter-only for LoRA (see Policy.weights_payload), else the full state dict; CPU tensors."""
+    @property
+    def exports_ema(self) -> bool:
+        """Whether the exported policy is the weights' moving average (optim.ema_decay > 0)."""
+        return "ema" in self.policy.anchors
+
+    def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
+        """Adapter-only for LoRA (see Policy.weights_payload), else the full state dict; CPU tensors.
+        ema: the moving average's weights instead of the live ones (when it is kept)."""
+        if ema and self.exports_ema:
+            with self.policy.swapped("ema"):
+                return self.policy.weights_payload()
         return self.policy.weights_payload()
 
     def state_dict(self) -> dict:
@@ -212,6 +225,12 @@ class Trainer:
         state, extra, _ = checkpoint.load(dir, map_location=self.device)
         self.load_state_dict(state)
         return extra
+
+
+def ema_decay_at(decay: float, version: int) -> float:
+    """The average's decay after optimizer step `version`: min(decay, (1+t)/(10+t)), so that the
+    first steps move it (at t = 1, by 8/11) instead of holding it at the base."""
+    return min(decay, (1.0 + version) / (10.0 + version))
 
 
 def _onpolicy_stats(stats: dict[str, float], logratio_absmax: float) -> dict[str, float]:

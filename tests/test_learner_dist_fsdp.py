@@ -30,6 +30,7 @@ def _cfg(finetune: str = "lora"):
         f"optim.finetune={finetune}", "optim.lora_rank=4", "optim.lr=0.01", "optim.micro_batch=4",
         "kl.strategy=dual", "kl.schedule=constant", "kl.lam=0.1", "align.enabled=true",
         "pools.learner.num_cpus=0.5", "pools.learner.torch_threads=1",
+        "optim.ema_decay=0.9",  # the exported average is gathered from the shards too
     ])
 
 
@@ -53,6 +54,7 @@ def _run(cfg, ranks: int, batches, tmp_path=None):
     try:
         stats = [group.train_step(b) for b in batches]
         payload = group.weights_payload()
+        group.ema = group.weights_payload(ema=True)
         ckpt = group.save_checkpoint(tmp_path, {"cursor": 7}) if tmp_path is not None else None
         return stats, payload, group.version(), ckpt, group
     except BaseException:
@@ -82,6 +84,10 @@ def test_two_fsdp_ranks_match_one_rank(ray_session, tmp_path):
             torch.testing.assert_close(w[k], ref_w[k], rtol=1e-4, atol=1e-6)
             moved += int(ref_w[k].abs().max() > 0)
         assert moved > 0  # the LoRA weights did change, so the comparison is not of zeros
+        ref_ema = ref.weights_payload(ema=True)
+        assert set(g2.ema) == set(ref_ema) and any(not torch.equal(ref_ema[k], ref_w[k]) for k in ref_w)
+        for k in ref_ema:
+            torch.testing.assert_close(g2.ema[k], ref_ema[k], rtol=1e-4, atol=1e-6)
 
         # a sharded checkpoint resumes: the next loss equals the uninterrupted run's
         nxt = _batches()[0]

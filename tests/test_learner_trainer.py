@@ -204,3 +204,48 @@ def test_activation_checkpointing_gives_the_same_step():
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), k
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-7)
+
+
+def test_ema_payload_is_torch_averagedmodel_of_the_trained_weights(tmp_path):
+    """optim.ema_decay: the exported weights are the moving average torch's own AveragedModel keeps
+    with the same decay schedule (min(d, (1+t)/(10+t)) after step t), not the live weights; the
+    live weights still train and sample, and a checkpoint resumes the average."""
+    from torch.optim.swa_utils import AveragedModel
+
+    decay = 0.8
+    model = TinyVideoModel(seed=0)
+    tr = Trainer(_cfg(optim={"ema_decay": decay}), model).setup()
+    names = list(tr.policy.params)
+
+    def avg_fn(avg, new, n_averaged):  # n_averaged updates so far, counting the copy at setup
+        d = min(decay, (1.0 + n_averaged) / (10.0 + n_averaged))
+        return d * avg + (1 - d) * new
+
+    ref = AveragedModel(tr.policy.module, avg_fn=avg_fn, use_buffers=False)  # copies π0 on the first update
+    ref.update_parameters(tr.policy.module)
+    for s in range(4):
+        tr.train_step(_batch(model, seed=s))
+        ref.update_parameters(tr.policy.module)
+    averaged = dict(ref.module.named_parameters())
+    live, ema = tr.weights_payload(), tr.weights_payload(ema=True)
+    assert set(ema) == set(live) and all(".lora_" in k for k in ema)
+    for n in names:
+        assert torch.allclose(ema[n], averaged[n], atol=1e-7, rtol=1e-6), n
+    moved = [n for n in names if not torch.equal(ema[n], live[n])]
+    assert moved, "the average must lag the live weights"
+    assert torch.equal(tr.weights_payload()[names[0]], live[names[0]])  # the swap put the live ones back
+
+    tr.save_checkpoint(tmp_path, extra={})
+    back = Trainer(tr.cfg, TinyVideoModel(seed=0)).setup()
+    back.load_checkpoint(tmp_path)
+    assert all(torch.equal(back.weights_payload(ema=True)[n], ema[n]) for n in names)
+    assert all(torch.equal(back.weights_payload()[n], live[n]) for n in names)
+
+
+def test_ema_off_exports_the_live_weights():
+    model = TinyVideoModel(seed=0)
+    tr = Trainer(_cfg(), model).setup()
+    tr.train_step(_batch(model, seed=0))
+    assert not tr.exports_ema and "ema" not in tr.policy.anchors
+    live = tr.weights_payload()
+    assert all(torch.equal(v, live[k]) for k, v in tr.weights_payload(ema=True).items())
