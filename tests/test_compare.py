@@ -39,6 +39,9 @@ def test_shipped_matrices_validate_and_share_one_budget(name):
         # and the rows really differ from each other
         dumps = {json.dumps(c.model_dump(mode="json"), sort_keys=True) for c in cfgs}
         assert len(dumps) == len(cfgs)
+        # runs in flight at once are sync: an async run keeps both of a laptop's cores busy
+        if m.parallel > 1:
+            assert {c.train.mode for c in cfgs} == {"sync"}, name
 
 
 def test_compare_toy_rows_are_the_methods_and_quick_is_smaller():
