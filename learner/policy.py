@@ -64,7 +64,7 @@ class Policy:
         if not self.params:
             raise ValueError(f"the {model.family!r} trainable module has no trainable parameters")
         self.master = self._make_master()
-        self.anchors: dict[str, dict[str, Tensor]] = {a: self.snapshot() for a in anchors}
+        self.anchors: dict[str, dict[str, Tensor]] = {a: self._snapshot_for(a) for a in anchors}
         self.device = next(iter(self.params.values())).device
 
     # --- forward -----------------------------------------------------------------------
@@ -118,13 +118,19 @@ class Policy:
     def rebind(self) -> None:
         """Re-read the parameters after the module's were replaced (FSDP2 sharding)."""
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        self.anchors = {a: self.snapshot() for a in self.anchors}
+        self.anchors = {a: self._snapshot_for(a) for a in self.anchors}
 
     # --- anchors -----------------------------------------------------------------------
 
     @torch.no_grad()
     def snapshot(self) -> dict[str, Tensor]:
         return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def _snapshot_for(self, name: str) -> dict[str, Tensor]:
+        # the average is kept in fp32: bf16 could not hold its small per-step moves
+        if name == "ema":
+            return {n: self.master.get(n, p).detach().float().clone() for n, p in self.params.items()}
+        return self.snapshot()
 
     @torch.no_grad()
     def refresh(self, name: str) -> None:
@@ -134,11 +140,9 @@ class Policy:
 
     @torch.no_grad()
     def update_ema(self, decay: float) -> None:
-        """ema <- decay * ema + (1 - decay) * theta, from the fp32 masters (computed in fp32, kept in
-        the weights' own dtype, as every anchor is: LoRA adapters are fp32)."""
+        """ema <- decay * ema + (1 - decay) * theta, in fp32 from the fp32 masters."""
         for n, p in self.params.items():
-            e = self.anchors["ema"][n]
-            e.copy_(e.float().lerp(self.master.get(n, p).detach().float(), 1.0 - decay))
+            self.anchors["ema"][n].lerp_(self.master.get(n, p).detach().float(), 1.0 - decay)
 
     @torch.no_grad()
     def _swap(self, name: str) -> None:
@@ -150,8 +154,21 @@ class Policy:
 
     @contextmanager
     def swapped(self, name: str) -> Iterator[None]:
+        """The anchor's weights in the live module for the block (rounded to the weights' dtype)."""
         if name not in self.anchors:
             raise KeyError(f"policy keeps no {name!r} anchor (kept: {sorted(self.anchors)})")
+        if name == "ema":  # fp32: an exchange would round it to the weights' dtype, so copy and restore
+            live = self.snapshot()
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(self.anchors[name][n])
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for n, p in self.params.items():
+                        p.copy_(live[n])
+            return
         self._swap(name)
         try:
             yield

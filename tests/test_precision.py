@@ -127,3 +127,33 @@ def test_checkpoint_keeps_the_fp32_masters(tmp_path):
         assert torch.equal(b.policy.master[n], m), n  # not the bf16 compute weights, which lose the step
         assert torch.equal(b.policy.params[n], a.policy.params[n]), n
     assert b.train_step(batch)["loss"] == a.train_step(batch)["loss"]
+
+
+def test_the_moving_average_of_bf16_weights_is_kept_in_fp32():
+    """optim.ema_decay with bf16 full fine-tuning: each step moves the average by (1 - d)·(θ - θ̄),
+    far below what bf16 resolves; kept in fp32 from the fp32 masters it is the exact average
+    (torch's own AveragedModel over the masters), and exporting it leaves the live weights as they were."""
+    from torch.optim.swa_utils import get_ema_avg_fn
+
+    cfg = _cfg("full", optim={"finetune": "full", "micro_batch": 4, "lr": 1e-5, "ema_decay": 0.99})
+    batch = _batch(cfg)
+    tr = Trainer(cfg, tiny_wan_model(MODEL)).setup()
+    pol = tr.policy
+    want = {n: m.detach().clone() for n, m in pol.master.items()}
+    for _ in range(12):  # d_t = min(0.99, (1+t)/(10+t)): 0.18 at step 1 .. 0.59 at step 12
+        tr.train_step(batch)
+        d = min(0.99, (1 + tr.version) / (10 + tr.version))
+        avg = get_ema_avg_fn(d)
+        want = {n: avg(want[n], m.detach(), None) for n, m in pol.master.items()}
+    ema = pol.anchors["ema"]
+    assert all(e.dtype == torch.float32 for e in ema.values())
+    for n in want:
+        torch.testing.assert_close(ema[n], want[n], rtol=1e-6, atol=1e-7)  # lerp vs d·a + (1-d)·b: an ulp
+    # the average differs from its own bf16 rounding: a bf16 copy could not hold it
+    assert any(not torch.equal(e.to(torch.bfloat16).float(), e) for e in ema.values())
+    live = {n: p.detach().clone() for n, p in pol.params.items()}
+    exported = tr.weights_payload(ema=True)
+    assert all(torch.equal(p, live[n]) for n, p in pol.params.items())  # restored exactly
+    n0 = next(iter(want))
+    assert torch.equal(exported[n0], want[n0].to(torch.bfloat16))
+    assert all(torch.equal(e, ema[n]) for n, e in pol.anchors["ema"].items())  # and the average is intact
