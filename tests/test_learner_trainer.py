@@ -249,3 +249,16 @@ def test_ema_off_exports_the_live_weights():
     assert not tr.exports_ema and "ema" not in tr.policy.anchors
     live = tr.weights_payload()
     assert all(torch.equal(v, live[k]) for k, v in tr.weights_payload(ema=True).items())
+
+
+def test_turning_ema_on_at_a_resume_starts_the_average_at_the_resumed_weights(tmp_path):
+    model = TinyVideoModel(seed=0)
+    tr = Trainer(_cfg(), model).setup()
+    tr.train_step(_batch(model, seed=0))
+    tr.save_checkpoint(tmp_path, extra={})
+    on = Trainer(_cfg(optim={"ema_decay": 0.9}), TinyVideoModel(seed=0)).setup()
+    on.load_checkpoint(tmp_path)
+    live = tr.weights_payload()
+    assert all(torch.equal(on.weights_payload(ema=True)[k], v) for k, v in live.items())
+    on.train_step(_batch(model, seed=1))  # and it moves from there
+    assert any(not torch.equal(on.weights_payload(ema=True)[k], v) for k, v in live.items())
