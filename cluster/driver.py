@@ -519,8 +519,7 @@ class Driver:
         if self.cfg.optim.ema_decay <= 0:
             self._sync_idle_actors()
             return
-        while self.busy:
-            self._collect(POLL_S)
+        self._wait_idle()  # a collective push must not meet an actor mid-group
         self.publish(ema=True)
         self._sync_idle_actors()
         self.note(f"the rollout actors hold the exported policy: the moving average of the weights "
@@ -552,12 +551,16 @@ class Driver:
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
 
+    def _wait_idle(self) -> None:
+        """Until no rollout actor has a group in flight (their receipts are collected)."""
+        while self.busy:
+            self._collect(POLL_S)
+
     def _sync_idle_actors(self) -> None:
         """Every rollout actor holds the newest version (before an evaluation; actors are idle)."""
         import ray
 
-        while self.busy:
-            self._collect(POLL_S)
+        self._wait_idle()
         latest = self.latest
         if latest is None:
             return

@@ -67,19 +67,15 @@ def video_grid(frames: np.ndarray, per_row: int, cell: int = 64, gap: int = 2) -
     return out
 
 
-def eval_grid(frames: np.ndarray, seeds: int, limit: int) -> np.ndarray:
-    """The evaluation's videos (prompt-major, `seeds` per prompt) as one tiled video of at most
-    `limit` of them: the first seed of every prompt first, so a short grid shows every prompt."""
-    return tiled(frames[grid_pairs(len(frames), seeds, limit)])
-
-
 def tiled(frames: np.ndarray) -> np.ndarray:
     """Videos [N, F, H, W, 3] in the given order as one tiled video, at most 4 per row."""
     return video_grid(frames, per_row=min(len(frames), 4))
 
 
 def grid_pairs(n: int, seeds: int, limit: int) -> list[int]:
-    """The indices `eval_grid` shows, in its order."""
+    """Which of an evaluation's n videos (prompt-major, `seeds` per prompt) its tiled grid video
+    shows, in order, at most `limit`: the first seed of every prompt first, so a short grid shows
+    every prompt."""
     return [p * seeds + s for s in range(seeds) for p in range(n // seeds)][:limit]
 
 

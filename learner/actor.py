@@ -169,10 +169,7 @@ class LearnerRank:
         if self.world_size == 1:
             return self.trainer.weights_payload(ema)
         names = self.trainer.weights_payload().keys()  # local view: only the names are used
-        if ema and self.trainer.exports_ema:
-            with self.trainer.policy.swapped("ema"):
-                full = fsdp.full_state_dict(self.trainer.policy.module, names)
-        else:
+        with self.trainer.exported(ema):
             full = fsdp.full_state_dict(self.trainer.policy.module, names)
         return full if self.rank == 0 else None
 

@@ -154,26 +154,31 @@ class Policy:
 
     @contextmanager
     def swapped(self, name: str) -> Iterator[None]:
-        """The anchor's weights in the live module for the block (rounded to the weights' dtype)."""
+        """The anchor's weights in the live module for the block (rounded to the weights' dtype).
+
+        An anchor held in the weights' own dtype is exchanged in place (no extra copy); one held in
+        higher precision (the fp32 average of bf16 weights) is copied in and the live weights restored
+        after, since an exchange would round the anchor itself."""
         if name not in self.anchors:
             raise KeyError(f"policy keeps no {name!r} anchor (kept: {sorted(self.anchors)})")
-        if name == "ema":  # fp32: an exchange would round it to the weights' dtype, so copy and restore
-            live = self.snapshot()
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    p.copy_(self.anchors[name][n])
+        snap = self.anchors[name]
+        if all(snap[n].dtype == p.dtype for n, p in self.params.items()):
+            self._swap(name)
             try:
                 yield
             finally:
-                with torch.no_grad():
-                    for n, p in self.params.items():
-                        p.copy_(live[n])
+                self._swap(name)
             return
-        self._swap(name)
+        live = self.snapshot()
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(snap[n])
         try:
             yield
         finally:
-            self._swap(name)
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(live[n])
 
     # --- weights -----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -186,13 +187,16 @@ class Trainer:
         """Whether the exported policy is the weights' moving average (optim.ema_decay > 0)."""
         return "ema" in self.policy.anchors
 
+    def exported(self, ema: bool = True) -> AbstractContextManager:
+        """The live module holds the exported policy for the block: the moving average when
+        `ema` and the run keeps one, else the live weights as they are."""
+        return self.policy.swapped("ema") if ema and self.exports_ema else nullcontext()
+
     def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
         """Adapter-only for LoRA (see Policy.weights_payload), else the full state dict; CPU tensors.
         ema: the moving average's weights instead of the live ones (when it is kept)."""
-        if ema and self.exports_ema:
-            with self.policy.swapped("ema"):
-                return self.policy.weights_payload()
-        return self.policy.weights_payload()
+        with self.exported(ema):
+            return self.policy.weights_payload()
 
     def state_dict(self) -> dict:
         rng = {"torch": torch.get_rng_state(), "python": _py_rng_to_list(random.getstate())}

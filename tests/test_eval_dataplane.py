@@ -78,7 +78,7 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
     from cluster.media import write_gif
     from cluster.prompts import load_prompts
     from cluster.run_dir import RunDir
-    from cluster.tracking import encode_gif, eval_grid
+    from cluster.tracking import encode_gif, grid_pairs, tiled
     from cluster.train_cmd import _write_before_after
     from common.toyworld import eval_seeds
 
@@ -120,7 +120,7 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
         got = run_dir.samples / f"before_{i}_{EVAL_PROMPTS[i].replace(' ', '_')}.gif"
         assert got.read_bytes() == want.read_bytes()
     grid = run_dir.samples / "videos" / "videos_before_step000000.gif"
-    assert grid.read_bytes() == encode_gif(eval_grid(frames.numpy(), SEEDS, 6), cfg.log.video_fps)
+    assert grid.read_bytes() == encode_gif(tiled(frames.numpy()[grid_pairs(len(pairs), SEEDS, 6)]), cfg.log.video_fps)
 
 
 class Poisoned:

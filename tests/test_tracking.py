@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.tracking import Tracker, check_installed, eval_grid, video_grid
+from cluster.tracking import Tracker, check_installed, grid_pairs, tiled, video_grid
 from common.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_video_grid_places_each_video_in_its_cell():
 
 def test_eval_grid_puts_the_first_seed_of_every_prompt_first():
     frames = np.stack([np.full((2, 4, 4, 3), i, np.uint8) for i in range(6)])  # 3 prompts × 2 seeds
-    grid = eval_grid(frames, seeds=2, limit=4)
+    grid = tiled(frames[grid_pairs(len(frames), seeds=2, limit=4)])
     cells = [grid[0, r * (64 + 2) + 1, c * (64 + 2) + 1, 0] for r in range(1) for c in range(4)]
     assert cells == [0, 2, 4, 1]  # prompt-major input: pair index = prompt * seeds + seed
 
