@@ -63,6 +63,7 @@ def test_file_then_overrides(tmp_path):
         (["sde.shceme=flow"], ["sde.shceme", "unknown key"]),
         (["train.steps=many"], ["train.steps", "'many'", "integer"]),
         (["optim.lr=-1"], ["optim.lr", "-1", "greater than 0"]),
+        (["optim.ema_decay=1.0"], ["optim.ema_decay", "1.0", "less than 1"]),  # 1 would never move
         (["sampler.timeout_s=0"], ["sampler.timeout_s", "0", "greater than 0"]),
         (["bank.outage_s=-5"], ["bank.outage_s", "-5", "greater than 0"]),
         (["kl.strategy=dual2"], ["kl.strategy", "'dual2'", "'moving'"]),
