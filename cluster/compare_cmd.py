@@ -17,6 +17,7 @@ import re
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,18 @@ def register(sub) -> None:
         "fixed (prompt, seed) pairs, and write OUT/compare.md and OUT/compare.json: method × reward "
         "heads, mean ± stderr over seeds of the after − before gain; with `reference:` in the matrix, "
         "each row's paired difference against that row on the same seeds and pairs, with its 95% "
-        "Student-t interval and whether it resolves 0.02 composite; with `claims:`, which claims "
+        "Student-t interval and whether it resolves 0.02 composite; with `most_seeds:` above `seeds:`, "
+        "a second stage runs more seeds for each row whose interval (against the reference or in a "
+        "claim) is wider than ±0.02, as many as its measured spread needs, up to most_seeds; with `claims:`, which claims "
         "reproduce (interval above 0), are contradicted (below 0) or are not resolved (it contains 0). "
         "Also OUT/curves.png (training reward, mean over seeds). "
         "--quick replaces the budget with the matrix's quick: section (fewer steps, seeds and eval "
         "pairs).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-c", "--config", required=True, help="a matrix file, e.g. configs/compare_toy.yaml")
+    p.add_argument("-c", "--config", required=True, help="a matrix file, e.g. configs/compare_toy.yaml (the methods) or "
+                   "configs/compare_toy_ablations.yaml (the papers' ablation claims)")
     p.add_argument("--quick", action="store_true", help="use the matrix's quick budget (about 10 min)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per row (overrides the matrix)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="seeds per row in the first stage (overrides the matrix's seeds:)")
     p.add_argument("--parallel", type=int, default=None,
                    help="runs in flight at once (overrides the matrix's parallel:, default 1); in sync "
                    "mode a run keeps about one core busy, so 2 on 2 cores nearly halves the wall time")
@@ -181,35 +186,92 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
     """Every (row, seed) of `matrix`, `parallel` at once (default: the matrix's); returns
     {"runs", "metrics", "failed", "interrupted"}, runs and metrics in plan order (row, then seed).
 
+    First every row runs `matrix.seeds` seeds. With `most_seeds` above that, a second stage follows:
+    each row whose paired interval (against the reference, or in a claim) is wider than ±0.02 runs
+    the seeds its measured spread says it needs, at most `most_seeds` (compare_stats.seed_targets),
+    and the partner row with it, so the pair stays paired; repeated until no row asks for more.
+
     The before-evaluation is the base policy on the fixed pairs with ODE sampling, the same for
     every row; with `share_before` it is measured once and reused.
     """
+    from cluster.compare_stats import seed_targets
     from cluster.pools import init_ray
     from cluster.run_dir import RunDir
-    from common.config import save_config
 
     rows = rows or list(matrix.rows)
-    plan = [(row, s) for row in rows for s in range(matrix.seeds)]
-    cfgs = {(row, s): matrix.config(row, s, [f"run.root={out / slug(row)}", f"run.name=seed{s}"])
-            for row, s in plan}
+    pairs = [(a, b) for a, b in matrix.pairs() if a in rows and b in rows]
     parallel = parallel or matrix.parallel
+    cfgs: dict[tuple[str, int], Any] = {}
+
+    def cfg_of(row: str, s: int):
+        if (row, s) not in cfgs:
+            cfgs[(row, s)] = matrix.config(row, s, [f"run.root={out / slug(row)}", f"run.name=seed{s}"])
+        return cfgs[(row, s)]
+
+    counts = {row: matrix.seeds for row in rows}
     # one cluster for every run, sized for `parallel` of them; a Driver leaves it running
-    handle = init_ray(cfgs[plan[0]], copies=parallel)
-    done: dict[tuple[str, int], dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    before_cache = BeforeCache() if share_before else None
-    active = ActiveDrivers()
+    handle = init_ray(cfg_of(rows[0], 0), copies=parallel)
+    state = _Round(done={}, failed={}, before_cache=BeforeCache() if share_before else None,
+                   active=ActiveDrivers(), parallel=parallel)
+    try:
+        while True:
+            plan = [(row, s) for row in rows for s in range(counts[row])]
+            _run_round(plan, cfg_of, state, note)
+            if state.active.stopping.is_set() or matrix.most_seeds <= matrix.seeds:
+                break
+            runs = [state.done[k] for k in plan if k in state.done]
+            targets = seed_targets(runs, pairs, counts, matrix.most_seeds)
+            grow = {r: n for r, n in targets.items() if n > counts[r]}
+            if not grow:
+                break
+            note("the intervals wider than ±0.02 ask for more seeds: "
+                 + ", ".join(f"{r} {counts[r]} → {n}" for r, n in grow.items())
+                 + f" (at most {matrix.most_seeds})")
+            counts = targets
+    finally:
+        handle.shutdown()
+    interrupted = state.active.stopping.is_set()
+    if interrupted:
+        note("interrupted: writing the table of the finished runs")
+    keys = [(row, s) for row in rows for s in range(counts[row]) if (row, s) in state.done]
+    runs = [state.done[k] for k in keys]
+    metrics: dict[str, list] = {}
+    for row, s in keys:
+        cfg = cfg_of(row, s)
+        metrics.setdefault(row, []).append(RunDir(Path(cfg.run.root) / cfg.run.name).read_metrics())
+    return {"runs": runs, "metrics": metrics, "failed": state.failed, "interrupted": interrupted}
+
+
+@dataclass
+class _Round:
+    """What the rounds of one comparison share."""
+
+    done: dict[tuple[str, int], dict[str, Any]]
+    failed: dict[str, str]
+    before_cache: BeforeCache | None
+    active: ActiveDrivers
+    parallel: int
+    warmed: bool = False
+
+
+def _run_round(plan: list[tuple[str, int]], cfg_of, state: _Round, note) -> None:
+    """Run the (row, seed) pairs of `plan` not yet done, reusing finished run directories."""
+    from common.config import save_config
+
     todo: list[tuple[int, str, int]] = []
     for i, (row, s) in enumerate(plan):
-        cfg = cfgs[(row, s)]
+        if (row, s) in state.done or f"{row} seed {s}" in state.failed:
+            continue
+        cfg = cfg_of(row, s)
         path = Path(cfg.run.root) / cfg.run.name
         if (path / RUN_RECORD).is_file() and _same_config(cfg, path, save_config):
-            done[(row, s)] = json.loads((path / RUN_RECORD).read_text())
+            state.done[(row, s)] = json.loads((path / RUN_RECORD).read_text())
             note(f"[{i + 1}/{len(plan)}] {row} seed {s}: reusing {path}")
         else:
             todo.append((i, row, s))
     todo = run_order(todo)
     lock = threading.Lock()
+    active = state.active
 
     def worker() -> None:
         while not active.stopping.is_set():
@@ -217,16 +279,16 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
                 if not todo:
                     return
                 i, row, s = todo.pop(0)
-            cfg = cfgs[(row, s)]
+            cfg = cfg_of(row, s)
             path = Path(cfg.run.root) / cfg.run.name
             if path.exists():
                 shutil.rmtree(path)  # a half-finished or differently configured run: start over
             note(f"[{i + 1}/{len(plan)}] {row} seed {s}: training {cfg.train.steps} steps → {path}")
             try:
-                rec = run_one(cfg, before_cache, note, active)
+                rec = run_one(cfg, state.before_cache, note, active)
             except Exception as e:  # one failed run does not lose the others
                 with lock:
-                    failed[f"{row} seed {s}"] = f"{type(e).__name__}: {e}"
+                    state.failed[f"{row} seed {s}"] = f"{type(e).__name__}: {e}"
                 note(f"  {row} seed {s} failed: {type(e).__name__}: {e}")
                 continue
             if rec is None:
@@ -235,27 +297,18 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
             rec["row"] = row
             (path / RUN_RECORD).write_text(json.dumps(rec))
             with lock:
-                done[(row, s)] = rec
+                state.done[(row, s)] = rec
             d = rec["after"]["composite"]
             note(f"  {row} seed {s} done in {rec['wall_s']:.0f}s; after: composite {sum(d) / len(d):.3f}")
 
-    try:
-        if todo:
-            _warm_imports(cfgs[plan[0]])
-            n = _fit_parallel(cfgs[plan[0]], parallel, note)
-            _run_threads(worker, min(n, len(todo)), active, note)
-    finally:
-        handle.shutdown()
-    interrupted = active.stopping.is_set()
-    if interrupted:
-        note("interrupted: writing the table of the finished runs")
-    keys = [k for k in plan if k in done]
-    runs = [done[k] for k in keys]
-    metrics: dict[str, list] = {}
-    for row, s in keys:
-        cfg = cfgs[(row, s)]
-        metrics.setdefault(row, []).append(RunDir(Path(cfg.run.root) / cfg.run.name).read_metrics())
-    return {"runs": runs, "metrics": metrics, "failed": failed, "interrupted": interrupted}
+    if not todo:
+        return
+    first = cfg_of(*plan[0])
+    if not state.warmed:
+        _warm_imports(first)
+        state.parallel = _fit_parallel(first, state.parallel, note)
+        state.warmed = True
+    _run_threads(worker, min(state.parallel, len(todo)), active, note)
 
 
 def run_order(todo: list[tuple[int, str, int]]) -> list[tuple[int, str, int]]:
@@ -332,7 +385,7 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
     text = [f"# {matrix.title}\n",
             f"Command: `{command}`  ",
             f"Matrix: `{matrix.source}` (base `{matrix.base_name}`); budget: {budget}; "
-            f"{matrix.seeds} seed(s) per row; {parallel or matrix.parallel} run(s) at once.  ",
+            f"{_seeds_line(matrix)}; {parallel or matrix.parallel} run(s) at once.  ",
             f"Machine: {machine()}; wall time {elapsed_s / 60:.1f} min.\n",
             markdown_table(result["runs"], result["metrics"], rows)]
     paired_md = paired_table(result["runs"], matrix.reference, rows)
@@ -357,7 +410,8 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
                for row, per_key in paired_rows(result["runs"], matrix.reference, rows).items()}
               if matrix.reference else {})
     (out / "compare.json").write_text(json.dumps(
-        {"matrix": str(matrix.source), "seeds": matrix.seeds, "budget": matrix.budget,
+        {"matrix": str(matrix.source), "seeds": matrix.seeds, "most_seeds": matrix.most_seeds,
+         "budget": matrix.budget,
          "gains": {r: {k: {"mean": v[0], "se": v[1], "n": v[2], "se_over_pairs": v[3]} for k, v in kv.items()}
                    for r, kv in g.items()},
          "reference": matrix.reference, "paired": paired,
@@ -365,6 +419,13 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
          "claims": claims_data,
          "failed": result["failed"], "interrupted": result["interrupted"]}, indent=2))
     return md
+
+
+def _seeds_line(matrix) -> str:
+    if matrix.most_seeds <= matrix.seeds:
+        return f"{matrix.seeds} seed(s) per row"
+    return (f"{matrix.seeds} seeds per row, then up to {matrix.most_seeds} for a row whose paired interval "
+            "was wider than ±0.02 (the seeds column says how many it ran)")
 
 
 def cmd_compare(args) -> int:

@@ -3,6 +3,8 @@
     base: quickstart.yaml            # relative to the matrix file
     budget: [train.steps=20, ...]    # the same for every row (steps, groups, seeds, eval pairs)
     seeds: 3                         # runs per row, train.seed = 0 … seeds-1
+    most_seeds: 24                   # optional second stage: a row whose paired interval is wider
+                                     # than ±0.02 runs the seeds its spread says, up to this many
     quick: {budget: [...], seeds: 1} # what --quick replaces
     parallel: 2                      # (row, seed) runs at once (default 1; --parallel wins)
     reference: DanceGRPO             # every other row's paired difference is against this row
@@ -35,7 +37,7 @@ from common.config import (
 BUDGET_KEYS = ("train.steps", "train.groups_per_step", "sampler.group_size", "train.seed",
                "train.eval_prompts", "train.eval_seeds", "train.prompts", "schedule", "model",
                "rewards", "run", "pools")
-TOP_KEYS = {"base", "budget", "seeds", "quick", "rows", "title", "parallel", "reference", "claims"}
+TOP_KEYS = {"base", "budget", "seeds", "most_seeds", "quick", "rows", "title", "parallel", "reference", "claims"}
 CLAIM_KEYS = {"claim", "better", "worse"}
 
 
@@ -61,16 +63,27 @@ class Matrix:
     parallel: int = 1             # (row, seed) runs in flight at once
     reference: str | None = None  # the row every paired difference is taken against
     claims: list[Claim] = field(default_factory=list)
+    most_seeds: int = 0           # second stage's cap; ≤ seeds: no second stage
 
     def for_mode(self, quick: bool, seeds: int | None = None) -> Matrix:
-        """The matrix as it will run: --quick swaps in its budget and seeds; --seeds wins over both."""
-        budget, n = self.budget, self.seeds
+        """The matrix as it will run: --quick swaps in its budget and seeds and has no second stage;
+        --seeds wins over both (and over most_seeds when larger)."""
+        budget, n, most = self.budget, self.seeds, self.most_seeds
         if quick:
             # a quick entry replaces the budget entry with the same key
             merged = {item.split("=", 1)[0].strip(): item for item in [*budget, *self.quick.get("budget", [])]}
             budget = list(merged.values())
             n = self.quick.get("seeds", n)
-        return replace(self, budget=budget, seeds=seeds or n)
+            most = 0
+        n = seeds or n
+        return replace(self, budget=budget, seeds=n, most_seeds=max(most, n))
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The paired differences the report judges: each row − the reference, and each claim's
+        better − worse."""
+        out = [(r, self.reference) for r in self.rows if self.reference and r != self.reference]
+        out += [(c.better, w) for c in self.claims for w in c.worse]
+        return list(dict.fromkeys(out))
 
     def config(self, row: str, seed: int, extra: list[str] = ()) -> RunConfig:
         """The resolved config of one run; errors name the matrix file and the row."""
@@ -182,6 +195,10 @@ def load_matrix(path: str | Path) -> Matrix:
     quick = {"budget": _str_list(quick.get("budget"), f"{p}: quick.budget"), "seeds": quick.get("seeds", seeds)}
     if not isinstance(quick["seeds"], int) or quick["seeds"] < 1:
         raise ConfigError(f"{p}: quick.seeds = {quick['seeds']!r}: must be an integer ≥ 1")
+    most = data.get("most_seeds", seeds)
+    if not isinstance(most, int) or isinstance(most, bool) or most < seeds:
+        raise ConfigError(f"{p}: most_seeds = {most!r}: must be an integer ≥ seeds ({seeds}), the most "
+                          "seeds a row may run when its interval asks for more")
     parallel = data.get("parallel", 1)
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise ConfigError(f"{p}: parallel = {parallel!r}: must be an integer ≥ 1 (runs in flight at once)")
@@ -189,7 +206,7 @@ def load_matrix(path: str | Path) -> Matrix:
     if reference is not None and reference not in parsed:
         raise ConfigError(f"{p}: reference = {reference!r} is not a row; the matrix has {list(parsed)}")
     m = Matrix(p, str(data.get("title", p.stem)), base, _str_list(data.get("budget"), f"{p}: budget"),
-               seeds, parsed, quick, data["base"], parallel, reference, _claims(data.get("claims"), parsed, p))
+               seeds, parsed, quick, data["base"], parallel, reference, _claims(data.get("claims"), parsed, p), most)
     m.validate_all()
     m.for_mode(quick=True).validate_all()
     return m

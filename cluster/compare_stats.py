@@ -187,3 +187,26 @@ def claim_verdict(parts: list[str]) -> str:
     if any(v == "not run" for v in parts):
         return "not run" if all(v == "not run" for v in parts) else "not resolved"
     return "not resolved"
+
+
+# --- 3. how many seeds each row needs ----------------------------------------------------------
+
+def seed_targets(runs: list[dict[str, Any]], pairs: list[tuple[str, str]], done: dict[str, int],
+                 most: int) -> dict[str, int]:
+    """row → the seeds it should have, from the spread of the seeds run so far: each pair (a, b)
+    whose composite interval is wider than ±RESOLUTION asks both rows for seeds_needed(its spread),
+    at most `most`; a row no pair asks more of keeps `done[row]`.
+
+    The second stage of a two-stage design: the first stage (every row at the matrix's `seeds`)
+    measures the spread, the second runs the seeds it says. A pair with fewer than 2 seeds, or an
+    interval already within ±RESOLUTION, asks for nothing."""
+    target = dict(done)
+    for a, b in pairs:
+        p = paired_difference(runs, a, b)
+        if p is None or p.n < 2 or p.half_width <= RESOLUTION:
+            continue
+        need = seeds_needed(p.se * math.sqrt(p.n), most=most) or most
+        for row in (a, b):
+            if row in target:
+                target[row] = max(target[row], min(need, most))
+    return target

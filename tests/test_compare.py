@@ -15,7 +15,7 @@ from common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-MATRICES = ["compare_toy", "compare_toy_i2v", "ablate_equalizer", "ablate_kl", "ablate_lambda", "ablate_bank"]
+MATRICES = ["compare_toy", "compare_toy_ablations", "compare_toy_i2v", "ablate_equalizer", "ablate_kl", "ablate_lambda", "ablate_bank"]
 
 
 def _matrix(tmp_path, rows: str, extra: str = "") -> Path:
@@ -49,16 +49,43 @@ def test_compare_toy_rows_are_the_methods_and_quick_is_smaller():
     c = {r: m.config(r, 0) for r in m.rows}
     assert c["DanceGRPO"].sde.scheme == "dance" and c["FlowGRPO"].sde.scheme == "flow"
     assert c["CPS"].sde.scheme == "cps"
+    sage = c["SAGE-GRPO"]
+    assert (sage.sde.scheme, sage.grpo.equalizer, sage.kl.strategy) == ("sage", True, "dual")
+    assert not sage.align.enabled and not sage.bank.enabled
+    tag = c["TAGRPO"]
+    assert (tag.sde.scheme, tag.kl.strategy, tag.align.enabled, tag.bank.enabled) == ("dance", "none", True, True)
+    # the quickstart row is configs/quickstart.yaml itself, at the shared budget
+    from common.config import apply_overrides, read_yaml, validate
+    own = [r for r in m.rows if r.startswith("vgrpo quickstart")]
+    assert len(own) == 1 and m.rows[own[0]] == []
+    want = validate(apply_overrides(read_yaml(QUICKSTART), [*m.budget, "train.seed=0"]))
+    assert c[own[0]].model_dump() == want.model_dump()
+    # two stages: 8 seeds, then up to most_seeds where an interval is wider than ±0.02
+    assert m.seeds >= 8 and m.most_seeds > m.seeds
+    q = m.for_mode(quick=True)
+    full_cfg, quick_cfg = m.config("CPS", 0), q.config("CPS", 0)
+    assert quick_cfg.train.steps < full_cfg.train.steps and q.seeds < m.seeds and q.most_seeds == q.seeds
+    assert quick_cfg.train.eval_seeds < full_cfg.train.eval_seeds
+    assert m.for_mode(quick=True, seeds=5).seeds == 5
+    assert m.config("CPS", 2).train.seed == 2
+
+
+def test_compare_toy_ablations_change_one_part_per_row():
+    m = load_matrix(ROOT / "configs" / "compare_toy_ablations.yaml")
+    c = {r: m.config(r, 0) for r in m.rows}
     assert [c[r].kl.strategy for r in m.rows if r.startswith("SAGE")] == ["none", "fixed", "step", "moving",
                                                                            "dual", "dual"]
     tag = {r: (c[r].bank.enabled, c[r].align.enabled) for r in m.rows if r.startswith("TAGRPO")}
     assert set(tag.values()) == {(True, True), (False, True), (True, False)}
-    q = m.for_mode(quick=True)
-    full_cfg, quick_cfg = m.config("CPS", 0), q.config("CPS", 0)
-    assert quick_cfg.train.steps < full_cfg.train.steps and q.seeds < m.seeds
-    assert quick_cfg.train.eval_seeds < full_cfg.train.eval_seeds
-    assert m.for_mode(quick=True, seeds=5).seeds == 5
-    assert m.config("CPS", 2).train.seed == 2
+
+    def differs(a: str, b: str) -> set[str]:
+        da, db = c[a].model_dump(), c[b].model_dump()
+        return {f"{k}.{kk}" for k in da for kk in da[k] if da[k][kk] != db[k][kk]}
+    # each SAGE row differs from the full method in its trust region or its equalizer only
+    for r in m.rows:
+        if r.startswith("SAGE") and r != "SAGE (dual moving KL)":
+            assert differs(r, "SAGE (dual moving KL)") in ({"kl.strategy"}, {"grpo.equalizer"}), r
+    assert differs("TAGRPO (FIFO-S2 bank + align)", "TAGRPO (bank + align)") == {"bank.strategy"}
 
 
 @pytest.mark.parametrize("rows, needle", [
@@ -329,3 +356,54 @@ def test_runs_go_seed_by_seed_so_a_cut_short_comparison_keeps_every_row_paired()
         for _, row, s in order[:k]:
             seen.setdefault(row, set()).add(s)
         assert len({frozenset(v) for v in seen.values()}) == 1 and len(seen) == 3
+
+
+def test_second_stage_runs_the_seeds_a_wide_interval_asks_for_and_keeps_pairs_paired(tmp_path, monkeypatch):
+    """The rounds of run_matrix with the training replaced by synthetic records (a pure test of the
+    plan; the real Driver path is test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs):
+    "noisy" differs from the reference by 0.05 ± 0.0535 per seed, "steady" by exactly 0.01."""
+    import cluster.compare_cmd as cc
+    import cluster.pools as pools
+
+    class Handle:
+        def shutdown(self) -> None:
+            pass
+
+    def fake_run_one(cfg, before_cache=None, note=print, active=None):
+        from common.config import save_config
+
+        path = Path(cfg.run.root) / cfg.run.name
+        path.mkdir(parents=True)
+        save_config(cfg, path / "config.yaml")  # as RunDir.create does: what a later call reuses by
+        s, row = cfg.train.seed, Path(cfg.run.root).name
+        gain = {"ref": 0.05, "noisy": 0.10 + (0.05 if s % 2 else -0.05), "steady": 0.06}[row]
+        before = np.zeros((4, 2))
+        after = before + gain / 2
+        ev = lambda v: {"values": v.tolist(), "composite": v.sum(1).tolist()}  # noqa: E731
+        return {"row": None, "seed": s, "heads": ["VQ", "TA"], "steps": 1, "wall_s": 0.0,
+                "before": ev(before), "after": ev(after)}
+
+    monkeypatch.setattr(cc, "run_one", fake_run_one)
+    monkeypatch.setattr(pools, "init_ray", lambda cfg, copies=1: Handle())
+    monkeypatch.setattr(cc, "_warm_imports", lambda cfg: None)
+    monkeypatch.setattr(cc, "_fit_parallel", lambda cfg, parallel, note: parallel)
+    p = _matrix(tmp_path, "  ref: [kl.strategy=none]\n  noisy: [kl.strategy=dual]\n  steady: [kl.strategy=fixed]\n",
+                "reference: ref\nmost_seeds: 40\n")
+    m = load_matrix(p).for_mode(quick=False, seeds=8)
+    notes: list[str] = []
+    result = cc.run_matrix(m, tmp_path / "out", note=notes.append, parallel=2)
+    seeds = {}
+    for r in result["runs"]:
+        seeds.setdefault(r["row"], []).append(r["seed"])
+    # sd 0.0535 over 8 seeds needs 30 (test_seed_targets_give_each_wide_pair_the_seeds_its_spread_needs);
+    # the reference runs them too, so every seed of "noisy" is paired; "steady" is resolved at 8
+    assert seeds == {"ref": list(range(30)), "noisy": list(range(30)), "steady": list(range(8))}
+    assert any("noisy 8 → 30" in n and "ref 8 → 30" in n for n in notes)
+    # with the 30 seeds the noisy interval is within ±0.02, and a second call reuses every run
+    from cluster.compare_stats import paired_difference
+    assert paired_difference(result["runs"], "noisy", "ref").half_width <= 0.02
+    again = cc.run_matrix(m, tmp_path / "out", note=notes.append, parallel=2)
+    assert len(again["runs"]) == 68 and sum("reusing" in n for n in notes) == 68
+    # without most_seeds above seeds there is one stage
+    one = cc.run_matrix(load_matrix(p).for_mode(quick=True, seeds=8), tmp_path / "quick", note=notes.append)
+    assert len(one["runs"]) == 24

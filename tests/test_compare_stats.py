@@ -15,6 +15,7 @@ from cluster.compare_report import claims_section, paired_table
 from cluster.compare_stats import (
     betainc,
     paired_difference,
+    seed_targets,
     seeds_needed,
     t_cdf,
     t_quantile,
@@ -100,6 +101,27 @@ def test_seeds_needed_by_hand():
     # sd 0.05: needs t_{n−1}/√n ≤ 0.4; n = 27: 2.056/5.196 = 0.3957, n = 26: 2.060/5.099 = 0.404
     assert seeds_needed(0.05) == 27
     assert seeds_needed(10.0) is None
+
+
+def test_seed_targets_give_each_wide_pair_the_seeds_its_spread_needs():
+    # "noisy" − ref differs by 0.05 ± 0.05 over 8 seeds (sd 0.05 · √(8/7) by construction below);
+    # "tight" − ref by 0.01 exactly: already resolved, so it asks for nothing
+    alt = [0.05 if s % 2 else -0.05 for s in range(8)]
+    runs = _runs({"ref": [0.05] * 8, "noisy": [0.10 + a for a in alt], "tight": [0.06] * 8})
+    sd = float(np.std(alt, ddof=1))
+    # by hand from the published t table: the fewest n with t_{0.975, n−1} · sd / √n ≤ 0.02
+    # (sd = 0.05345: n = 30 gives 2.045 · 0.05345 / 5.477 = 0.01996, n = 29 gives 2.048 · 0.05345 / 5.385 = 0.02033)
+    assert sd == pytest.approx(0.053452, abs=1e-6)
+    done = {"ref": 8, "noisy": 8, "tight": 8}
+    got = seed_targets(runs, [("noisy", "ref"), ("tight", "ref")], done, most=40)
+    assert got == {"ref": 30, "noisy": 30, "tight": 8}
+    # the cap, and a pair of non-reference rows (a claim) raises both of its rows
+    assert seed_targets(runs, [("noisy", "ref")], done, most=20) == {"ref": 20, "noisy": 20, "tight": 8}
+    assert seed_targets(runs, [("noisy", "tight")], done, most=40) == {"ref": 8, "noisy": 30, "tight": 30}
+    # one seed: no spread to plan from; an unknown row: no pair
+    one = _runs({"ref": [0.05], "noisy": [0.3]})
+    assert seed_targets(one, [("noisy", "ref")], {"ref": 1, "noisy": 1}, most=40) == {"ref": 1, "noisy": 1}
+    assert seed_targets(runs, [("gone", "ref")], done, most=40) == done
 
 
 @pytest.mark.parametrize("gains, want", [
@@ -204,6 +226,19 @@ def test_matrix_reads_parallel_reference_and_claims(tmp_path):
     assert (q.parallel, q.reference, q.claims, q.seeds) == (3, "A", m.claims, 4)
     d = load_matrix(_matrix(tmp_path, ""))
     assert (d.parallel, d.reference, d.claims) == (1, None, [])
+    assert d.most_seeds == 2 and d.pairs() == []  # no most_seeds: no second stage
+
+
+def test_most_seeds_and_the_pairs_it_plans_for(tmp_path):
+    m = load_matrix(_matrix(tmp_path, "most_seeds: 12\nreference: A\n"
+                                      "claims: [{claim: C beats B, better: C, worse: \"B (x, y)\"},"
+                                      " {claim: B loses, better: A, worse: \"B (x, y)\"}]\n"))
+    assert (m.seeds, m.most_seeds) == (2, 12)
+    # each row against the reference, then each claim's pair, each once
+    assert m.pairs() == [("B (x, y)", "A"), ("C", "A"), ("C", "B (x, y)"), ("A", "B (x, y)")]
+    assert m.for_mode(quick=True).most_seeds == m.for_mode(quick=True).seeds  # --quick: no second stage
+    assert m.for_mode(quick=False, seeds=20).most_seeds == 20                # --seeds above the cap
+    assert m.for_mode(quick=False, seeds=4).most_seeds == 12
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -217,6 +252,8 @@ def test_matrix_reads_parallel_reference_and_claims(tmp_path):
     ("claims: {claim: x}\n", "claims: expected a list"),
     ("reference: Nope\n", "reference = 'Nope' is not a row"),
     ("parallel: 0\n", "parallel = 0: must be an integer ≥ 1"),
+    ("most_seeds: 1\n", "most_seeds = 1: must be an integer ≥ seeds (2)"),
+    ("most_seeds: lots\n", "most_seeds = 'lots': must be an integer ≥ seeds (2)"),
 ])
 def test_a_bad_claim_or_reference_is_one_clear_error(tmp_path, extra, needle):
     with pytest.raises(ConfigError) as e:
@@ -226,9 +263,21 @@ def test_a_bad_claim_or_reference_is_one_clear_error(tmp_path, extra, needle):
 
 def test_compare_toy_declares_the_papers_claims_on_its_rows():
     m = load_matrix(ROOT / "configs" / "compare_toy.yaml")
-    m.validate_all()
-    m.for_mode(quick=True).validate_all()
     assert m.reference == "DanceGRPO" and m.parallel >= 1
+    c = {r: m.config(r, 0) for r in m.rows}
+    by_name = {cl.claim: cl for cl in m.claims}
+    sage = by_name["SAGE-GRPO beats DanceGRPO and FlowGRPO"]
+    assert c[sage.better].sde.scheme == "sage" and c[sage.better].kl.strategy == "dual"
+    assert {c[w].sde.scheme for w in sage.worse} == {"dance", "flow"}
+    tag = by_name["TAGRPO beats DanceGRPO"]
+    assert c[tag.better].align.enabled and c[tag.better].bank.enabled and tag.worse == ("DanceGRPO",)
+    # the second stage plans for these pairs: each row against DanceGRPO, and SAGE-GRPO − FlowGRPO
+    assert ("SAGE-GRPO", "FlowGRPO") in m.pairs() and all((r, "DanceGRPO") in m.pairs() for r in m.rows
+                                                          if r != "DanceGRPO")
+
+
+def test_compare_toy_ablations_declares_the_papers_ablation_claims():
+    m = load_matrix(ROOT / "configs" / "compare_toy_ablations.yaml")
     c = {r: m.config(r, 0) for r in m.rows}
     kl = {c[r].kl.strategy: r for r in m.rows if r.startswith("SAGE") and c[r].grpo.equalizer}
     assert set(kl) == {"none", "fixed", "step", "moving", "dual"}
@@ -237,8 +286,6 @@ def test_compare_toy_declares_the_papers_claims_on_its_rows():
     banks = {c[r].bank.strategy: r for r in m.rows if c[r].bank.enabled and c[r].align.enabled}
     assert set(banks) == {"fifo", "fifo_s2", "sdu"}
     by_name = {cl.claim: cl for cl in m.claims}
-    sage = by_name["SAGE-GRPO beats DanceGRPO and FlowGRPO"]
-    assert c[sage.better].sde.scheme == "sage" and set(sage.worse) == {"DanceGRPO", "FlowGRPO"}
     dual = by_name["the dual moving KL is at least as good as the other KL strategies"]
     assert dual.better == kl["dual"] and set(dual.worse) == {kl[s] for s in ("none", "fixed", "step", "moving")}
     assert by_name["the equalizer helps"].worse == (no_eq[0],)
@@ -266,5 +313,6 @@ def test_a_moving_anchor_that_never_moves_within_the_budget_is_named():
         p.write_text(body.format(base=base, extra=", kl.anchor_period=3"))
         assert load_matrix(p).warnings() == []
     # the shipped matrix measures what its rows say, in both budgets
-    shipped = load_matrix(base.parent / "compare_toy.yaml")
-    assert shipped.warnings() == [] and shipped.for_mode(quick=True).warnings() == []
+    for name in ("compare_toy.yaml", "compare_toy_ablations.yaml"):
+        shipped = load_matrix(base.parent / name)
+        assert shipped.warnings() == [] and shipped.for_mode(quick=True).warnings() == []
