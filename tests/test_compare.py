@@ -374,7 +374,8 @@ def test_second_stage_runs_the_seeds_a_wide_interval_asks_for_and_keeps_pairs_pa
 
         path = Path(cfg.run.root) / cfg.run.name
         path.mkdir(parents=True)
-        save_config(cfg, path / "config.yaml")  # as RunDir.create does: what a later call reuses by
+        save_config(cfg, path / "config.yaml")  # as RunDir.create does; a later call reuses by it
+        (path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 2.0}) + "\n")
         s, row = cfg.train.seed, Path(cfg.run.root).name
         gain = {"ref": 0.05, "noisy": 0.10 + (0.05 if s % 2 else -0.05), "steady": 0.06}[row]
         before = np.zeros((4, 2))
@@ -404,6 +405,10 @@ def test_second_stage_runs_the_seeds_a_wide_interval_asks_for_and_keeps_pairs_pa
     assert paired_difference(result["runs"], "noisy", "ref").half_width <= 0.02
     again = cc.run_matrix(m, tmp_path / "out", note=notes.append, parallel=2)
     assert len(again["runs"]) == 68 and sum("reusing" in n for n in notes) == 68
+    # the report says how the seeds were chosen, and each row's count
+    md = cc.write_report(m, result, tmp_path / "out", "vgrpo compare -c m.yaml", 1.0).read_text()
+    assert "8 seeds per row, then up to 40 for a row whose paired interval was wider than ±0.02" in md
+    assert "| noisy | 30 |" in md and "| steady | 8 |" in md
     # without most_seeds above seeds there is one stage
     one = cc.run_matrix(load_matrix(p).for_mode(quick=True, seeds=8), tmp_path / "quick", note=notes.append)
     assert len(one["runs"]) == 24
