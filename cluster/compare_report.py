@@ -186,7 +186,7 @@ def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: 
         n_ok = sum(w <= RESOLUTION for w in widths)
         widest = max(table, key=lambda r: table[r]["composite"].half_width if table[r]["composite"].n >= 2 else -1)
         w = table[widest]["composite"]
-        need = seeds_needed(w.se * math.sqrt(w.n))
+        need = seeds_needed(w.sd)
         res = (f"Resolution: {n_ok} of {len(widths)} composite intervals have half-width ≤ {RESOLUTION} "
                f"(largest {max(widths):.3f}); an effect of {RESOLUTION} composite is not resolved in every "
                f"row. At the spread measured here the widest row ({widest}) would need "

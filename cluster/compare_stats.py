@@ -124,12 +124,17 @@ class Paired:
     def half_width(self) -> float:
         return (self.high - self.low) / 2.0
 
+    @property
+    def sd(self) -> float:
+        """The spread of the per-seed differences (nan with one seed)."""
+        return self.se * math.sqrt(self.n)
+
     def to_dict(self) -> dict[str, Any]:
         def num(x: float) -> float | None:
             return None if math.isnan(x) else x
         return {"mean": self.mean, "se": num(self.se), "ci95": [num(self.low), num(self.high)],
                 "half_width": num(self.half_width), "n": self.n,
-                "seeds_for_resolution": None if self.n < 2 else seeds_needed(self.se * math.sqrt(self.n)),
+                "seeds_for_resolution": None if self.n < 2 else seeds_needed(self.sd),
                 "per_seed": {str(s): d for s, d in sorted(self.diffs.items())}}
 
 
@@ -205,7 +210,7 @@ def seed_targets(runs: list[dict[str, Any]], pairs: list[tuple[str, str]], done:
         p = paired_difference(runs, a, b)
         if p is None or p.n < 2 or p.half_width <= RESOLUTION:
             continue
-        need = seeds_needed(p.se * math.sqrt(p.n), most=most) or most
+        need = seeds_needed(p.sd, most=most) or most
         for row in (a, b):
             if row in target:
                 target[row] = max(target[row], min(need, most))
