@@ -18,8 +18,8 @@ import time
 
 
 def run_mode(mode: str, steps: int, root: str, extra: list[str] = ()) -> dict:
-    from cluster.driver import Driver
-    from cluster.run_dir import RunDir
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
     from common.config import load_config
 
     cfg = load_config("configs/quickstart.yaml", [f"train.mode={mode}", f"train.steps={steps}",
@@ -44,7 +44,7 @@ def run_mode(mode: str, steps: int, root: str, extra: list[str] = ()) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import ray
 
-    from cluster.pools import init_ray
+    from cluster.driver.pools import init_ray
     from common.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -166,8 +166,8 @@ class Ingress:
 # --- runs -----------------------------------------------------------------------------------
 
 def _run(root: str, name: str, stub: dict, reward_sleep_s: float, overrides: list[str]) -> dict:
-    from cluster.driver import Driver
-    from cluster.run_dir import RunDir
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
     from common.config import load_config
 
     with open(os.environ[STUB_ENV], "w") as f:

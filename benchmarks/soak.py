@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from cluster.driver import Driver
-    from cluster.run_dir import RunDir
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
     from common.config import load_config
 
     torch.set_num_threads(1)

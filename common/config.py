@@ -374,14 +374,14 @@ class LogConfig(Section):
         return [b for b in dict.fromkeys(self.backends) if b != "jsonl"]
 
 
-# --- training health (cluster/health.py) ---------------------------------------------
+# --- training health (cluster/health/checks.py) ---------------------------------------------
 
 HealthCheck = Literal["numerics", "clip", "approx_kl", "zero_spread", "head_against", "kl_growth",
                       "hacking", "stagnation"]
 
 
 class HealthConfig(Section):
-    """Checks of the run's own numbers (cluster/health.py). A check listed in `stop_on` stops the
+    """Checks of the run's own numbers (cluster/health/checks.py). A check listed in `stop_on` stops the
     run with a checkpoint and one line; one listed in `off` is not run; every other one warns."""
 
     enabled: bool = True

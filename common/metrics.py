@@ -98,7 +98,7 @@ _SPECS = [
     MetricSpec("vgrpo_errors_total", "counter", "Errors caught and retried, by kind.", ("kind",)),
 ]
 
-# -- training health (cluster/health.py, cluster/health_hook.py)
+# -- training health (cluster/health/checks.py, cluster/health/hook.py)
 _SPECS += [
     MetricSpec("vgrpo_health_status", "gauge", "Run health so far: 0 ok, 1 a warning fired, 2 a stop check fired."),
     MetricSpec("vgrpo_health_findings", "gauge",

@@ -130,7 +130,7 @@ def compute_loss(mb: MicroBatch, cond: Cond, velocity_fn: VelocityFn, scheme: Sc
             "kl/d_step": (m * d_step).sum() / n_rows,
             "logratio_absmax": (m * logratio.abs()).max(),
         }
-        # the same on rows the current weights sampled (health's numerics check, cluster/health.py)
+        # the same on rows the current weights sampled (health's numerics check, cluster/health/checks.py)
         onp = m * (mb.on_policy.float() if mb.on_policy is not None else torch.zeros_like(m))
         sums.update({"onpolicy/rows": onp.sum(),
                      "onpolicy/clip": (onp * ((ratio - 1).abs() > lc.clip_eps).float()).sum(),

@@ -212,7 +212,7 @@ def test_two_consumers_racing_train_each_group_once_with_no_corrupt_read(redis_s
 
 
 def test_clear_stale_bank_flag_sets_the_config_field(monkeypatch, tmp_path):
-    import cluster.train_cmd as train_cmd
+    import cluster.cli.train_cmd as train_cmd
     from cluster.cli import build_parser
 
     seen = {}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.driver import Driver
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

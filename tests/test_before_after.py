@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from cluster.before_after import before_after_grid
-from cluster.media import grid_image
+from cluster.evaluation.before_after import before_after_grid
+from cluster.runs.media import grid_image
 
 
 def _videos(n: int, value_of, size: int = 3) -> np.ndarray:
@@ -36,7 +36,7 @@ def test_different_pairs_are_refused():
 def test_each_picture_row_is_labelled_beside_it_and_the_videos_are_unchanged(tmp_path):
     import imageio.v3 as iio
 
-    from cluster.before_after import write_before_after
+    from cluster.evaluation.before_after import write_before_after
 
     per, prompts = 4, ["a red square moving left", "a green square moving right", "a blue square moving up"]
     before = _videos(12, lambda i: i, size=16)                     # the toy model's 16x16 frames
@@ -66,7 +66,7 @@ def test_each_picture_row_is_labelled_beside_it_and_the_videos_are_unchanged(tmp
 def test_labels_of_tiny_videos_stay_inside_their_rows(tmp_path):
     import imageio.v3 as iio
 
-    from cluster.before_after import write_before_after
+    from cluster.evaluation.before_after import write_before_after
 
     before, after = _videos(8, lambda i: i), _videos(8, lambda i: 100 + i)   # 3x3 frames: 24-pixel rows
     png = iio.imread(write_before_after(tmp_path / "ba.png", before, after, 4, ["a red square moving left"] * 2))

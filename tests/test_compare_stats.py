@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.compare_matrix import load_matrix
-from cluster.compare_report import claims_section, paired_table
-from cluster.compare_stats import (
+from cluster.compare.matrix import load_matrix
+from cluster.compare.report import claims_section, paired_table
+from cluster.compare.stats import (
     betainc,
     paired_difference,
     seed_targets,
@@ -158,7 +158,7 @@ def test_paired_table_in_markdown():
 
 
 def test_claims_section_verdicts_and_a_claim_against_several_rows():
-    from cluster.compare_matrix import Claim
+    from cluster.compare.matrix import Claim
 
     runs = _runs({"ref": REF, "up": [0.10, 0.14, 0.12], "down": [0.00, -0.04, -0.02],
                   "flat": [0.10, 0.02, 0.06]})
@@ -183,7 +183,7 @@ def test_claims_section_verdicts_and_a_claim_against_several_rows():
 
 
 def test_write_report_puts_paired_numbers_and_claims_in_compare_json(tmp_path):
-    from cluster.compare_cmd import write_report
+    from cluster.cli.compare_cmd import write_report
 
     p = tmp_path / "m.yaml"
     p.write_text(f"base: {QUICKSTART}\nseeds: 3\nreference: ref\n"
@@ -298,7 +298,7 @@ def test_compare_toy_ablations_declares_the_papers_ablation_claims():
 
 
 def test_a_moving_anchor_that_never_moves_within_the_budget_is_named():
-    from cluster.compare_matrix import load_matrix
+    from cluster.compare.matrix import load_matrix
 
     body = ("base: {base}\nbudget: [train.steps=8{extra}]\nseeds: 1\n"
             "rows:\n  fixed: [kl.strategy=fixed]\n  dual: [kl.strategy=dual]\n")

@@ -127,7 +127,7 @@ def test_fuzzed_config_data_raises_only_config_error(data):
 
 def test_every_shipped_config_validates():
     """Run configs load as RunConfig; comparison matrices (a `rows` key) validate every row."""
-    from cluster.compare_matrix import load_matrix
+    from cluster.compare.matrix import load_matrix
     from common.config import read_yaml
 
     configs = sorted((ROOT / "configs").glob("*.yaml"))

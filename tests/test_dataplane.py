@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.driver import Driver, cursor_of
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver, cursor_of
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 DATA_TYPES = ("Group", "Trajectory", "TrainBatch", "Scores")

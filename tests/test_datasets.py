@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-from cluster import datasets
+from cluster.data import manifests as datasets
 from cluster.cli import main
-from cluster.prompts import load_prompts
+from cluster.data.prompts import load_prompts
 from common import toyworld as tw
 from common.config import ConfigError
 from common.images import condition_image, condition_images, load_image, resolve_images

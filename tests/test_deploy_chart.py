@@ -145,8 +145,8 @@ def offered_by_groups(groups: dict) -> tuple[dict[str, float], dict[str, float]]
 
 
 def asked_by_actors(cfg) -> tuple[dict[str, float], dict[str, float]]:
-    """(role resource units, GPUs) the run's actors ask Ray for (cluster/pools.py, driver)."""
-    from cluster.pools import reward_actor_count
+    """(role resource units, GPUs) the run's actors ask Ray for (cluster/driver/pools.py, driver)."""
+    from cluster.driver.pools import reward_actor_count
 
     n = {"rollout": cfg.pools.rollout.num_actors, "reward": reward_actor_count(cfg),
          "learner": cfg.pools.learner.num_actors}
@@ -182,7 +182,7 @@ def test_multi_pool_example_validates(chart, validators, tmp_path):
     assert {m.name for m in cfg.rewards.models} == {"videoalign", "hpsv3"}
     assert all(m.path for m in cfg.rewards.models)
     mount = "/etc/vgrpo/"
-    from cluster.prompts import read_prompt_file
+    from cluster.data.prompts import read_prompt_file
 
     for spec in (cfg.train.prompts, cfg.train.eval_prompts):
         assert spec.startswith(mount) and spec[len(mount):] in cm, spec

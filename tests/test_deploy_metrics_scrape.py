@@ -118,8 +118,8 @@ def metrics_url() -> str:
 
 
 def test_every_dashboard_query_finds_its_series_after_a_short_run(ray_session, tmp_path):
-    from cluster.driver import Driver
-    from cluster.run_dir import RunDir
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square moving left\na blue square moving up\n")

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cluster.driver import MAX_FAILED_IN_ROW, Driver, StopRun
-from cluster.prompts import load_prompts
-from cluster.run_dir import RunDir
+from cluster.driver.driver import MAX_FAILED_IN_ROW, Driver, StopRun
+from cluster.data.prompts import load_prompts
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from cluster.driver import Driver
-from cluster.evaluate import paired
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver
+from cluster.evaluation.evaluate import paired
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 STEPS = 3

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from cluster.driver import Driver
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver
+from cluster.runs.run_dir import RunDir
 from common import toyworld as tw
 from common.config import load_config
 

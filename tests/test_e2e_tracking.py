@@ -88,7 +88,7 @@ def test_train_logs_every_metric_and_videos_to_tensorboard_and_wandb(ray_session
         assert media.read_bytes()[:6] == b"GIF89a"
     assert history[STEPS]["reward_curve._type"] == "image-file"
 
-    # the before/after picture of the same evaluation pairs (cluster/before_after.py)
+    # the before/after picture of the same evaluation pairs (cluster/evaluation/before_after.py)
     assert (run / "before_after.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # 3. the before/after summary: W&B run summary, TensorBoard scalars at the last step

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers_tiny import TinyVideoModel, sample_group
 
-from cluster.evaluate import EvalResult
-from cluster.health import HealthMonitor, group_spread, slope_z
+from cluster.evaluation.evaluate import EvalResult
+from cluster.health.checks import HealthMonitor, group_spread, slope_z
 from common.config import RunConfig, load_config
 from common.types import Condition, Group, Scores, TrainBatch
 from learner.trainer import Trainer
@@ -234,8 +234,8 @@ def test_off_checks_never_fire():
 # --- 4. pre-launch --------------------------------------------------------------------------
 
 def test_preflight_warns_about_small_groups_and_clip_below_measured_drift(tmp_path):
-    from cluster.preflight import health_warnings
-    from cluster.run_dir import RunDir
+    from cluster.driver.preflight import health_warnings
+    from cluster.runs.run_dir import RunDir
 
     cfg = _cfg("sampler.group_size=2", "train.groups_per_step=1", f"run.root={tmp_path}", "run.name=old")
     lines = health_warnings(cfg)
@@ -255,7 +255,7 @@ def test_preflight_warns_about_small_groups_and_clip_below_measured_drift(tmp_pa
 
 def test_runs_shows_each_runs_health(tmp_path, capsys):
     from cluster.cli import main
-    from cluster.run_dir import RunDir
+    from cluster.runs.run_dir import RunDir
 
     for name, checks, status in (("clean", {}, "ok"), ("hacked", {"hacking": "warn"}, "warn"),
                                  ("broken", {"numerics": "stop"}, "stop")):
@@ -276,7 +276,7 @@ def test_runs_shows_each_runs_health(tmp_path, capsys):
 def test_health_table_lists_each_check():
     from rich.console import Console
 
-    from cluster.health import health_table
+    from cluster.health.checks import health_table
 
     mon = HealthMonitor(_cfg())
     mon.observe(_record(1, onpolicy_rows=4.0, logratio_onpolicy_absmax=1e-9, **{"spread/zero/composite": 1.0}))
@@ -288,7 +288,7 @@ def test_health_table_lists_each_check():
 
 def test_vgrpo_train_prints_the_pre_launch_warnings_before_it_starts(tmp_path, monkeypatch, capsys):
     from cluster.cli import main
-    from cluster.driver import Driver
+    from cluster.driver.driver import Driver
 
     seen = []
 
@@ -305,7 +305,7 @@ def test_vgrpo_train_prints_the_pre_launch_warnings_before_it_starts(tmp_path, m
 def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
     from types import SimpleNamespace
 
-    from cluster.health_hook import DriverHealth
+    from cluster.health.hook import DriverHealth
     from common.metrics import Metrics
 
     class DeadActor:
@@ -330,7 +330,7 @@ def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
 def test_findings_and_health_numbers_reach_prometheus(tmp_path):
     from types import SimpleNamespace
 
-    from cluster.health_hook import DriverHealth
+    from cluster.health.hook import DriverHealth
     from common.metrics import Metrics
 
     m = Metrics(backend="memory")
@@ -386,7 +386,7 @@ def test_a_head_against_warning_the_held_out_pairs_contradict_does_not_set_the_s
     """head_against reads the training samples; the before → after evaluation decides it: where
     the flagged head rose on the held-out pairs (paired z > health.z) the run's status is ok and the
     table says the warning was not confirmed; where it did not rise, the warning stands."""
-    from cluster.health import health_table
+    from cluster.health.checks import health_table
 
     rng = np.random.default_rng(3)
     base_vq, base_mq = rng.normal(0.8, 0.05, 64), rng.normal(0.5, 0.1, 64)

@@ -306,7 +306,7 @@ def test_qsave_unparsable_answer_is_an_invalid_reward_in_the_actor():
 
 
 def test_qsave_is_marked_as_a_reconstruction_and_needs_a_path(capsys):
-    from cluster.cmd_config import show_config
+    from cluster.cli.config_cmd import show_config
     from common.config import ConfigError, load_config
 
     assert "reconstruction" in qs.__doc__ and "reconstruction" in prompts.QSAVE_NOTE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from cluster.run_dir import RunDir
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 

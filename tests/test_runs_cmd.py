@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from cluster.cli import main
-from cluster.run_dir import RunDir
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 
 

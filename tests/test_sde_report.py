@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.sde_report import regime_stds
+from cluster.cli.sde_report import regime_stds
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import pytest
 
-from cluster.step_record import StepExporter, step_record
+from cluster.driver.step_record import StepExporter, step_record
 from common.metrics import Metrics
 
 

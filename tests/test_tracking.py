@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.tracking import Tracker, check_installed, grid_pairs, tiled, video_grid
+from cluster.runs.tracking import Tracker, check_installed, grid_pairs, tiled, video_grid
 from common.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,8 +156,8 @@ def test_a_broken_backend_is_dropped_and_the_others_go_on(tmp_path):
     assert Keeps.seen == [(1, {"loss": 0.5}), (2, {"loss": 0.25})]
 
 
-TRACKER_MODULES = {"wandb", "tensorboard", "mlflow", "tensorboardX", "torch.utils.tensorboard", "cluster.tracking",
-                   "cluster.trackers"}
+TRACKER_MODULES = {"wandb", "tensorboard", "mlflow", "tensorboardX", "torch.utils.tensorboard", "cluster.runs.tracking",
+                   "cluster.runs.trackers"}
 
 
 def test_only_the_driver_imports_a_tracker():
@@ -179,9 +179,9 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
 
     import torch
 
-    import cluster.evaluate
-    from cluster.run_dir import RunDir
-    from cluster.tracking import step_videos
+    import cluster.evaluation.evaluate
+    from cluster.runs.run_dir import RunDir
+    from cluster.runs.tracking import step_videos
 
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=v", "log.video_every=2", "log.video_pairs=3"])
     asked = []
@@ -192,7 +192,7 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
             raise RuntimeError("actor restarting")
         return torch.zeros(len(pairs), 2, 16, 16, 3, dtype=torch.uint8)
 
-    monkeypatch.setattr(cluster.evaluate, "sample_pairs", sample_pairs)
+    monkeypatch.setattr(cluster.evaluation.evaluate, "sample_pairs", sample_pairs)
     driver = types.SimpleNamespace(cfg=cfg, run_dir=RunDir.create(cfg), rollouts=[], step=0)
     for step in (1, 2, 3, 4):
         driver.step = step
@@ -201,7 +201,7 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
     step_videos(driver)  # logs a warning, raises nothing
     videos = sorted(p.name for p in (driver.run_dir.samples / "videos").iterdir())
     assert videos == ["videos_train_step000002.gif", "videos_train_step000004.gif"]
-    from cluster.prompts import load_prompts
+    from cluster.data.prompts import load_prompts
     from common.toyworld import eval_seeds
 
     first_seed = eval_seeds(cfg.train.eval_seeds)[0]  # three prompts at their first seed
@@ -209,7 +209,7 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
 
 
 def test_a_backend_that_cannot_start_fails_in_one_line_and_closes_the_others(tmp_path, monkeypatch):
-    import cluster.trackers
+    import cluster.runs.trackers
 
     closed = []
 
@@ -226,7 +226,7 @@ def test_a_backend_that_cannot_start_fails_in_one_line_and_closes_the_others(tmp
         def __init__(self, *a):
             raise PermissionError("api_key not configured (no-tty)\nsecond line")
 
-    monkeypatch.setattr(cluster.trackers, "BACKENDS", {"tensorboard": Opens, "wandb": NoLogin})
+    monkeypatch.setattr(cluster.runs.trackers, "BACKENDS", {"tensorboard": Opens, "wandb": NoLogin})
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     with pytest.raises(ConfigError) as e:
         Tracker.open(load_config(None, ["log.backends=[tensorboard,wandb]"]), tmp_path)

@@ -52,7 +52,7 @@ def test_missing_tracker_package_names_the_pip_install_before_anything_starts(tm
 
 def test_a_run_that_fails_while_starting_is_removed(tmp_path, monkeypatch):
     """Past the checks (here: the actors fail to start), the half-made run directory goes too."""
-    from cluster.driver import Driver
+    from cluster.driver.driver import Driver
 
     made = []
 
@@ -71,7 +71,7 @@ def test_a_run_stopped_by_a_fault_is_kept_with_its_reason(tmp_path, monkeypatch,
     """The driver stops cleanly after its checkpoint: the run stays, status.json says why."""
     import json
 
-    from cluster.driver import Driver
+    from cluster.driver.driver import Driver
 
     def run(self, progress=None):
         self.step = 1

@@ -95,7 +95,7 @@ ROWS = [
 
 
 def training_health_panels() -> list:
-    """The training health checks (cluster/health.py): status and findings, the first-update and
+    """The training health checks (cluster/health/checks.py): status and findings, the first-update and
     on-policy numerics, zero-spread groups per head, reward trends, KL growth, held-out drift."""
     return [
         ("Health status (0 ok, 1 warn, 2 stop)", "none", [(_gauge("vgrpo_health_status"), "{{pool}}")]),

@@ -17,8 +17,8 @@ import pytest
 from fault_helpers import FlakyFactory, Ledger, hang_next_generate, in_thread, tiny_cfg, when
 from ray import cloudpickle
 
-from cluster.driver import Driver
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver
+from cluster.runs.run_dir import RunDir
 
 STEPS = 6
 ROLLOUT_TIMEOUT_S = 30  # long enough for a restarted actor to import torch on a busy machine

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from fault_helpers import ROOT
 from safetensors.torch import save_file
 
-from cluster.run_dir import RunDir
+from cluster.runs.run_dir import RunDir
 from common.config import load_config
 from learner import checkpoint, dist_checkpoint
 from learner.checkpoint import CheckpointError
@@ -269,7 +269,7 @@ def test_policy_that_does_not_fit_the_model_is_named(work):
     """A whole safetensors file whose names are not the run's model (config edited after training)."""
     from safetensors.torch import load_file
 
-    from cluster.eval_cmd import POLICY_FILE, load_policy, resolve_target
+    from cluster.cli.eval_cmd import POLICY_FILE, load_policy, resolve_target
 
     cfg, ckpt = resolve_target(str(work / "run"), None)
     assert ckpt == work / "run/checkpoints" / NEWEST

@@ -15,7 +15,7 @@ import unicodedata
 import pytest
 from fault_helpers import ROOT
 
-from cluster.prompts import MAX_PROMPT_CHARS, load_prompts
+from cluster.data.prompts import MAX_PROMPT_CHARS, load_prompts
 from common.config import ConfigError
 
 

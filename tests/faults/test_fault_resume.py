@@ -10,8 +10,8 @@ import pytest
 import torch
 from fault_helpers import Ledger, in_thread, tiny_cfg, when
 
-from cluster.driver import Driver, cursor_of
-from cluster.run_dir import RunDir
+from cluster.driver.driver import Driver, cursor_of
+from cluster.runs.run_dir import RunDir
 from learner import dist_checkpoint
 
 STEPS = 4

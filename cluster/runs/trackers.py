@@ -1,6 +1,6 @@
 """The experiment-tracker backends behind `log.backends`: TensorBoard, W&B and MLflow.
 
-Each takes finished values from cluster.tracking.Tracker and stores them with its own library;
+Each takes finished values from cluster.runs.tracking.Tracker and stores them with its own library;
 none decides what is logged. Each imports its library only when opened (they are extras).
 """
 

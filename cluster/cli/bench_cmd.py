@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout of an editable install
+ROOT = Path(__file__).resolve().parents[2]  # the checkout of an editable install
 
 
 def register(sub) -> None:

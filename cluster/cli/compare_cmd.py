@@ -129,9 +129,9 @@ class ActiveDrivers:
 def run_one(cfg, before_cache: BeforeCache | None = None, note=print,
             active: ActiveDrivers | None = None) -> dict[str, Any] | None:
     """Train one run with a Driver; its record, or None when it was interrupted."""
-    from cluster.compare_report import eval_from_dict, eval_to_dict
-    from cluster.driver import Driver
-    from cluster.run_dir import RunDir
+    from cluster.compare.report import eval_from_dict, eval_to_dict
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
 
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
@@ -170,7 +170,7 @@ def _fit_parallel(cfg, parallel: int, note) -> int:
     resized: N is cut to what it holds, since a run whose actors cannot be placed would wait and fail."""
     import ray
 
-    from cluster.pools import local_cpus, local_resources
+    from cluster.driver.pools import local_cpus, local_resources
 
     total = ray.cluster_resources()
     need = {"CPU": float(local_cpus(cfg)), **local_resources(cfg)}
@@ -194,9 +194,9 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
     The before-evaluation is the base policy on the fixed pairs with ODE sampling, the same for
     every row; with `share_before` it is measured once and reused.
     """
-    from cluster.compare_stats import seed_targets
-    from cluster.pools import init_ray
-    from cluster.run_dir import RunDir
+    from cluster.compare.stats import seed_targets
+    from cluster.driver.pools import init_ray
+    from cluster.runs.run_dir import RunDir
 
     rows = rows or list(matrix.rows)
     pairs = [(a, b) for a, b in matrix.pairs() if a in rows and b in rows]
@@ -321,12 +321,12 @@ def _warm_imports(cfg) -> None:
     """What Driver.setup imports and loads first, done once in this thread before the runs start:
     diffusers' lazy module is not thread-safe, and two Drivers loading the model for the first time
     at once failed with "cannot import name 'WanTransformer3DModel' from 'diffusers'"."""
-    import cluster.evaluate  # noqa: F401
+    import cluster.evaluation.evaluate  # noqa: F401
     import learner.actor  # noqa: F401
     import memory_bank.connect  # noqa: F401
     import reward_worker.actor  # noqa: F401
     import rollout_worker.actor  # noqa: F401
-    from cluster.driver import check_model_path
+    from cluster.driver.driver import check_model_path
 
     check_model_path(cfg)  # the toy model: builds its transformer (diffusers); others: path checks
 
@@ -368,7 +368,7 @@ def _same_config(cfg, path: Path, save_config) -> bool:
 
 def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapsed_s: float,
                  parallel: int | None = None) -> Path:
-    from cluster.compare_report import (
+    from cluster.compare.report import (
         claims_section,
         gains,
         markdown_table,
@@ -431,7 +431,7 @@ def _seeds_line(matrix) -> str:
 def cmd_compare(args) -> int:
     import sys
 
-    from cluster.compare_matrix import load_matrix
+    from cluster.compare.matrix import load_matrix
     from common.config import ConfigError
 
     matrix = load_matrix(args.config).for_mode(args.quick, args.seeds)

@@ -1,7 +1,7 @@
 """Training health: the checks users of diffusion RL trainers otherwise do by hand.
 
-`HealthMonitor` is fed one step record at a time (cluster/step_record.py's row) and, every
-`health.eval_every` steps, one held-out ODE evaluation (cluster/evaluate.EvalResult). Each check
+`HealthMonitor` is fed one step record at a time (cluster/driver/step_record.py's row) and, every
+`health.eval_every` steps, one held-out ODE evaluation (cluster/evaluation/evaluate.EvalResult). Each check
 is a small function returning `(check, message)` pairs; the monitor gives them the level the
 config asks for (`health.stop_on` / `health.off`, else warn) and keeps the run's health summary.
 
@@ -226,7 +226,7 @@ class HealthMonitor:
         return self._emit(step, msgs, per_step=False)
 
     def held_out_checks(self) -> list[Message]:
-        from cluster.evaluate import paired
+        from cluster.evaluation.evaluate import paired
 
         out: list[Message] = []
         if len(self.evals) < 2:
@@ -248,7 +248,7 @@ class HealthMonitor:
 
     def final(self, before: Any, after: Any, step: int) -> list[Finding]:
         """The before/after evaluation of the whole run, through the hacking check."""
-        from cluster.evaluate import paired
+        from cluster.evaluation.evaluate import paired
 
         rows = paired(before, after)
         msgs = hacking(rows, [r for _, r in self.rewards], 0, self.h.z, "before → after")

@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def cmd_check(args) -> int:
-    from cluster.prompts import load_prompts
+    from cluster.data.prompts import load_prompts
     from common.images import condition_image
 
     conds = load_prompts(args.spec)

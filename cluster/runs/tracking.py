@@ -87,7 +87,7 @@ def encode_gif(frames: np.ndarray, fps: float) -> bytes:
 
 
 class Tracker:
-    """Fans each call out to the open backends (cluster/trackers.py); a backend that raises is
+    """Fans each call out to the open backends (cluster/runs/trackers.py); a backend that raises is
     dropped, and closed when it still can be."""
 
     def __init__(self, backends: list[Any]):
@@ -95,7 +95,7 @@ class Tracker:
 
     @classmethod
     def open(cls, cfg: RunConfig, run_path: Path, resume_step: int | None = None) -> Tracker:
-        from cluster.trackers import BACKENDS
+        from cluster.runs.trackers import BACKENDS
 
         check_installed(cfg)
         state_file = Path(run_path) / STATE_FILE
@@ -155,7 +155,7 @@ class Tracker:
 def eval_pairs(cfg: RunConfig, n: int | None = None) -> list[tuple[str, int]]:
     """The fixed evaluation pairs, the first seed of every prompt first (so a short list shows
     every prompt)."""
-    from cluster.prompts import load_prompts
+    from cluster.data.prompts import load_prompts
     from common.toyworld import eval_seeds
 
     prompts = [c.prompt for c in load_prompts(cfg.train.eval_prompts)]
@@ -166,7 +166,7 @@ def eval_pairs(cfg: RunConfig, n: int | None = None) -> list[tuple[str, int]]:
 def step_videos(driver) -> None:
     """Every log.video_every steps: the fixed evaluation pairs sampled with the actors' current
     weights, one tiled video (always written to samples/, and sent to each tracker)."""
-    from cluster.evaluate import sample_pairs
+    from cluster.evaluation.evaluate import sample_pairs
 
     every = driver.cfg.log.video_every
     if not every or driver.step % every:

@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-from cluster.prompts import read_lines
+from cluster.data.prompts import read_lines
 from common.config import ConfigError
 from common.images import ImageError, condition_image, decode
 from common.types import Condition
 
-TOY_I2V_DIR = Path(__file__).resolve().parent.parent / "rollout_worker" / "models" / "assets" / "toy_i2v"
+TOY_I2V_DIR = Path(__file__).resolve().parents[2] / "rollout_worker" / "models" / "assets" / "toy_i2v"
 BUILTIN_MANIFESTS = {"toy-i2v-train": TOY_I2V_DIR / "train.jsonl", "toy-i2v-eval": TOY_I2V_DIR / "eval.jsonl"}
 """The toy world's I2V sets, committed (written by `vgrpo toy i2v-data`)."""
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -70,7 +70,7 @@ class _Rows:
 
     def add(self, prompt: str, image: Path, data: bytes, where: str, name: str | None = None,
             negative: str | None = None) -> None:
-        from cluster.prompts import clean_prompt
+        from cluster.data.prompts import clean_prompt
 
         try:
             prompt = clean_prompt(prompt, where)

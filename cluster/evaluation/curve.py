@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from cluster.evaluate import EvalResult, paired
+from cluster.evaluation.evaluate import EvalResult, paired
 
 
 def checkpoints(run: Path) -> list[Path]:
-    from cluster.eval_cmd import POLICY_FILE
+    from cluster.cli.eval_cmd import POLICY_FILE
 
     return sorted(d for d in (run / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
 

@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from cluster.datasets import check_task, side_by_side
-from cluster.health_hook import DriverHealth
-from cluster.prompts import load_prompts
-from cluster.run_dir import RunDir
-from cluster.step_record import StepExporter, step_record
-from cluster.tracking import step_videos, tiled
-from cluster.weight_registry import remote_registry
+from cluster.data.manifests import check_task, side_by_side
+from cluster.health.hook import DriverHealth
+from cluster.data.prompts import load_prompts
+from cluster.runs.run_dir import RunDir
+from cluster.driver.step_record import StepExporter, step_record
+from cluster.runs.tracking import step_videos, tiled
+from cluster.driver.weight_registry import remote_registry
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import Condition, GroupReceipt, PullReceipt
@@ -113,14 +113,14 @@ class Driver:
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
         self.learner_lost = False
         self._secret_dir: Path | None = None
-        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health.py)
+        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/checks.py)
 
     # --- 1. set-up ---------------------------------------------------------------------------
 
     def setup(self, resume: Path | None = None) -> None:
         import ray
 
-        from cluster.pools import actor_options, in_group, init_ray, placement_group_for
+        from cluster.driver.pools import actor_options, in_group, init_ray, placement_group_for
         from learner.actor import LearnerGroup
         from memory_bank.connect import connect_bank
         from memory_bank.ownership import claim_namespace
@@ -717,12 +717,12 @@ class Driver:
         """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role.
 
         Each rollout actor samples its share and scores it through its own reward client
-        (cluster/evaluate.score_pairs); the driver gets every pair's score row, and frames only
+        (cluster/evaluation/evaluate.score_pairs); the driver gets every pair's score row, and frames only
         for the few pairs it renders: the GIFs, the tracker's grid and before_after.png."""
-        from cluster.before_after import shown_pairs
-        from cluster.evaluate import EvalResult, score_pairs
-        from cluster.media import write_gif
-        from cluster.tracking import grid_pairs
+        from cluster.evaluation.before_after import shown_pairs
+        from cluster.evaluation.evaluate import EvalResult, score_pairs
+        from cluster.runs.media import write_gif
+        from cluster.runs.tracking import grid_pairs
         from common.toyworld import eval_seeds
 
         self._sync_idle_actors()

@@ -17,16 +17,16 @@ USER_ERRORS = {"ConfigError", "ModelLoadError", "CheckpointError", "BankUnavaila
 
 # Command modules, in the order `vgrpo --help` lists them.
 COMMANDS = [
-    "cluster.cmd_config",
-    "cluster.sde_report",
-    "cluster.train_cmd",
-    "cluster.eval_cmd",
-    "cluster.runs_cmd",
-    "cluster.compare_cmd",
-    "cluster.bench_cmd",
-    "cluster.plan_cmd",
-    "cluster.toy_cmd",
-    "cluster.datasets_cmd",
+    "cluster.cli.config_cmd",
+    "cluster.cli.sde_report",
+    "cluster.cli.train_cmd",
+    "cluster.cli.eval_cmd",
+    "cluster.cli.runs_cmd",
+    "cluster.cli.compare_cmd",
+    "cluster.cli.bench_cmd",
+    "cluster.cli.plan_cmd",
+    "cluster.cli.toy_cmd",
+    "cluster.cli.datasets_cmd",
 ]
 
 
@@ -66,6 +66,3 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.evaluate import EvalResult, paired
+from cluster.evaluation.evaluate import EvalResult, paired
 
 
 def eval_from_dict(d: dict[str, Any], heads: list[str]) -> EvalResult:
@@ -133,7 +133,7 @@ def plot_curves(metrics: dict[str, list[list[dict[str, Any]]]], heads: list[str]
     return path
 
 
-# --- paired differences and claims (cluster/compare_stats.py) ---------------------------------
+# --- paired differences and claims (cluster/compare/stats.py) ---------------------------------
 
 def _ci(p) -> str:
     if p.n < 2:
@@ -143,7 +143,7 @@ def _ci(p) -> str:
 
 def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str]) -> dict[str, dict[str, Any]]:
     """row → key → Paired (row − reference on the same seeds and pairs), rows that share a seed with it."""
-    from cluster.compare_stats import paired_difference
+    from cluster.compare.stats import paired_difference
 
     if not runs:
         return {}
@@ -161,7 +161,7 @@ def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str
 def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: list[str]) -> str:
     """Row − reference: mean and 95% Student-t interval over seeds, composite and each head, and
     whether the composite interval is narrow enough to separate an effect of RESOLUTION."""
-    from cluster.compare_stats import RESOLUTION, seeds_needed
+    from cluster.compare.stats import RESOLUTION, seeds_needed
 
     if reference is None:
         return ""
@@ -206,7 +206,7 @@ def _claim_line(better: str, worse: str, p, v: str) -> str:
 def claims_section(runs: list[dict[str, Any]], claims) -> tuple[str, list[dict[str, Any]]]:
     """'Which claims reproduce': per claim the paired composite difference better − worse and a
     verdict; with the same numbers as plain data for compare.json."""
-    from cluster.compare_stats import claim_verdict, paired_difference, verdict
+    from cluster.compare.stats import claim_verdict, paired_difference, verdict
 
     if not claims:
         return "", []

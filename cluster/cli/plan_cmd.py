@@ -320,7 +320,7 @@ def render(cfg, p: Plan, source: str) -> str:
 
 
 def register(sub) -> None:
-    from cluster.cmd_config import add_config_args
+    from cluster.cli.config_cmd import add_config_args
 
     p = sub.add_parser("plan", help="estimate memory per rank, time per video and the GPU split",
                        description="Estimate, from CONFIG alone (no weights are loaded), the memory a "
@@ -340,7 +340,7 @@ def run(args) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     print(render(cfg, p, args.config or "defaults"))
-    from cluster.preflight import health_warnings
+    from cluster.driver.preflight import health_warnings
 
     for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
         print(f"warning: {line}")

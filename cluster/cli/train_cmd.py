@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.cmd_config import add_config_args
+from cluster.cli.config_cmd import add_config_args
 
 
 def register(sub) -> None:
@@ -35,9 +35,9 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
-    from cluster.driver import check_model_path
-    from cluster.preflight import health_warnings, preflight
-    from cluster.run_dir import RunDir
+    from cluster.driver.driver import check_model_path
+    from cluster.driver.preflight import health_warnings, preflight
+    from cluster.runs.run_dir import RunDir
     from common.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
@@ -49,8 +49,8 @@ def train(args) -> int:
 
 
 def resume(args) -> int:
-    from cluster.preflight import preflight
-    from cluster.run_dir import RunDir
+    from cluster.driver.preflight import preflight
+    from cluster.runs.run_dir import RunDir
     from common.config import ConfigError, load_config
     from learner import dist_checkpoint
 
@@ -71,8 +71,8 @@ def _run(cfg, run_dir, resume, evaluate: bool) -> int:
     wrote a checkpoint is removed again (nothing in it can be resumed)."""
     from rich.console import Console
 
-    from cluster.driver import Driver
-    from cluster.tracking import Tracker
+    from cluster.driver.driver import Driver
+    from cluster.runs.tracking import Tracker
 
     console = Console()
     console.print(f"[bold]vgrpo[/] run directory: {run_dir.path}")
@@ -112,9 +112,9 @@ def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> Non
 
 def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
     """(exit code, final state, reason) of the training and evaluation proper."""
-    from cluster.evaluate import paired, summary_table
-    from cluster.health_hook import report_health
-    from cluster.progress import TrainProgress
+    from cluster.evaluation.evaluate import paired, summary_table
+    from cluster.health.hook import report_health
+    from cluster.cli.progress import TrainProgress
 
     before = driver.evaluate("before") if evaluate and resume is None else None
     with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
@@ -152,7 +152,7 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
 
 def _write_before_after(driver, run_dir, console) -> None:
     """run_dir/before_after.png: the same evaluation pairs before and after training, by eye."""
-    from cluster.before_after import write_before_after
+    from cluster.evaluation.before_after import write_before_after
 
     (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
     path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None))

@@ -122,9 +122,9 @@ def score(cfg, frames, prompts, images=None):
 def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: str | None = None):
     """ODE-sample the evaluation pairs with the checkpoint (None: the base) and score them.
     Returns (EvalResult, frames uint8 [N, F, H, W, 3], the pairs' conditions, seeds per prompt)."""
-    from cluster.datasets import check_task
-    from cluster.evaluate import EvalResult
-    from cluster.prompts import load_prompts
+    from cluster.data.manifests import check_task
+    from cluster.evaluation.evaluate import EvalResult
+    from cluster.data.prompts import load_prompts
     from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds
@@ -150,11 +150,11 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from cluster.datasets import side_by_side
-    from cluster.media import grid_image, write_gif
+    from cluster.data.manifests import side_by_side
+    from cluster.runs.media import grid_image, write_gif
 
     if args.curve:
-        from cluster.eval_curve import run_curve
+        from cluster.evaluation.curve import run_curve
 
         run = Path(args.target)
         if not (run / "config.yaml").is_file():
@@ -193,7 +193,7 @@ def cmd_eval(args) -> int:
 def cmd_sample(args) -> int:
     import numpy as np
 
-    from cluster.media import write_gif
+    from cluster.runs.media import write_gif
     from common.config import ConfigError
     from common.images import ImageError, load_image
     from common.sde import Schedule

@@ -12,7 +12,7 @@ SCORERS = ("toy", "videoalign", "hpsv3", "qsave")  # reward names with a scorer 
 
 
 def check_prompts(cfg: RunConfig) -> None:
-    from cluster.prompts import load_prompts
+    from cluster.data.prompts import load_prompts
 
     for field in ("prompts", "eval_prompts"):
         try:
@@ -43,8 +43,8 @@ def check_rewards(cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Everything a run checks before it starts Ray, Redis or writes a file."""
-    from cluster.driver import check_model_path
-    from cluster.tracking import check_installed
+    from cluster.driver.driver import check_model_path
+    from cluster.runs.tracking import check_installed
 
     check_installed(cfg)
     check_prompts(cfg)
@@ -52,7 +52,7 @@ def preflight(cfg: RunConfig) -> None:
     check_rewards(cfg)
 
 
-# --- training health, before any GPU is spent (cluster/health.py) ----------------------------
+# --- training health, before any GPU is spent (cluster/health/checks.py) ----------------------------
 
 def health_warnings(cfg: RunConfig) -> list[str]:
     """Settings users repeatedly report as silent failures, one line each (warnings, not errors).
@@ -81,7 +81,7 @@ def measured_drift(cfg: RunConfig) -> tuple[float, Path] | None:
     (family, path, dtype), from its health.json; None when there is none."""
     import yaml
 
-    from cluster.health_hook import HEALTH_FILE, read_health
+    from cluster.health.hook import HEALTH_FILE, read_health
 
     root = Path(cfg.run.root)
     if not root.is_dir():

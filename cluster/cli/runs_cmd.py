@@ -48,7 +48,7 @@ def describe(path: Path) -> dict[str, Any]:
     """What `vgrpo runs` shows for one run directory."""
     import yaml
 
-    from cluster.run_dir import RunDir
+    from cluster.runs.run_dir import RunDir
 
     rd = RunDir(path)
     try:
@@ -78,7 +78,7 @@ def describe(path: Path) -> dict[str, Any]:
 def health_status(path: Path, summary: dict[str, Any]) -> str | None:
     """`ok`, `warn: <checks>` or `stop: <check>` from RUN_DIR/health.json (or summary.json's
     health section); None for a run without health checks."""
-    from cluster.health_hook import read_health
+    from cluster.health.hook import read_health
 
     h = read_health(path) or summary.get("health")
     if not isinstance(h, dict) or not isinstance(h.get("checks"), dict):

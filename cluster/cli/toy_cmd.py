@@ -159,7 +159,7 @@ def cmd_sample(args) -> int:
 def cmd_grid(args) -> int:
     import imageio.v3 as iio
 
-    from cluster.media import grid_image
+    from cluster.runs.media import grid_image
     from common import toyworld as tw
 
     model = _load(args)

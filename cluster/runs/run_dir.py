@@ -25,7 +25,7 @@ class RunDir:
         self.curve_file = self.path / "reward_curve.png"
         self.status_file = self.path / "status.json"
         self.summary_file = self.path / "summary.json"
-        self.tracker = None  # cluster.tracking.Tracker, attached by `vgrpo train` in the driver
+        self.tracker = None  # cluster.runs.tracking.Tracker, attached by `vgrpo train` in the driver
         self.video_fps = 4.0
 
     @classmethod
@@ -59,7 +59,7 @@ class RunDir:
 
     def log_video(self, tag: str, frames, step: int) -> Path:
         """uint8 [F, H, W, 3] → samples/videos/<tag>_step<step>.gif, and a video in each tracker."""
-        from cluster.tracking import Tracker
+        from cluster.runs.tracking import Tracker
 
         tracker = self.tracker or Tracker([])
         path = self.samples / "videos" / f"{tag.replace('/', '_')}_step{step:06d}.gif"

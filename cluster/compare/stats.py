@@ -95,8 +95,8 @@ def t_quantile(p: float, dof: int) -> float:
 
 def run_gains(run: dict[str, Any]) -> dict[str, float]:
     """One run's gains on its eval pairs: key (composite, each head) → mean(after − before)."""
-    from cluster.compare_report import eval_from_dict
-    from cluster.evaluate import paired
+    from cluster.compare.report import eval_from_dict
+    from cluster.evaluation.evaluate import paired
 
     heads = run["heads"]
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.media import grid_image
+from cluster.runs.media import grid_image
 
 SCALE, GAP = 8, 2  # pixels per video pixel; video pixels between cells
 
@@ -45,7 +45,7 @@ def row_labels(n_prompts: int, prompts: list[str] | None = None) -> list[list[st
 
 def labelled(grid: np.ndarray, labels: list[list[str]], row_px: int, gap_px: int, pad: int = 8) -> np.ndarray:
     """The grid with a white strip on its left holding each picture row's lines of text, centred
-    on the row (rows of `row_px` pixels, `gap_px` apart, as cluster.media.grid_image draws them)."""
+    on the row (rows of `row_px` pixels, `gap_px` apart, as cluster.runs.media.grid_image draws them)."""
     from PIL import Image, ImageDraw, ImageFont
 
     try:

@@ -1,5 +1,5 @@
 """Prompt sets: a built-in toy set by name, a text file with one prompt per line, or an
-image-to-video dataset (a JSONL manifest or a folder of images with captions, cluster/datasets.py)."""
+image-to-video dataset (a JSONL manifest or a folder of images with captions, cluster/data/manifests.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def load_prompts(spec: str) -> list[Condition]:
     """`toy-train`, `toy-eval`, `toy-world`; `toy-i2v-train`, `toy-i2v-eval` (the committed toy
     I2V manifests); a JSONL manifest (`*.jsonl`); a folder of images with captions; or the
     path of a prompts file."""
-    from cluster import datasets
+    from cluster.data import manifests as datasets
     from common.toyworld import PROMPT_SETS
 
     if spec in datasets.BUILTIN_MANIFESTS:

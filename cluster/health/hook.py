@@ -1,4 +1,4 @@
-"""The driver's side of the health checks (cluster/health.py): feed each step's record to the
+"""The driver's side of the health checks (cluster/health/checks.py): feed each step's record to the
 monitor, run the held-out ODE evaluation every `health.eval_every` steps, report findings in the
 console, the step's row, Prometheus and RUN_DIR/health.json, and stop the run on a `stop` finding.
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.health import CHECKS, SPREAD_PREFIX, Finding, HealthMonitor
+from cluster.health.checks import CHECKS, SPREAD_PREFIX, Finding, HealthMonitor
 from common.config import RunConfig
 
 HEALTH_FILE = "health.json"
@@ -141,8 +141,8 @@ def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None
 def heldout_eval(driver, cfg: RunConfig):
     """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
     hold, scored by the reward role from the actors (no GIFs, no video: cheaper than Driver.evaluate)."""
-    from cluster.evaluate import EvalResult, score_pairs
-    from cluster.prompts import load_prompts
+    from cluster.evaluation.evaluate import EvalResult, score_pairs
+    from cluster.data.prompts import load_prompts
     from common.toyworld import eval_seeds
 
     prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
@@ -154,7 +154,7 @@ def heldout_eval(driver, cfg: RunConfig):
 def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:
     """At the end of a run: the before/after hacking check, RUN_DIR/health.json, the console
     table; returns the summary.json section (None with health.enabled=false)."""
-    from cluster.health import health_table
+    from cluster.health.checks import health_table
 
     h: DriverHealth = driver.health
     if not h.on:
