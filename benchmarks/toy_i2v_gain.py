@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=4, help="noise seeds per (image, prompt) pair")
     args = ap.parse_args(argv)
 
-    from cluster.cli.eval_cmd import load_policy, resolve_target, score
     from cluster.data.prompts import load_prompts
+    from cluster.evaluation.policy import load_policy, resolve_target, score
     from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds

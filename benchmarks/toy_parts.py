@@ -32,7 +32,7 @@ def main() -> None:
 
     import torch
 
-    from cluster.cli.eval_cmd import evaluate_policy, resolve_target
+    from cluster.evaluation.policy import evaluate_policy, resolve_target
 
     torch.set_num_threads(1)
     for target in args.targets:

@@ -108,3 +108,11 @@ def resolve_images(images, batch: int, height: int, width: int) -> Tensor | None
     if len(paths) != batch:
         raise ValueError(f"got {len(paths)} condition images for {batch} videos")
     return torch.stack([load_image(p, height, width) for p in paths])
+
+
+def reward_images(condition, size: int) -> Tensor | str | None:
+    """What the reward role gets for a group's first frames: the path (read there), the
+    in-memory image expanded to the group, or None for text-to-video."""
+    if condition.image is not None:
+        return condition.image.unsqueeze(0).expand(size, -1, -1, -1)
+    return condition.image_path

@@ -125,7 +125,7 @@ class LearnerRank:
             out.reward_mean = float(torch.cat([g.composite for g in batch.fresh]).float().mean())
             out.head_means = {h: float(torch.stack([g.scores.values[:, i].mean() for g in batch.fresh]).mean())
                               for i, h in enumerate(out.heads)}
-            from cluster.health.checks import group_spread
+            from learner.advantages import group_spread
 
             out.spread = group_spread(batch.fresh)
             if self.world_size > 1:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 ADV_EPS = 1e-8
 NO_SIGNAL_RTOL = 1e-6  # a spread below this (relative to the rewards' scale) is fp32 rounding, not signal
+SPREAD_PREFIX = "spread/zero/"  # step-record keys: share of the step's groups with no spread, per head
 
 
 def no_signal(ref: Tensor) -> Tensor:
@@ -68,3 +69,17 @@ def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
 def is_zero_std(rewards: Tensor, stats_mask: Tensor) -> bool:
     """A group whose rewards carry no signal (every advantage is 0)."""
     return bool(no_signal(rewards[stats_mask]))
+
+
+def group_spread(groups) -> dict[str, float]:
+    """Share of the groups (fresh members only) whose rewards carry no signal (`no_signal`), for
+    the composite and each head: `spread/zero/composite`, `spread/zero/<head>` (health's check)."""
+    groups = list(groups)
+    if not groups:
+        return {}
+    out = {f"{SPREAD_PREFIX}composite": sum(bool(no_signal(g.composite)) for g in groups) / len(groups)}
+    scored = [g for g in groups if g.scores is not None]
+    if scored:
+        for h_i, head in enumerate(scored[0].scores.heads):
+            out[f"{SPREAD_PREFIX}{head}"] = sum(bool(no_signal(g.scores.values[:, h_i])) for g in scored) / len(scored)
+    return out

@@ -109,7 +109,7 @@ class RolloutWorker:
         client = self._reward_client()
         before = (sum(client.timeouts.values()), sum(client.failures.values()))
         t0 = time.monotonic()
-        from cluster.data.manifests import reward_images
+        from common.images import reward_images
 
         try:
             scores = client.score(frames, [group.condition.prompt] * group.size,

@@ -161,7 +161,7 @@ def test_markdown_table_and_curve_plot(tmp_path):
 # --- 3. one real tiny comparison through Driver ------------------------------------------------
 
 def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_session, tmp_path):
-    from cluster.cli.compare_cmd import run_matrix, write_report
+    from cluster.compare.runner import run_matrix, write_report
 
     p = tmp_path / "tiny.yaml"
     p.write_text(
@@ -200,7 +200,7 @@ def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_sess
 def test_parallel_runs_give_the_same_records_as_one_at_a_time(ray_session, tmp_path):
     """Two runs in flight at once (threads, one Ray cluster) against the same runs one after
     another: sync mode is deterministic given train.seed, so every record is identical."""
-    from cluster.cli.compare_cmd import run_matrix
+    from cluster.compare.runner import run_matrix
 
     p = tmp_path / "tiny.yaml"
     p.write_text(
@@ -267,7 +267,7 @@ def test_cli_parallel_wins_over_the_matrix_and_is_checked(tmp_path, capsys, monk
 def test_before_cache_measures_each_key_once_across_threads_and_retries_after_a_failure():
     import threading
 
-    from cluster.cli.compare_cmd import BeforeCache
+    from cluster.compare.runner import BeforeCache
 
     cache, calls, release = BeforeCache(), [], threading.Event()
 
@@ -298,7 +298,7 @@ def test_before_cache_measures_each_key_once_across_threads_and_retries_after_a_
 def test_ctrl_c_stops_every_run_in_flight_and_any_run_that_starts_after():
     import threading
 
-    from cluster.cli.compare_cmd import ActiveDrivers
+    from cluster.compare.runner import ActiveDrivers
 
     class FakeDriver:  # only the attribute the Ctrl-C path touches
         def __init__(self):
@@ -324,7 +324,7 @@ def test_imports_are_warmed_in_the_main_thread_before_parallel_runs():
     code = (
         "import sys, threading\n"
         "from common.config import load_config\n"
-        "from cluster.cli.compare_cmd import _warm_imports\n"
+        "from cluster.compare.runner import _warm_imports\n"
         "from cluster.driver.driver import check_model_path\n"
         f"cfg = load_config({str(QUICKSTART)!r})\n"
         "assert 'diffusers.models.transformers.transformer_wan' not in sys.modules\n"
@@ -345,7 +345,7 @@ def test_imports_are_warmed_in_the_main_thread_before_parallel_runs():
 
 
 def test_runs_go_seed_by_seed_so_a_cut_short_comparison_keeps_every_row_paired():
-    from cluster.cli.compare_cmd import run_order
+    from cluster.compare.runner import run_order
 
     plan = [(i, row, s) for i, (row, s) in enumerate((r, s) for r in ("A", "B", "C") for s in range(3))]
     order = run_order(plan)
@@ -362,7 +362,7 @@ def test_second_stage_runs_the_seeds_a_wide_interval_asks_for_and_keeps_pairs_pa
     """The rounds of run_matrix with the training replaced by synthetic records (a pure test of the
     plan; the real Driver path is test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs):
     "noisy" differs from the reference by 0.05 ± 0.0535 per seed, "steady" by exactly 0.01."""
-    import cluster.cli.compare_cmd as cc
+    import cluster.compare.runner as cc
     import cluster.driver.pools as pools
 
     class Handle:

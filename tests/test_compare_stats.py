@@ -183,7 +183,7 @@ def test_claims_section_verdicts_and_a_claim_against_several_rows():
 
 
 def test_write_report_puts_paired_numbers_and_claims_in_compare_json(tmp_path):
-    from cluster.cli.compare_cmd import write_report
+    from cluster.compare.runner import write_report
 
     p = tmp_path / "m.yaml"
     p.write_text(f"base: {QUICKSTART}\nseeds: 3\nreference: ref\n"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from cluster.data import manifests as datasets
 from cluster.cli import main
+from cluster.data import manifests as datasets
 from cluster.data.prompts import load_prompts
 from common import toyworld as tw
 from common.config import ConfigError

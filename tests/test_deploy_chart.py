@@ -182,7 +182,7 @@ def test_multi_pool_example_validates(chart, validators, tmp_path):
     assert {m.name for m in cfg.rewards.models} == {"videoalign", "hpsv3"}
     assert all(m.path for m in cfg.rewards.models)
     mount = "/etc/vgrpo/"
-    from cluster.data.prompts import read_prompt_file
+    from cluster.data.text import read_prompt_file
 
     for spec in (cfg.train.prompts, cfg.train.eval_prompts):
         assert spec.startswith(mount) and spec[len(mount):] in cm, spec

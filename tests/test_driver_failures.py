@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.driver.driver import MAX_FAILED_IN_ROW, Driver, StopRun
 from cluster.data.prompts import load_prompts
+from cluster.driver.driver import MAX_FAILED_IN_ROW, Driver, StopRun
 from cluster.runs.run_dir import RunDir
 from common.config import load_config
 

@@ -29,7 +29,7 @@ def _cfg(tmp_path):
 
 def _local_eval(cfg, payload, pairs):
     """The pairs ODE-sampled in this process by a fresh toy model holding `payload`, and scored."""
-    from cluster.cli.eval_cmd import score
+    from cluster.evaluation.policy import score
     from common.sde import Schedule
     from rollout_worker.models.lora import inject_lora
     from rollout_worker.models.toy import ToyVideoModel
@@ -46,8 +46,8 @@ def _local_eval(cfg, payload, pairs):
 def test_a_run_with_ema_evaluates_and_exports_the_moving_average(ray_session, tmp_path):
     import ray
 
-    from cluster.driver.driver import Driver
     from cluster.data.prompts import load_prompts
+    from cluster.driver.driver import Driver
     from cluster.runs.run_dir import RunDir
     from common.toyworld import eval_seeds
 

@@ -3,7 +3,7 @@
 1. `Driver.evaluate`: every rollout actor samples and scores its share; the driver takes out of
    Ray the score rows and the frames of the pairs it renders only (here 18 of 64 videos), and its
    results, GIF, tracker grid and before_after.png equal the old recipe's: every video sampled into
-   this process, scored by the reward models directly (`cluster.cli.eval_cmd.score`).
+   this process, scored by the reward models directly (`cluster.evaluation.policy.score`).
 2. `score_pairs` with a reward that gives NaN for some videos keeps those rows (NaN, not dropped);
    a reward that raises surfaces as RewardFailed naming the model, as the driver's own client did.
 """
@@ -70,16 +70,16 @@ class FramesTaken:
 def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_session, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from cluster.evaluation.before_after import write_before_after
+    from cluster.cli.train_cmd import _write_before_after
     from cluster.data.manifests import side_by_side
-    from cluster.driver.driver import Driver
-    from cluster.cli.eval_cmd import score
-    from cluster.evaluation.evaluate import sample_pairs
-    from cluster.runs.media import write_gif
     from cluster.data.prompts import load_prompts
+    from cluster.driver.driver import Driver
+    from cluster.evaluation.before_after import write_before_after
+    from cluster.evaluation.evaluate import sample_pairs
+    from cluster.evaluation.policy import score
+    from cluster.runs.media import write_gif
     from cluster.runs.run_dir import RunDir
     from cluster.runs.tracking import encode_gif, grid_pairs, tiled
-    from cluster.cli.train_cmd import _write_before_after
     from common.toyworld import eval_seeds
 
     cfg = _cfg(tmp_path)
@@ -143,8 +143,8 @@ class Poisoned:
 
 
 def test_nan_rows_are_kept_and_a_failing_reward_is_named(ray_session, tmp_path):
-    from cluster.cli.eval_cmd import score
     from cluster.evaluation.evaluate import sample_pairs, score_pairs
+    from cluster.evaluation.policy import score
     from common.actors import kill_and_wait
     from reward_worker.actor import RewardFailed, create_reward_actors
     from rollout_worker.actor import RolloutActor

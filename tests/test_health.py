@@ -13,9 +13,10 @@ import torch
 from helpers_tiny import TinyVideoModel, sample_group
 
 from cluster.evaluation.evaluate import EvalResult
-from cluster.health.checks import HealthMonitor, group_spread, slope_z
+from cluster.health.checks import HealthMonitor, slope_z
 from common.config import RunConfig, load_config
 from common.types import Condition, Group, Scores, TrainBatch
+from learner.advantages import group_spread
 from learner.trainer import Trainer
 
 

@@ -65,7 +65,7 @@ def test_plan_for_the_real_configs(config, capsys):
 
 
 def test_plan_counts_the_released_sizes_and_both_wan_experts():
-    from cluster.cli.plan_cmd import arch, plan
+    from cluster.plan.sizing import arch, plan
 
     wan = arch(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml"))
     assert 14.0e9 < wan.params < 14.5e9 and (wan.experts, wan.trained_experts) == (2, 1)

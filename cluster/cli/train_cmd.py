@@ -112,9 +112,9 @@ def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> Non
 
 def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
     """(exit code, final state, reason) of the training and evaluation proper."""
+    from cluster.cli.progress import TrainProgress
     from cluster.evaluation.evaluate import paired, summary_table
     from cluster.health.hook import report_health
-    from cluster.cli.progress import TrainProgress
 
     before = driver.evaluate("before") if evaluate and resume is None else None
     with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:

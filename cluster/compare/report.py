@@ -16,15 +16,6 @@ import numpy as np
 from cluster.evaluation.evaluate import EvalResult, paired
 
 
-def eval_from_dict(d: dict[str, Any], heads: list[str]) -> EvalResult:
-    return EvalResult(list(heads), np.asarray(d["values"], dtype=np.float64).reshape(-1, len(heads)),
-                      np.asarray(d["composite"], dtype=np.float64))
-
-
-def eval_to_dict(r: EvalResult) -> dict[str, Any]:
-    return {"values": r.values.tolist(), "composite": r.composite.tolist()}
-
-
 def gains(runs: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float, int, bool]]]:
     """row → key → (mean gain, stderr, seeds, stderr_is_over_pairs).
 
@@ -35,7 +26,7 @@ def gains(runs: list[dict[str, Any]]) -> dict[str, dict[str, tuple[float, float,
     pair_se: dict[str, dict[str, float]] = {}
     for r in runs:
         heads = r["heads"]
-        diffs = paired(eval_from_dict(r["before"], heads), eval_from_dict(r["after"], heads))
+        diffs = paired(EvalResult.from_record(r["before"], heads), EvalResult.from_record(r["after"], heads))
         by_row.setdefault(r["row"], []).append({d.key: d.diff for d in diffs})
         pair_se[r["row"]] = {d.key: d.se for d in diffs}
     out: dict[str, dict[str, tuple[float, float, int, bool]]] = {}
@@ -68,7 +59,7 @@ def markdown_table(runs: list[dict[str, Any]], metrics: dict[str, list[list[dict
     heads = runs[0]["heads"]
     keys = ["composite", *heads]
     g = gains(runs)
-    before = eval_from_dict(runs[0]["before"], heads)
+    before = EvalResult.from_record(runs[0]["before"], heads)
     head_line = "| method | seeds | " + " | ".join(f"Δ {k}" for k in keys) + " | train R (last 25%) | s/run |"
     lines = [head_line, "|" + "---|" * (len(keys) + 4)]
     any_pairs = False

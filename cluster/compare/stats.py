@@ -95,12 +95,11 @@ def t_quantile(p: float, dof: int) -> float:
 
 def run_gains(run: dict[str, Any]) -> dict[str, float]:
     """One run's gains on its eval pairs: key (composite, each head) → mean(after − before)."""
-    from cluster.compare.report import eval_from_dict
-    from cluster.evaluation.evaluate import paired
+    from cluster.evaluation.evaluate import EvalResult, paired
 
     heads = run["heads"]
     try:
-        diffs = paired(eval_from_dict(run["before"], heads), eval_from_dict(run["after"], heads))
+        diffs = paired(EvalResult.from_record(run["before"], heads), EvalResult.from_record(run["after"], heads))
     except ValueError:
         raise ValueError(f"run {run.get('row')!r} seed {run.get('seed')}: before and after cover different pairs") from None
     return {d.key: d.diff for d in diffs}

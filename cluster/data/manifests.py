@@ -23,9 +23,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from torch import Tensor
 
-from cluster.data.prompts import read_lines
+from cluster.data.text import clean_prompt, read_lines
 from common.config import ConfigError
 from common.images import ImageError, condition_image, decode
 from common.types import Condition
@@ -70,8 +69,6 @@ class _Rows:
 
     def add(self, prompt: str, image: Path, data: bytes, where: str, name: str | None = None,
             negative: str | None = None) -> None:
-        from cluster.data.prompts import clean_prompt
-
         try:
             prompt = clean_prompt(prompt, where)
             negative = None if negative is None else clean_prompt(negative, f"{where}: negative_prompt")
@@ -178,14 +175,6 @@ def check_task(conditions: list[Condition], task: str, spec: str) -> None:
     if task == "t2v" and with_image:
         raise ConfigError(f"{spec}: its rows carry first frames, but model.task = 't2v'; set "
                           "model.task: i2v (with an I2V model) or use a text prompt set")
-
-
-def reward_images(condition: Condition, size: int) -> Tensor | str | None:
-    """What the reward role gets for a group's first frames: the path (read there), the
-    in-memory image expanded to the group, or None for text-to-video."""
-    if condition.image is not None:
-        return condition.image.unsqueeze(0).expand(size, -1, -1, -1)
-    return condition.image_path
 
 
 def side_by_side(frames: np.ndarray, condition: Condition, model_cfg, gap: int = 1) -> np.ndarray:

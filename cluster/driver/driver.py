@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 
 from cluster.data.manifests import check_task, side_by_side
-from cluster.health.hook import DriverHealth
 from cluster.data.prompts import load_prompts
-from cluster.runs.run_dir import RunDir
 from cluster.driver.step_record import StepExporter, step_record
-from cluster.runs.tracking import step_videos, tiled
 from cluster.driver.weight_registry import remote_registry
+from cluster.health.hook import DriverHealth
+from cluster.runs.run_dir import RunDir
+from cluster.runs.tracking import step_videos, tiled
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import Condition, GroupReceipt, PullReceipt

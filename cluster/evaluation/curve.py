@@ -17,7 +17,7 @@ from cluster.evaluation.evaluate import EvalResult, paired
 
 
 def checkpoints(run: Path) -> list[Path]:
-    from cluster.cli.eval_cmd import POLICY_FILE
+    from cluster.evaluation.policy import POLICY_FILE
 
     return sorted(d for d in (run / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
 

@@ -23,6 +23,15 @@ class EvalResult:
     def column(self, key: str) -> np.ndarray:
         return self.composite if key == "composite" else self.values[:, self.heads.index(key)]
 
+    def record(self) -> dict[str, list]:
+        """Every pair's scores, as a comparison's run record keeps them (`from_record` reads it)."""
+        return {"values": self.values.tolist(), "composite": self.composite.tolist()}
+
+    @classmethod
+    def from_record(cls, d: dict, heads: list[str]) -> EvalResult:
+        return cls(list(heads), np.asarray(d["values"], dtype=np.float64).reshape(-1, len(heads)),
+                   np.asarray(d["composite"], dtype=np.float64))
+
     def to_dict(self) -> dict[str, float]:
         out = {}
         for key in ["composite", *self.heads]:

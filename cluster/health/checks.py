@@ -16,23 +16,23 @@ Checks:
 - hacking      held out: the training reward rises while a held-out head falls (paired z)
 - stagnation   held out: no head moves over health.stagnation_evals evaluations (paired z)
 
-Pure: no Ray, no torch; `group_spread` takes Group objects but only reads their tensors.
+Pure: no Ray; the step records' spread keys (`SPREAD_PREFIX`) are made on the learner
+(learner/advantages.group_spread).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from common.config import RunConfig
+from learner.advantages import SPREAD_PREFIX
 
 CHECKS = ("numerics", "clip", "approx_kl", "zero_spread", "head_against", "kl_growth", "hacking", "stagnation")
 LEVEL_CODE = {"ok": 0, "warn": 1, "stop": 2}
-SPREAD_PREFIX = "spread/zero/"      # record keys: share of the step's groups with no spread, per head
-NO_SIGNAL_RTOL = 1e-6               # as learner/advantages.no_signal: ulps of fp32 are no spread
 Message = tuple[str, str]           # (check, one-line message)
 
 
@@ -66,27 +66,6 @@ def slope_z(ys: Sequence[float]) -> float:
         return 0.0 if abs(slope) <= 1e-12 * scale else math.copysign(math.inf, slope)
     se = math.sqrt(resid / (n - 2) / sxx)
     return slope / se
-
-
-def no_spread(values: Sequence[float]) -> bool:
-    """True when a group's values are equal up to fp32 ulps (learner/advantages.no_signal)."""
-    lo, hi = min(values), max(values)
-    return hi - lo <= NO_SIGNAL_RTOL * max(1.0, max(abs(lo), abs(hi)))
-
-
-def group_spread(groups: Iterable[Any]) -> dict[str, float]:
-    """Share of the groups with no spread, for the composite and each head (fresh members only):
-    `spread/zero/composite`, `spread/zero/<head>`."""
-    groups = list(groups)
-    if not groups:
-        return {}
-    out = {f"{SPREAD_PREFIX}composite": sum(no_spread(g.composite.tolist()) for g in groups) / len(groups)}
-    scored = [g for g in groups if g.scores is not None]
-    if scored:
-        for h_i, head in enumerate(scored[0].scores.heads):
-            out[f"{SPREAD_PREFIX}{head}"] = sum(no_spread(g.scores.values[:, h_i].tolist())
-                                                for g in scored) / len(scored)
-    return out
 
 
 def _num(record: dict[str, Any], key: str) -> float:

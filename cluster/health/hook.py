@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.health.checks import CHECKS, SPREAD_PREFIX, Finding, HealthMonitor
+from cluster.health.checks import CHECKS, Finding, HealthMonitor
 from common.config import RunConfig
+from learner.advantages import SPREAD_PREFIX
 
 HEALTH_FILE = "health.json"
 # record key → (metric, labels) for the gauges of the health row in the dashboard
@@ -141,8 +142,8 @@ def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None
 def heldout_eval(driver, cfg: RunConfig):
     """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
     hold, scored by the reward role from the actors (no GIFs, no video: cheaper than Driver.evaluate)."""
-    from cluster.evaluation.evaluate import EvalResult, score_pairs
     from cluster.data.prompts import load_prompts
+    from cluster.evaluation.evaluate import EvalResult, score_pairs
     from common.toyworld import eval_seeds
 
     prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]

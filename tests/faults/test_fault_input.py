@@ -15,7 +15,8 @@ import unicodedata
 import pytest
 from fault_helpers import ROOT
 
-from cluster.data.prompts import MAX_PROMPT_CHARS, load_prompts
+from cluster.data.prompts import load_prompts
+from cluster.data.text import MAX_PROMPT_CHARS
 from common.config import ConfigError
 
 

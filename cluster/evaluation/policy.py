@@ -1,0 +1,112 @@
+"""A run's trained policy, in this process (no Ray): find its checkpoint, load it into the
+rollout model, ODE-sample the evaluation pairs and score them (`vgrpo eval`, `vgrpo sample`,
+the evaluation curve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+POLICY_FILE = "policy.safetensors"
+
+
+def resolve_target(target: str, config: str | None):
+    """(config, checkpoint dir or None) for a run dir, a checkpoint dir, or 'base'."""
+    from common.config import ConfigError, load_config
+
+    if target == "base":
+        return load_config(config), None
+    p = Path(target)
+    if (p / "config.yaml").is_file():
+        ckpts = sorted(d for d in (p / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
+        if not ckpts:
+            raise ConfigError(f"{p}: no checkpoint with {POLICY_FILE} under {p / 'checkpoints'}")
+        return load_config(p / "config.yaml"), ckpts[-1]
+    if (p / POLICY_FILE).is_file() and (p.parent.parent / "config.yaml").is_file():
+        return load_config(p.parent.parent / "config.yaml"), p
+    raise ConfigError(f"{p}: not a run directory (config.yaml) or a checkpoint dir ({POLICY_FILE})")
+
+
+def read_policy(f: Path) -> dict:
+    """A checkpoint's policy.safetensors, or CheckpointError: one line naming the file and the fault."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from learner.checkpoint import CheckpointError
+
+    fix = "restore it, or evaluate an older checkpoint dir (TARGET/checkpoints/step_NNNNNNNN)"
+    try:
+        payload = load_file(str(f))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing; {fix}") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{f}: truncated or damaged safetensors file ({e}); {fix}") from None
+    if not payload:
+        raise CheckpointError(f"{f}: holds no tensors; {fix}")
+    # safetensors has no checksum: flipped bytes in the data show up, if at all, as NaN/inf
+    bad = next((k for k, v in payload.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"{f}: tensor {bad!r} holds NaN/inf (a damaged file); {fix}")
+    return payload
+
+
+def load_policy(cfg, ckpt: Path | None):
+    """The rollout model with the checkpoint's published weights loaded (adapter or full)."""
+    import torch
+
+    from learner.checkpoint import CheckpointError
+    from rollout_worker.models import build_model
+    from rollout_worker.models.lora import inject_lora
+
+    payload = read_policy(ckpt / POLICY_FILE) if ckpt is not None else None  # before the slow model build
+    torch.set_num_threads(cfg.pools.rollout.torch_threads)
+    model = build_model(cfg)
+    if payload is not None:
+        if cfg.optim.finetune == "lora":
+            inject_lora(model.trainable_module(), cfg.model.family, cfg.optim)
+        try:
+            model.load_weights(payload)
+        except (KeyError, RuntimeError) as e:  # names or shapes that are not this model's
+            raise CheckpointError(f"{ckpt / POLICY_FILE}: does not fit the run's model "
+                                  f"({str(e).splitlines()[0]}); was the config edited after training?") from None
+    return model
+
+
+def score(cfg, frames, prompts, images=None):
+    """Scores from every reward model of the config, merged; composite with the configured weights
+    (`images`: the I2V first frames uint8 [B, H, W, 3], or None)."""
+    from common.types import Scores
+    from reward_worker.registry import build_reward_model
+
+    parts, weights = [], {}
+    for m in cfg.rewards.models:
+        rm = build_reward_model(m)
+        parts.append(Scores(list(rm.heads), rm.score(frames, prompts, images)))
+        weights.update(m.weights)
+    scores = Scores.merge(parts)
+    return scores, scores.composite(weights)
+
+
+def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: str | None = None):
+    """ODE-sample the evaluation pairs with the checkpoint (None: the base) and score them.
+    Returns (EvalResult, frames uint8 [N, F, H, W, 3], the pairs' conditions, seeds per prompt)."""
+    from cluster.data.manifests import check_task
+    from cluster.data.prompts import load_prompts
+    from cluster.evaluation.evaluate import EvalResult
+    from common.images import condition_images
+    from common.sde import Schedule
+    from common.toyworld import eval_seeds
+    from rollout_worker.sampler import sample_videos
+
+    spec = prompts or cfg.train.eval_prompts
+    conds = load_prompts(spec)
+    check_task(conds, cfg.model.task, spec)
+    seed_list = eval_seeds(seeds or cfg.train.eval_seeds)
+    pairs = [(c.prompt, s) for c in conds for s in seed_list]
+    pair_conds = [c for c in conds for _ in seed_list]
+    images = condition_images(pair_conds, cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
+    model = load_policy(cfg, ckpt)
+    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule),
+                           images=images)
+    scores, composite = score(cfg, frames, [p for p, _ in pairs], images)
+    return EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), frames, pair_conds, len(seed_list)

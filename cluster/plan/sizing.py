@@ -1,0 +1,281 @@
+"""Sizing for `vgrpo plan`: memory per rank, FLOPs and seconds per video,
+and the rollout:learner GPU split, estimated from the config without loading any weights.
+
+The transformer is built on the meta device from its diffusers class (the class defaults are
+the released sizes; a local `model.path` supplies its own transformer/config.json), so its
+parameter counts are exact. Activation memory per block is the saved-tensor count of diffusers'
+blocks, counted with autograd's saved_tensors_hooks (`_ACT`); it is checked against the
+measured peak of CPU train steps in tests/test_plan.py. FLOPs are 2·params per token for the
+blocks' linears plus 4·S²·d per attention layer; seconds assume `MFU` of the GPU's dense bf16
+peak. Pure: imports torch, diffusers and pydantic only (benchmarks/gpu_check.py uses it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 1024**3
+
+# Dense bf16 peak TFLOP/s and memory (GiB) of one GPU (vendor datasheets, SXM parts).
+GPUS: dict[str, tuple[float, float]] = {"H100": (989.0, 80.0), "H200": (989.0, 141.0), "A100": (312.0, 80.0)}
+MFU = 0.4  # the fraction of peak a bf16 video DiT step reaches (an assumption, stated in the output)
+
+# Saved activations per transformer block and token, in bytes: a·d + b·ffn (d the width). Counted
+# on diffusers 0.42's WanTransformerBlock with saved_tensors_hooks: fp32 ≈ 90·d + 8·ffn,
+# bf16 ≈ 70·d + 4·ffn (its norms keep fp32 copies). HunyuanVideo 1.5's double-stream blocks are
+# taken as Wan's with ffn = mlp_ratio·d.
+_ACT = {4: (90.0, 8.0), 2: (70.0, 4.0)}
+
+# Frozen modules every learner and rollout rank loads besides the transformer(s), in parameters
+# (published model sizes): Wan's UMT5-XXL encoder and VAE; HunyuanVideo 1.5's Qwen2.5-VL-7B text
+# model, ByT5 glyph encoder, SigLIP image encoder and VAE.
+_FROZEN = {"wan": {"text_encoder": 5.7e9, "vae (fp32)": 0.127e9},
+           "hunyuan15": {"text_encoder": 7.6e9, "text_encoder_2": 0.22e9, "image_encoder": 0.4e9,
+                         "vae": 0.33e9}}
+# Peak live feature maps of a VAE decode, in (channels at full resolution) × output frames per
+# chunk: Wan decodes causally 4 frames at a time with 96 channels; HunyuanVideo 1.5 decodes all
+# frames at once with 128. Six such maps are alive at once in a resnet block.
+_VAE = {"wan": (96, 4, 256), "hunyuan15": (128, None, 256)}  # channels, frames per chunk, tile px
+
+
+@dataclass
+class Arch:
+    family: str
+    params: int            # one transformer
+    block_params: int      # one block
+    root_params: int       # outside the blocks
+    layers: int
+    width: int
+    ffn: int
+    lora_params: int
+    experts: int           # transformers the rollout runs (Wan 2.2: 2)
+    trained_experts: int
+    tokens: int            # S: video tokens of one sample
+    text_tokens: int
+
+
+@dataclass
+class Plan:
+    gpu: str
+    arch: Arch
+    learner: dict[str, float] = field(default_factory=dict)   # bytes per learner rank
+    rollout: dict[str, float] = field(default_factory=dict)   # bytes per rollout rank
+    flops: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    split: dict[str, float] = field(default_factory=dict)
+
+
+# --- architecture --------------------------------------------------------------------
+
+
+def _transformer_class(family: str):
+    from diffusers import HunyuanVideo15Transformer3DModel, WanTransformer3DModel
+
+    return {"wan": WanTransformer3DModel, "hunyuan15": HunyuanVideo15Transformer3DModel}[family]
+
+
+def transformer_config(cfg) -> dict:
+    """The transformer's config: a local checkpoint's own, else the class defaults (released sizes)."""
+    m = cfg.model
+    if m.path is not None and (Path(m.path) / "transformer" / "config.json").is_file():
+        return json.loads((Path(m.path) / "transformer" / "config.json").read_text(encoding="utf-8"))
+    if m.family == "wan" and m.task == "i2v":
+        return {"in_channels": 36}  # Wan 2.2 I2V A14B: [x, mask, condition] = 16 + 4 + 16
+    return {}
+
+
+def _has_two_experts(cfg) -> bool:
+    m = cfg.model
+    if m.family != "wan":
+        return False
+    if m.path is not None and (Path(m.path) / "model_index.json").is_file():
+        index = json.loads((Path(m.path) / "model_index.json").read_text(encoding="utf-8"))
+        return (index.get("transformer_2") or [None])[0] is not None
+    return m.boundary_ratio is not None or "A14B" in (m.path or "")
+
+
+def arch(cfg, transformer=None) -> Arch:
+    """Sizes of the config's transformer (built on the meta device unless given)."""
+    import torch
+
+    from rollout_worker.models.lora import lora_targets
+
+    m = cfg.model
+    if m.family not in ("wan", "hunyuan15"):
+        raise ValueError(f"vgrpo plan: model.family = {m.family!r} has no plan; use wan or hunyuan15")
+    if transformer is None:
+        cls = _transformer_class(m.family)
+        conf = {k: v for k, v in transformer_config(cfg).items() if not k.startswith("_")}
+        with torch.device("meta"):
+            transformer = cls.from_config(conf)
+    c = transformer.config
+    blocks = [b for name in ("blocks", "transformer_blocks") for b in getattr(transformer, name, [])]
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    params, block = count(transformer), count(blocks[0])
+    width = c.num_attention_heads * c.attention_head_dim
+    ffn = c.ffn_dim if m.family == "wan" else int(c.mlp_ratio * width)
+    targets = lora_targets(m.family, cfg.optim)
+    lora = sum(cfg.optim.lora_rank * (mod.in_features + mod.out_features)
+               for name, mod in transformer.named_modules()
+               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    # video tokens per sample: latent frames × latent H × latent W, divided by the patch
+    st, ss = 4, (8 if m.family == "wan" else 16)
+    pt, ph, pw = (tuple(c.patch_size) if m.family == "wan" else (c.patch_size_t, c.patch_size, c.patch_size))
+    tokens = (((m.num_frames - 1) // st + 1) // pt) * (m.height // ss // ph) * (m.width // ss // pw)
+    # HunyuanVideo 1.5 attends over video + text + image tokens jointly (Qwen + ByT5 + 729 SigLIP)
+    text = m.max_sequence_length if m.family == "wan" else m.max_sequence_length + 256 + 729
+    two = _has_two_experts(cfg)
+    return Arch(m.family, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
+                experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
+                tokens=tokens, text_tokens=text)
+
+
+# --- memory --------------------------------------------------------------------------
+
+
+def activation_bytes(a: Arch, rows: int, dtype_bytes: int, checkpointing: bool) -> float:
+    """Activations of one micro-batch's forward kept for backward (rows = micro_batch × CFG passes)."""
+    ad, af = _ACT[dtype_bytes]
+    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
+    per_layer = rows * seq * (ad * a.width + af * a.ffn)
+    head = rows * seq * a.width * 4 * 4  # patch embedding, time/text embeddings, output head (fp32)
+    if checkpointing:  # each block keeps only its input; one block at a time is recomputed
+        return a.layers * rows * seq * a.width * dtype_bytes + per_layer + head
+    return a.layers * per_layer + head
+
+
+def vae_decode_bytes(cfg) -> float:
+    m = cfg.model
+    ch, chunk, tile = _VAE[m.family]
+    frames = chunk or m.num_frames
+    area = min(m.height, tile) * min(m.width, tile) if m.vae_tiling else m.height * m.width
+    return 6 * ch * frames * area * 4 + m.num_frames * 3 * m.height * m.width * 4
+
+
+def _safetensors_params(folder: Path) -> int:
+    """Parameters stored in a folder's *.safetensors files, read from their headers (no weights)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for k, v in header.items():
+            if k != "__metadata__":
+                n = 1
+                for d in v["shape"]:
+                    n *= d
+                total += n
+    return total
+
+
+def frozen_params(cfg) -> dict[str, float]:
+    """Frozen encoders and VAE in parameters: a local checkpoint's own files, else published sizes."""
+    m = cfg.model
+    root = Path(m.path) if m.path is not None else None
+    if root is None or not (root / "model_index.json").is_file():
+        return dict(_FROZEN[m.family])
+    out = {}
+    for sub in ("text_encoder", "text_encoder_2", "image_encoder", "vae"):
+        if (root / sub).is_dir():
+            out["vae (fp32)" if sub == "vae" and m.family == "wan" else sub] = float(_safetensors_params(root / sub))
+    return out
+
+
+def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
+    """Bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors).
+
+    `frozen`: parameters of the frozen encoders and VAE when known (default: `frozen_params`)."""
+    m, o = cfg.model, cfg.optim
+    c = 4 if m.dtype == "float32" else 2
+    n = max(1, cfg.pools.learner.num_actors)
+    p_train = a.params * a.trained_experts
+    if o.finetune == "full":
+        trainable = p_train
+        if n > 1:  # sharded fp32 masters; one block (and its prefetched successor) gathered in dtype
+            weights = 4 * p_train / n + c * (2 * a.block_params + a.root_params)
+            grads = 4 * p_train / n + c * a.block_params
+        else:      # compute weights in dtype plus fp32 masters when dtype is lower
+            weights = c * p_train + (4 * p_train if c < 4 else 0)
+            grads = c * p_train + (4 * p_train if c < 4 else 0)
+    else:
+        trainable = a.lora_params * a.trained_experts
+        base = c * p_train / n + (c * (2 * a.block_params + a.root_params) if n > 1 else 0)
+        weights, grads = base + 4 * trainable / n, 4 * trainable / n
+    anchors = 0
+    if o.finetune == "lora":
+        anchors += 2
+    if cfg.kl.strategy in ("fixed", "moving", "dual") and o.finetune == "full":
+        anchors += 1
+    if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact":
+        anchors += 1
+    rows = o.micro_batch * (2 if m.guidance_scale > 1.0 else 1)
+    frozen_b = c * a.params * (a.experts - a.trained_experts) + sum(
+        (4 if "fp32" in k else c) * v for k, v in (frozen or frozen_params(cfg)).items())
+    return {"weights": weights, "grads": grads, "optimizer": 8 * trainable / n,
+            "anchors": anchors * (4 * trainable / n), "frozen modules (unsharded)": frozen_b,
+            "activations (checkpointing)": activation_bytes(a, rows, c, True),
+            "activations (no checkpointing)": activation_bytes(a, rows, c, False)}
+
+
+def learner_peak(mem: dict[str, float], checkpointing: bool) -> float:
+    act = mem["activations (checkpointing)" if checkpointing else "activations (no checkpointing)"]
+    return sum(v for k, v in mem.items() if not k.startswith("activations")) + act
+
+
+def rollout_memory(cfg, a: Arch) -> dict[str, float]:
+    m = cfg.model
+    c = 4 if m.dtype == "float32" else 2
+    rows = cfg.sampler.group_size * (2 if m.guidance_scale > 1.0 else 1)
+    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
+    return {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
+            "frozen modules": sum((4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()),
+            # no-grad forward: a few layer-sized tensors live at once (ffn hidden dominates)
+            "activations": rows * seq * (8 * a.width + 2 * a.ffn) * c,
+            "vae decode": vae_decode_bytes(cfg)}
+
+
+# --- compute -------------------------------------------------------------------------
+
+
+def forward_flops(a: Arch, rows: int) -> float:
+    """One transformer forward over `rows` samples."""
+    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
+    cross = a.text_tokens if a.family == "wan" else 0
+    linear = 2 * seq * a.params
+    attn = a.layers * (4 * seq * seq * a.width + 4 * seq * cross * a.width)
+    return rows * (linear + attn)
+
+
+def plan(cfg, gpu: str = "H100") -> Plan:
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r}: expected one of {', '.join(GPUS)}")
+    a = arch(cfg)
+    p = Plan(gpu, a)
+    p.learner, p.rollout = learner_memory(cfg, a), rollout_memory(cfg, a)
+    from common.sde import Schedule
+
+    steps = Schedule.from_config(cfg.schedule).steps
+    cfg_passes = 2 if cfg.model.guidance_scale > 1.0 else 1
+    fwd = forward_flops(a, 1)
+    # trained steps per video: the sampler's selection (threshold: σ > sigma_threshold)
+    sched = Schedule.from_config(cfg.schedule)
+    eligible = steps - cfg.sampler.ode_last_steps
+    s = cfg.sampler
+    k = (eligible if s.train_steps == "all" else
+         sum(1 for x in sched.sigmas[:eligible] if x > s.sigma_threshold) if s.train_steps == "threshold"
+         else max(1, round(s.train_fraction * eligible)))
+    anchors_fwd = (1 if cfg.kl.strategy in ("fixed", "moving", "dual") else 0) + \
+        (1 if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact" else 0)
+    recompute = 1 if cfg.model.gradient_checkpointing else 0
+    p.flops = {"rollout per video": steps * cfg_passes * fwd,
+               "train per video": k * cfg_passes * fwd * (3 + recompute + anchors_fwd),
+               "trained steps per video": float(k)}
+    rate = GPUS[gpu][0] * 1e12 * MFU
+    t_r, t_t = p.flops["rollout per video"] / rate, p.flops["train per video"] / rate
+    p.seconds = {"rollout per video": t_r, "train per video": t_t}
+    pools = cfg.pools
+    total = pools.rollout.num_actors * pools.rollout.num_gpus + pools.learner.num_actors * pools.learner.num_gpus
+    p.split = {"rollout share": t_r / (t_r + t_t), "gpus": total,
+               "rollout gpus": total * t_r / (t_r + t_t), "learner gpus": total * t_t / (t_r + t_t)}
+    return p
