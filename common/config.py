@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from common.errors import UserError
+
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
 
 # Per-scheme default noise level η (ALGORITHM.md section 2).
@@ -483,7 +485,7 @@ def reconstruction_notes(cfg: RunConfig) -> list[str]:
 # --- loading -------------------------------------------------------------------------
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user error in a config: one line naming the field path, the value and the fix."""
 
 

@@ -27,6 +27,19 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+@dataclass(frozen=True)
+class WeightsRecord:
+    """One published weights version, the one shape every publisher, registry and receiver uses.
+
+    `weights` is the payload ({name: Tensor} or a packed payload), or an ObjectRef of it: a ref
+    inside a record travels as a ref, so a registry hands out where the bytes are, never the
+    bytes. `checksum` is the digest the receiver verifies (`checksum()` below; None: off)."""
+
+    version: int
+    weights: Any
+    checksum: str | None = None
+
+
 class WeightFormatError(ValueError):
     """A manifest or bucket does not match what the format expects; the message says which."""
 

@@ -27,6 +27,7 @@ from common.actor_metrics import exports_publish, exports_train_step, exports_we
 from common.actors import kill_and_wait
 from common.config import RunConfig
 from common.types import PullReceipt, TrainBatch, TrainStats
+from common.weights import WeightsRecord
 from learner import dist_checkpoint, fsdp
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher
@@ -173,9 +174,9 @@ class LearnerRank:
             full = fsdp.full_state_dict(self.trainer.policy.module, names)
         return full if self.rank == 0 else None
 
-    def weights_record(self, with_checksum: bool, ema: bool = False) -> dict | None:
-        """Rank 0: the payload packed into the object store (one put, numpy buffers), as
-        {"box": [ref], "checksum": str | None}; None elsewhere. Collective."""
+    def weights_record(self, version: int, with_checksum: bool, ema: bool = False) -> WeightsRecord | None:
+        """Rank 0: the payload packed into the object store (one put, numpy buffers), as a
+        WeightsRecord holding its ref; None elsewhere. Collective."""
         from rollout_worker.weight_receiver import pack
 
         payload = self.weights_payload(ema)
@@ -186,7 +187,7 @@ class LearnerRank:
             from common.weights import checksum
 
             digest = checksum(payload)
-        return {"box": [ray.put(pack(payload))], "checksum": digest}
+        return WeightsRecord(version, ray.put(pack(payload)), digest)
 
     def save_policy(self, path: str) -> None:
         """Write the exported policy as safetensors: the live weights, or their moving average when
@@ -284,9 +285,9 @@ class LearnerGroup:
     def commit_ids(self, gids: list[str], step: int) -> int:
         return ray.get(self.ranks[0].commit_ids.remote(gids, step))
 
-    def weights_record(self, with_checksum: bool = False, ema: bool = False) -> dict:
-        """{"box": [ref of the packed payload], "checksum"}: the payload stays in the object store."""
-        return self._all("weights_record", with_checksum, ema)[0]
+    def weights_record(self, version: int, with_checksum: bool = False, ema: bool = False) -> WeightsRecord:
+        """The record of the packed payload's ref: the payload stays in the object store."""
+        return self._all("weights_record", version, with_checksum, ema)[0]
 
     def save_policy(self, path: str | Path) -> None:
         self._all("save_policy", str(path))

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from common import storage
+from common.errors import UserError
 
 PREFIX = "step_"
 STATE_FILE, EXTRA_FILE = "trainer.pt", "extra.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint file is missing or damaged; the message names the file, the fault and the fix."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.config import ConfigError
+from common.errors import UserError
 
 
 class BankError(Exception):
@@ -21,15 +22,15 @@ class DuplicateGroup(BankError):
     """A group id was pushed twice by different producers."""
 
 
-class InsecureRedisUrl(BankError):
+class InsecureRedisUrl(BankError, UserError):
     """An external Redis URL has no password and bank.allow_no_password is off."""
 
 
-class BankUnavailable(BankError):
+class BankUnavailable(BankError, UserError):
     """Redis could not be reached (the message never carries credentials)."""
 
 
-class RedisBinaryNotFound(BankError):
+class RedisBinaryNotFound(BankError, UserError):
     """No redis-server binary for the embedded server."""
 
 

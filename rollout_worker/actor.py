@@ -18,7 +18,7 @@ constructor loads weights before the actor can generate:
 - `latest_weights`: where the newest published record lives, asked next — the name of a
   named Ray actor, or its handle, whose `latest()` method returns a record or None; or any
   zero-argument callable returning one.
-A published record is a plain dict {"version": int, "weights": {name: Tensor}, "checksum": str | None}.
+A published record is a `common.weights.WeightsRecord` (version, weights, checksum).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt, Scores
-from common.weights import verify
+from common.weights import WeightsRecord, verify
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos
@@ -44,12 +44,7 @@ from rollout_worker.weight_receiver import PackedWeights, WeightReceiver, unpack
 
 log = logging.getLogger(__name__)
 
-LatestWeights = str | Callable[[], dict | None] | Any  # actor name, callable, or actor handle
-
-
-def published(weights: dict[str, Tensor], version: int, checksum: str | None = None) -> dict:
-    """The record a publisher hands to rollout actors (see the module docstring)."""
-    return {"version": int(version), "weights": weights, "checksum": checksum}
+LatestWeights = str | Callable[[], WeightsRecord | None] | Any  # actor name, callable, or actor handle
 
 
 class RolloutWorker:
@@ -71,7 +66,7 @@ class RolloutWorker:
         self._staged: dict[str, tuple[Group, int, float]] = {}
         for record in (_resolve(weights_ref), _fetch_latest(latest_weights)):
             if record is not None:
-                self.set_weights(_resolve(record["weights"]), record["version"], record.get("checksum"))
+                self.set_weights(_resolve(record.weights), record.version, record.checksum)
 
     @exports_generate
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
@@ -253,11 +248,11 @@ def create_rollout_actors(cfg: RunConfig, *, count: int | None = None, weights_r
             .remote(cfg, i, weights_ref, latest_weights) for i in range(n)]
 
 
-def _resolve(ref: Any) -> dict | None:
+def _resolve(ref: Any) -> Any:
     return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
 
-def _fetch_latest(source: LatestWeights | None) -> dict | None:
+def _fetch_latest(source: LatestWeights | None) -> WeightsRecord | None:
     if source is None:
         return None
     if isinstance(source, str):

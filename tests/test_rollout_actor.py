@@ -10,8 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from common.config import RunConfig
 from common.types import Condition
-from common.weights import ChecksumMismatch, checksum
-from rollout_worker.actor import RolloutWorker, create_rollout_actors, published
+from common.weights import ChecksumMismatch, WeightsRecord, checksum
+from rollout_worker.actor import RolloutWorker, create_rollout_actors
 from rollout_worker.models.tiny import tiny_wan_components
 
 COND = Condition(id="c0", prompt="a red cat")
@@ -53,7 +53,7 @@ def test_two_actors_shapes_versions_determinism(ray_session, wan_dir):
             return self.record
 
     cfg = make_cfg(path)
-    registry = Registry.options(name=REGISTRY).remote(published(state, 7, checksum(state)))
+    registry = Registry.options(name=REGISTRY).remote(WeightsRecord(7, state, checksum(state)))
     plain = create_rollout_actors(cfg, count=1)[0]
     restored = create_rollout_actors(cfg, count=1, latest_weights=REGISTRY)[0]
     try:
@@ -98,9 +98,24 @@ def test_two_actors_shapes_versions_determinism(ray_session, wan_dir):
 
 def test_worker_without_ray_verifies_checksum(wan_dir):
     path, state = wan_dir
-    w = RolloutWorker(make_cfg(path).model_dump(), 0, weights_ref=published(state, 1, checksum(state)))
+    w = RolloutWorker(make_cfg(path).model_dump(), 0, weights_ref=WeightsRecord(1, state, checksum(state)))
     assert w.version() == 1
     with pytest.raises(ChecksumMismatch):
         w.set_weights(perturbed(state), 2, checksum(state))
     assert w.version() == 1
     assert torch.get_num_threads() == 1
+
+
+def test_restarted_worker_verifies_the_registry_checksum(wan_dir):
+    """The driver's registry keeps the checksum: weights altered after publishing are refused
+    by an actor that restarts and loads them from the registry."""
+    from cluster.driver.weight_registry import WeightRegistry
+
+    path, state = wan_dir
+    registry = WeightRegistry()
+    registry.set(WeightsRecord(3, perturbed(state), checksum(state)))
+    assert registry.latest().checksum == checksum(state)
+    with pytest.raises(ChecksumMismatch):
+        RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest)
+    registry.set(WeightsRecord(3, state, checksum(state)))
+    assert RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest).version() == 3

@@ -10,10 +10,7 @@ import argparse
 import importlib
 import sys
 
-from common.config import ConfigError
-
-# Errors that mean the user's input or environment is wrong: one line, no traceback.
-USER_ERRORS = {"ConfigError", "ModelLoadError", "CheckpointError", "BankUnavailable", "RewardLoadError", "InsecureRedisUrl", "RedisBinaryNotFound"}
+from common.errors import UserError
 
 # Command modules, in the order `vgrpo --help` lists them.
 COMMANDS = [
@@ -51,14 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        # A user error: one clear line, no traceback.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except Exception as e:
         cause = getattr(e, "cause", None)  # a Ray actor's error wraps the user error it raised
         for err in (e, cause):
-            if err is not None and type(err).__name__ in USER_ERRORS:
+            if isinstance(err, UserError):  # the input or environment is wrong: one line, no traceback
                 print(f"error: {err}", file=sys.stderr)
                 return 2
         raise

@@ -44,6 +44,7 @@ from cluster.runs.tracking import step_videos, tiled
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import Condition, GroupReceipt, PullReceipt
+from common.weights import WeightsRecord
 
 log = logging.getLogger("vgrpo.driver")
 
@@ -97,7 +98,7 @@ class Driver:
         self.timers: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
         self.lock = threading.Lock()
-        self.latest: dict | None = None    # object store: {"version", "box": [ref], "checksum"}
+        self.latest: WeightsRecord | None = None  # object store: the newest published version
         self.published = 0                 # newest version the rollout actors may load
         self.actor_version: list[int] = []
         self.busy: dict[int, Flight] = {}  # rollout actor index -> its group in flight
@@ -258,10 +259,10 @@ class Driver:
         actor = self.rollouts[i]
         sync, sync_version = None, -1
         latest = self.latest
-        if latest is not None and self.actor_version[i] < latest["version"]:
+        if latest is not None and self.actor_version[i] < latest.version:
             # by reference: the actor maps the packed payload from the object store
-            sync = actor.set_weights.remote(latest["box"][0], latest["version"], latest["checksum"])
-            sync_version = latest["version"]
+            sync = actor.set_weights.remote(latest.weights, latest.version, latest.checksum)
+            sync_version = latest.version
         cond, seed, cursor = self.next_condition()
         version = sync_version if sync is not None else max(self.actor_version[i], 0)
         gid = group_id(cursor, version, self.attempts[cursor])
@@ -532,9 +533,8 @@ class Driver:
 
         t0 = time.monotonic()
         if self.cfg.weight_sync.transport == "object_store":
-            record = self.learner.weights_record(self.cfg.weight_sync.checksum, ema)
-            record["version"] = self.step + int(ema)
-            self.registry.set.remote(record["version"], record["box"])  # a restarted actor's source
+            record = self.learner.weights_record(self.step + int(ema), self.cfg.weight_sync.checksum, ema)
+            self.registry.set.remote(record)  # a restarted actor's source
             with self.lock:
                 self.latest = record
         else:
@@ -564,18 +564,18 @@ class Driver:
         latest = self.latest
         if latest is None:
             return
-        calls = {i: self.rollouts[i].set_weights.remote(latest["box"][0], latest["version"], latest["checksum"])
-                 for i, v in enumerate(self.actor_version) if v < latest["version"]}
+        calls = {i: self.rollouts[i].set_weights.remote(latest.weights, latest.version, latest.checksum)
+                 for i, v in enumerate(self.actor_version) if v < latest.version}
         timeout = self.cfg.weight_sync.timeout_s
         _, late = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
         if late:
             who = ", ".join(f"rollout actor {i}" for i, c in calls.items() if c in late)
-            raise StopRun(f"weight sync of version {latest['version']} timed out: {who} did not answer "
+            raise StopRun(f"weight sync of version {latest.version} timed out: {who} did not answer "
                           f"within {timeout}s (weight_sync.timeout_s)")
         for i, c in calls.items():
             try:
                 ray.get(c)
-                self.actor_version[i] = latest["version"]
+                self.actor_version[i] = latest.version
             except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
                 self._on_rollout_failure(i, e)
 

@@ -7,22 +7,22 @@ It hands out the ref, never the bytes: the actor reads the payload from the obje
 
 from __future__ import annotations
 
+from common.weights import WeightsRecord
+
 
 class WeightRegistry:
     """Where a restarted rollout actor finds the newest published weights (`latest()`)."""
 
     def __init__(self):
-        self.record: dict | None = None
+        self.record: WeightsRecord | None = None
 
-    def set(self, version: int, boxed_ref: list) -> None:
-        # the ref comes boxed in a list so Ray hands over the ref, not a copy of the weights
-        self.record = {"version": version, "ref": boxed_ref[0]}
+    def set(self, record: WeightsRecord) -> None:
+        # the payload's ref inside the record travels as a ref: the registry never holds the bytes
+        self.record = record
 
-    def latest(self) -> dict | None:
-        if self.record is None:
-            return None
-        # the ref inside a dict travels as a ref; the caller resolves it from the object store
-        return {"version": self.record["version"], "weights": self.record["ref"], "checksum": None}
+    def latest(self) -> WeightsRecord | None:
+        """The newest record, checksum included: a restarted actor verifies what it loads."""
+        return self.record
 
 
 def remote_registry():

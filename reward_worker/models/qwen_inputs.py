@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from common.errors import UserError
 from reward_worker.prompts import SYSTEM
 
 VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
@@ -174,7 +175,7 @@ def resolve_device(name: str) -> torch.device:
 # --- locating checkpoints --------------------------------------------------------------
 
 
-class RewardLoadError(FileNotFoundError):
+class RewardLoadError(UserError, FileNotFoundError):
     """A reward checkpoint is missing or does not fit; the message names the path and the fix."""
 
 

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from common.errors import UserError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(FileNotFoundError):
+class ModelLoadError(UserError, FileNotFoundError):
     """A model path is missing or incomplete; the message names the path and what is missing."""
 
 
