@@ -26,6 +26,7 @@ from torch import Tensor
 from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
 from common.actors import kill_and_wait
 from common.config import RunConfig
+from common.dispatch import verb
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights import WeightsRecord
 from learner import dist_checkpoint, fsdp
@@ -235,10 +236,12 @@ class LearnerRank:
 
 
 class LearnerGroup:
-    """Driver-side handle: starts the ranks, forms their group, and fans each verb out."""
+    """Driver-side handle: starts the ranks, forms their group, and fans each verb out
+    (common/dispatch.verb: to every rank or rank 0 alone, with the result collected)."""
 
     def __init__(self, cfg: RunConfig, model_factory: ModelFactory | None = None,
-                 num_ranks: int | None = None, setup_timeout_s: float = 600.0, bank: Any = None):
+                 num_ranks: int | None = None, setup_timeout_s: float = 600.0, bank: Any = None,
+                 placement: Callable[[int], dict] | None = None):
         pool = cfg.pools.learner
         n = num_ranks if num_ranks is not None else pool.num_actors
         if n < 1:
@@ -246,11 +249,12 @@ class LearnerGroup:
         self.cfg, self.world_size = cfg, n
         # A rank cannot rejoin a live process group, so Ray never restarts one on its own;
         # the driver restarts the whole group from its last checkpoint instead.
-        remote = ray.remote(LearnerRank).options(
-            num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources={"learner": 1},
-            max_restarts=0, max_task_retries=0)
+        default = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": {"learner": 1}}
+        remote = ray.remote(LearnerRank)
         cfg_data = cfg.model_dump(mode="python")
-        self.ranks = [remote.remote(cfg_data, r, n, model_factory, bank if r == 0 else None) for r in range(n)]
+        self.ranks = [remote.options(**{**(placement(r) if placement else default), "max_restarts": 0,
+                                        "max_task_retries": 0})
+                      .remote(cfg_data, r, n, model_factory, bank if r == 0 else None) for r in range(n)]
         addr, port = ray.get(self.ranks[0].address.remote(), timeout=setup_timeout_s)
         try:
             self._version = ray.get([r.setup.remote(addr, port) for r in self.ranks],
@@ -259,58 +263,46 @@ class LearnerGroup:
             self._kill()
             raise
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])
+    def _stepped(self, stats: dict) -> TrainStats:
+        self._version = int(stats["version"])
+        return TrainStats(stats)
+
+    def _loaded(self, extra: dict) -> dict:
+        self._version = ray.get(self.ranks[0].version.remote())
+        return extra
 
     def train_step(self, batch: TrainBatch) -> TrainStats:
         """One optimizer step; every rank gets the batch and trains on its share of the rows."""
-        ref = ray.put(batch)  # one copy in the object store, read by every rank
-        stats = self._all("train_step", ref)[0]  # batch-wide: the ranks all-reduce them
-        self._version = int(stats["version"])
-        return TrainStats(stats)
+        return self._train_ref(ray.put(batch))  # one copy in the object store, read by every rank
 
-    def pull(self, n: int, version: int) -> PullReceipt:
-        """Rank 0 pulls the batch from the bank; the driver gets ids and versions only."""
-        return ray.get(self.ranks[0].pull.remote(n, version))
+    _train_ref = verb("train_step", post=_stepped)  # stats are batch-wide: the ranks all-reduce them
+    pull = verb("pull", on="rank0", doc="Rank 0 pulls the batch from the bank; the driver gets ids and versions only.")
+    commit = verb("commit", on="rank0")
+    commit_ids = verb("commit_ids", on="rank0")
+    weights_record = verb("weights_record", doc="The record of the packed payload's ref (rank 0's): "
+                          "the payload stays in the object store; every rank joins the gather.")
+    save_policy = verb("save_policy", collect="none")
+    weights_payload = verb("weights_payload")
+    weights_payload_ref = verb("weights_payload", ref=True, doc="Rank 0's payload as an object ref: rollout "
+                               "actors read it without a copy through the driver; every rank joins the gather.")
+    load_checkpoint = verb("load_checkpoint", post=_loaded)
 
     def train_pulled(self, receipt: PullReceipt) -> TrainStats:
         """One optimizer step on the batch rank 0 pulled."""
-        stats = self._all("train_pulled", receipt.box)[0]
-        self._version = int(stats["version"])
-        return TrainStats(stats)
+        return self._train_pulled(receipt.box)
 
-    def commit(self, step: int) -> int:
-        return ray.get(self.ranks[0].commit.remote(step))
-
-    def commit_ids(self, gids: list[str], step: int) -> int:
-        return ray.get(self.ranks[0].commit_ids.remote(gids, step))
-
-    def weights_record(self, version: int, with_checksum: bool = False, ema: bool = False) -> WeightsRecord:
-        """The record of the packed payload's ref: the payload stays in the object store."""
-        return self._all("weights_record", version, with_checksum, ema)[0]
-
-    def save_policy(self, path: str | Path) -> None:
-        self._all("save_policy", str(path))
-
-    def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
-        return self._all("weights_payload", ema)[0]
-
-    def weights_payload_ref(self) -> ray.ObjectRef:
-        """Rank 0's payload as an object ref: rollout actors read it without a copy through the driver."""
-        refs = [r.weights_payload.remote() for r in self.ranks]  # every rank joins the gather
-        return refs[0]
+    _train_pulled = verb("train_pulled", post=_stepped)
 
     def publish(self, actors: list, names: list[str] | None = None, ema: bool = False) -> PublishReport:
         """Push the current version to rollout actors (cfg.weight_sync.transport) from rank 0."""
-        return self._all("publish", list(actors), names, ema)[0]
+        return self._publish(list(actors), names, ema)
+
+    _publish = verb("publish")
 
     def save_checkpoint(self, dir: str | Path, extra: dict | None = None) -> Path:
-        return Path(self._all("save_checkpoint", str(dir), extra)[0])
+        return Path(self._save(str(dir), extra))
 
-    def load_checkpoint(self, dir: str | Path) -> dict:
-        extra = self._all("load_checkpoint", str(dir))[0]
-        self._version = self._all("version")[0]
-        return extra
+    _save = verb("save_checkpoint")
 
     def version(self) -> int:
         return self._version

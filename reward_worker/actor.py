@@ -101,14 +101,15 @@ def _tensor(x) -> Tensor:
     return x
 
 
-def create_reward_actor(cfg: RewardModelConfig, pool: PoolConfig, factory: ModelFactory | None = None):
-    """One RewardActor on the `reward` pool, with the pool's CPUs, GPUs and restart budget."""
+def create_reward_actor(cfg: RewardModelConfig, pool: PoolConfig, factory: ModelFactory | None = None,
+                        options: dict | None = None):
+    """One RewardActor on the `reward` pool: the Ray `options` the caller placed it with (the
+    driver's placement group bundle), else the pool's CPUs, GPUs and restart budget."""
     import ray
 
-    return ray.remote(RewardActor).options(
-        resources={"reward": 1}, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
-        max_restarts=pool.max_restarts,
-    ).remote(cfg, pool.torch_threads, factory)
+    options = options or {"resources": {"reward": 1}, "num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
+                          "max_restarts": pool.max_restarts}
+    return ray.remote(RewardActor).options(**options).remote(cfg, pool.torch_threads, factory)
 
 
 def actor_names(cfgs: list[RewardModelConfig]) -> list[str]:
@@ -117,12 +118,14 @@ def actor_names(cfgs: list[RewardModelConfig]) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}{names[:i].count(n)}" for i, n in enumerate(names)]
 
 
-def create_reward_actors(cfgs: list[RewardModelConfig], pool: PoolConfig,
-                         factory: ModelFactory | None = None) -> dict[str, list]:
-    """`pools.reward.num_actors` actors (at least one) per reward model, by model name."""
+def create_reward_actors(cfgs: list[RewardModelConfig], pool: PoolConfig, factory: ModelFactory | None = None,
+                         options: Callable[[int], dict] | None = None) -> dict[str, list]:
+    """`pools.reward.num_actors` actors (at least one) per reward model, by model name;
+    `options(k)` places the k-th actor (model-major), else each gets the pool's defaults."""
     n = max(1, pool.num_actors)
-    return {name: [create_reward_actor(c, pool, factory) for _ in range(n)]
-            for name, c in zip(actor_names(cfgs), cfgs, strict=True)}
+    return {name: [create_reward_actor(c, pool, factory, options(m * n + j) if options else None)
+                   for j in range(n)]
+            for m, (name, c) in enumerate(zip(actor_names(cfgs), cfgs, strict=True))}
 
 
 class RewardClient:

@@ -325,7 +325,7 @@ def test_imports_are_warmed_in_the_main_thread_before_parallel_runs():
         "import sys, threading\n"
         "from common.config import load_config\n"
         "from cluster.compare.runner import _warm_imports\n"
-        "from cluster.driver.driver import check_model_path\n"
+        "from cluster.driver.preflight import check_model_path\n"
         f"cfg = load_config({str(QUICKSTART)!r})\n"
         "assert 'diffusers.models.transformers.transformer_wan' not in sys.modules\n"
         "_warm_imports(cfg)\n"

@@ -1,18 +1,27 @@
 """The driver's failure bookkeeping, without a cluster: refilled groups and the stop after a run of failures."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from cluster.data.prompts import load_prompts
-from cluster.driver.driver import MAX_FAILED_IN_ROW, Driver, StopRun
-from cluster.runs.run_dir import RunDir
+from cluster.driver.errors import StopRun
+from cluster.driver.fleet import MAX_FAILED_IN_ROW, RolloutFleet
+from cluster.driver.state import DriverState
+from cluster.driver.stream import PromptStream
 from common.config import load_config
 
 
 def _driver(tmp_path):
+    """The prompt stream and the fleet's failure counter over one DriverState, as setup() wires
+    them, without starting a cluster."""
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=t"])
-    d = Driver(cfg, RunDir.create(cfg))
-    d.conditions = load_prompts(cfg.train.prompts)  # what setup() loads, without starting a cluster
-    return d
+    state = DriverState()
+    stream = PromptStream(load_prompts(cfg.train.prompts), cfg.train.seed, state)
+    fleet = RolloutFleet(cfg, [], state, stream, latest=lambda: None, on_sync_error=lambda: None,
+                         timers={}, metrics=None, note=print)
+    return SimpleNamespace(next_condition=stream.next, _abandon=fleet.abandon, open=state.open,
+                           conditions=stream.conditions, fleet=fleet)
 
 
 def test_a_run_of_failed_groups_stops_the_run_with_its_reason(tmp_path):
@@ -21,7 +30,7 @@ def test_a_run_of_failed_groups_stops_the_run_with_its_reason(tmp_path):
     assert set(d.open) == set(cursors)
     for n in cursors[:-1]:
         d._abandon(n)                      # a failed group stays open: its cursor is drawn again
-    assert d.failed_in_row == MAX_FAILED_IN_ROW - 1 and set(d.open) == set(cursors)
+    assert d.fleet.failed_in_row == MAX_FAILED_IN_ROW - 1 and set(d.open) == set(cursors)
     with pytest.raises(StopRun, match=f"{MAX_FAILED_IN_ROW} groups in a row failed"):
         d._abandon(cursors[-1])
     assert set(d.open) == set(cursors)     # a checkpoint now records every one to draw again

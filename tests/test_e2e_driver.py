@@ -76,13 +76,26 @@ def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, mode):
         assert len(list(run_dir.samples.glob("*.gif"))) == 2
         assert any(run_dir.checkpoints.glob("step_*"))
         assert before.values.shape == after.values.shape
+        # 6. every pool is placed one way: each actor of each role sits in its role's placement group
+        groups = {p.role: p.group.id.hex() for p in driver.started.placements}
+        assert sorted(groups) == ["learner", "reward", "rollout"]
+        members = {"rollout": driver.rollouts, "learner": driver.learner.ranks,
+                   "reward": list(driver.rewards.actors.values())}
+        where = lambda self: ray.util.get_current_placement_group().id.hex()  # noqa: E731 (asked inside the actor)
+        for role, actors in members.items():
+            assert actors and ray.get([a.__ray_call__.remote(where) for a in actors]) == [groups[role]] * len(actors)
     finally:
         driver.teardown()
-    # 6. a clean stop: the embedded Redis is gone, and so are the actors
+    # the placement groups went with the run
+    from ray.util import placement_group_table
+
+    assert not [g for g in placement_group_table().values() if g["state"] != "REMOVED"
+                and g["name"].startswith("vgrpo-")]
+    # 7. a clean stop: the embedded Redis is gone, and so are the actors
     assert not driver.redis.running
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(driver.rollouts[0].ping.remote(), timeout=30)
-    # 7. the trained policy loads outside Ray: `vgrpo eval RUN_DIR` reproduces the driver's evaluation
+    # 8. the trained policy loads outside Ray: `vgrpo eval RUN_DIR` reproduces the driver's evaluation
     if mode == "sync":
         from cluster.cli import main
 

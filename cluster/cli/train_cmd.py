@@ -35,8 +35,7 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
-    from cluster.driver.driver import check_model_path
-    from cluster.driver.preflight import health_warnings, preflight
+    from cluster.driver.preflight import check_model_path, health_warnings, preflight
     from cluster.runs.run_dir import RunDir
     from common.config import load_config
 

@@ -297,7 +297,7 @@ def _warm_imports(cfg) -> None:
     import memory_bank.connect  # noqa: F401
     import reward_worker.actor  # noqa: F401
     import rollout_worker.actor  # noqa: F401
-    from cluster.driver.driver import check_model_path
+    from cluster.driver.preflight import check_model_path
 
     check_model_path(cfg)  # the toy model: builds its transformer (diffusers); others: path checks
 

@@ -116,3 +116,33 @@ def in_group(pg, index: int) -> dict[str, Any]:
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=index)}
+
+
+@dataclass
+class Placement:
+    """One pool's actors, placed one way: a PACK placement group with one bundle per actor, so
+    a pool's actors sit together (a learner's ranks on as few nodes as fit) and a pool grows by
+    bundles, not by scattering. `options(i)` are the Ray options of the pool's i-th actor."""
+
+    pool: PoolConfig
+    role: str
+    group: Any = None  # the placement group; None for a pool of no actors
+
+    @classmethod
+    def create(cls, pool: PoolConfig, role: str, count: int, timeout_s: float = 300.0) -> Placement:
+        import ray
+
+        pg = placement_group_for(pool, role, count)
+        if pg is not None:
+            ray.get(pg.ready(), timeout=timeout_s)
+        return cls(pool, role, pg)
+
+    def options(self, index: int, **extra: Any) -> dict[str, Any]:
+        return actor_options(self.pool, self.role, **in_group(self.group, index), **extra)
+
+    def remove(self) -> None:
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None

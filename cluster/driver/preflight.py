@@ -41,9 +41,24 @@ def check_rewards(cfg: RunConfig) -> None:
                                   "there or fix the path")
 
 
+def check_model_path(cfg: RunConfig) -> None:
+    """Fail before any actor starts when model.path is missing or plainly incomplete."""
+    from rollout_worker.models.base import ModelLoadError, is_local, require_dir
+
+    path = cfg.model.path
+    if cfg.model.family == "toy":
+        if path is not None and not Path(path).exists():
+            raise ModelLoadError(f"model.path {path!r} does not exist")
+        from rollout_worker.models.toy import ToyVideoModel
+        return ToyVideoModel.check(cfg)  # damaged weights: one line here, not a traceback per actor
+    if path is None:
+        raise ModelLoadError(f"model.path is required for model.family = {cfg.model.family!r}")
+    if is_local(path):
+        require_dir(path, ["model_index.json"], f"model.family = {cfg.model.family!r}")
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything a run checks before it starts Ray, Redis or writes a file."""
-    from cluster.driver.driver import check_model_path
     from cluster.runs.tracking import check_installed
 
     check_installed(cfg)

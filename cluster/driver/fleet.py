@@ -1,0 +1,234 @@
+"""The rollout pool as the driver steers it: dispatch a group to a free actor, collect its events.
+
+Each group goes through its actor as up to three calls submitted at once: `set_weights` (when
+the actor is behind), `stage` (generate) and `deliver` (score and push). Each phase has its own
+deadline: weight_sync.timeout_s, sampler.timeout_s, then every reward try plus a Redis outage.
+A group that fails (actor death, a deadline, a reward failure, an invalid reward) is drawn again
+from the same cursor; `MAX_FAILED_IN_ROW` failures one after another stop the run. An actor past
+its deadline is killed and restarted by Ray; it reloads the newest weights before its next group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.driver.errors import StopRun
+from cluster.driver.state import DriverState, group_id
+from cluster.driver.stream import PromptStream
+from common.types import GroupReceipt
+from common.weights import WeightsRecord
+
+log = logging.getLogger("vgrpo.driver")
+
+MAX_FAILED_IN_ROW = 12  # groups failing one after another (dead actor, broken reward): stop
+
+
+@dataclass
+class Flight:
+    """One group on its way through a rollout actor: weights, then stage, then deliver."""
+
+    cursor: int
+    gid: str
+    stage: Any                      # ObjectRef of the stage call
+    deliver: Any                    # ObjectRef of the deliver call (submitted with it)
+    sync: Any = None                # ObjectRef of a set_weights call before it, or None
+    sync_version: int = -1
+    deadline: float = 0.0           # of the phase now running
+    staged: bool = False
+
+
+class RolloutFleet:
+    def __init__(self, cfg, actors: list, state: DriverState, stream: PromptStream, *,
+                 latest: Callable[[], WeightsRecord | None], on_sync_error: Callable[[], None],
+                 timers: dict[str, float], metrics, note: Callable[[str], None]):
+        self.cfg, self.actors, self.state, self.stream = cfg, actors, state, stream
+        self.latest, self.on_sync_error = latest, on_sync_error
+        self.timers, self.metrics, self.note = timers, metrics, note
+        self.actor_version = [0] * len(actors)  # the version each actor holds (-1: restarting)
+        self.busy: dict[int, Flight] = {}       # actor index -> its group in flight
+        self.group_bytes = 0                    # the largest group stored (bank space per group)
+        self.receipts: deque[GroupReceipt] = deque(maxlen=100_000)  # what the actors reported
+        self.failed_in_row = 0
+
+    # --- dispatch -------------------------------------------------------------------------------
+
+    def dispatch(self, i: int) -> None:
+        """Give rollout actor i its next group (its weights first when it is behind)."""
+        actor, cfg = self.actors[i], self.cfg
+        sync, sync_version = None, -1
+        latest = self.latest()
+        if latest is not None and self.actor_version[i] < latest.version:
+            # by reference: the actor maps the packed payload from the object store
+            sync = actor.set_weights.remote(latest.weights, latest.version, latest.checksum)
+            sync_version = latest.version
+        cond, seed, cursor = self.stream.next()
+        version = sync_version if sync is not None else max(self.actor_version[i], 0)
+        gid = group_id(cursor, version, self.state.attempts[cursor])
+        deadline = time.monotonic() + (cfg.weight_sync.timeout_s if sync is not None else cfg.sampler.timeout_s)
+        self.busy[i] = Flight(cursor, gid, actor.stage.remote(cond, seed, gid, cursor), actor.deliver.remote(gid),
+                              sync, sync_version, deadline)
+
+    def abandon(self, n: int) -> None:
+        """A drawn group that failed before it was stored: its cursor is drawn again next."""
+        self.state.redraw(n)
+        self.failed_in_row += 1
+        if self.failed_in_row >= MAX_FAILED_IN_ROW:
+            raise StopRun(f"{self.failed_in_row} groups in a row failed to generate or score; "
+                          "see the log for each failure")
+
+    # --- collect --------------------------------------------------------------------------------
+
+    def collect(self, timeout: float) -> list[GroupReceipt]:
+        """Wait up to `timeout` for the next event of any group in flight; handle what arrived."""
+        import ray
+
+        if not self.busy:
+            return []
+        refs = {(f.sync if f.sync is not None else (f.deliver if f.staged else f.stage)): i
+                for i, f in self.busy.items()}
+        nearest = min(f.deadline for f in self.busy.values())
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, min(timeout, nearest - time.monotonic())))
+        got = [rec for ref in ready if (rec := self._on_event(refs[ref], ref)) is not None]
+        now = time.monotonic()
+        for i, f in list(self.busy.items()):
+            if f.deadline <= now and self.busy.get(i) is f:
+                self._on_late(i, f)
+        return got
+
+    def wait_idle(self, poll_s: float) -> None:
+        """Until no rollout actor has a group in flight (their receipts are collected)."""
+        while self.busy:
+            self.collect(poll_s)
+
+    def _on_event(self, i: int, ref) -> GroupReceipt | None:
+        import ray
+
+        f = self.busy[i]
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            del self.busy[i]
+            self.on_failure(i, e)
+            self.abandon(f.cursor)
+            return None
+        except ray.exceptions.RayTaskError as e:
+            del self.busy[i]
+            cause = getattr(e, "cause", None) or e
+            if ref is f.sync:  # a checksum mismatch or a payload the model cannot load: no retry helps
+                self.on_sync_error()
+                raise StopRun(f"weight sync of version {f.sync_version} failed on rollout actor {i}: "
+                              f"{cause}") from None
+            self.note(f"rollout actor {i}: group {f.gid} failed ({type(cause).__name__}: "
+                      f"{str(cause).splitlines()[0] if str(cause) else ''}); drawing it again")
+            self.abandon(f.cursor)
+            return None
+        return self._advance(i, f, ref, out)
+
+    def _advance(self, i: int, f: Flight, ref, out) -> GroupReceipt | None:
+        """The next phase of a group whose call `ref` returned `out`; the receipt when delivered."""
+        now = time.monotonic()
+        if ref is f.sync:
+            self.actor_version[i] = f.sync_version
+            f.sync, f.deadline = None, now + self.cfg.sampler.timeout_s
+            return None
+        if not f.staged:
+            f.staged, f.deadline = True, now + self._deliver_budget()
+            self.actor_version[i] = max(self.actor_version[i], int(out["version"]))
+            return None
+        del self.busy[i]
+        self._on_receipt(out)
+        return out
+
+    def _deliver_budget(self) -> float:
+        """The longest scoring and storing may take: every reward try, plus a Redis outage."""
+        tries = max(m.timeout_s * (m.retries + 1) for m in self.cfg.rewards.models)
+        return tries + self.cfg.bank.outage_s + 30.0
+
+    def _on_late(self, i: int, f: Flight) -> None:
+        if f.sync is not None:
+            raise StopRun(f"weight sync of version {f.sync_version} timed out: rollout actor {i} did not "
+                          f"answer within {self.cfg.weight_sync.timeout_s}s (weight_sync.timeout_s)")
+        del self.busy[i]
+        self._on_timeout(i, f.cursor, "generate" if not f.staged else "score and store")
+
+    def _on_receipt(self, rec: GroupReceipt) -> None:
+        s = self.state
+        rec.step = s.step
+        self.receipts.append(rec)
+        with s.lock:
+            for k in ("generate", "score", "store"):
+                self.timers[k] += rec.seconds.get(k, 0.0)
+            s.counts["reward_timeouts"] += rec.reward_timeouts
+            s.counts["reward_failures"] += rec.reward_failures
+        if rec.ok:
+            self.group_bytes = max(self.group_bytes, rec.latent_bytes)
+            with s.lock:
+                s.open[rec.cursor] = rec.group_id
+                s.counts["groups_produced"] += 1
+                s.counts["videos"] += rec.size
+            self.failed_in_row = 0
+            return
+        if rec.failure in ("bank_unavailable", "fatal"):
+            raise StopRun(f"{rec.detail}; stopping")
+        s.counts["groups_refilled"] += 1
+        if rec.failure == "invalid":
+            s.counts["invalid_members"] += rec.invalid_members
+            self.metrics.inc("vgrpo_invalid_rewards_total", rec.invalid_members, head="any")
+        self.note(f"group {rec.group_id} not stored ({rec.failure}: {rec.detail}); drawing it again")
+        self.abandon(rec.cursor)
+
+    # --- failures -------------------------------------------------------------------------------
+
+    def _on_timeout(self, i: int, cursor: int, phase: str) -> None:
+        """A rollout actor past its deadline (a hung device, a stuck kernel): restart it."""
+        import ray
+
+        self.state.counts["rollout_timeouts"] += 1
+        self.metrics.inc("vgrpo_errors_total", 1, kind="rollout_timeout")
+        limit = (f"within {self.cfg.sampler.timeout_s:.0f}s (sampler.timeout_s)" if phase == "generate"
+                 else "in time (rewards.models[].timeout_s and retries, bank.outage_s)")
+        self.note(f"rollout actor {i} did not {phase} its group {limit}; restarting it")
+        ray.kill(self.actors[i], no_restart=False)  # Ray starts a fresh process
+        self.on_failure(i, TimeoutError(phase))
+        self.abandon(cursor)
+
+    def on_failure(self, i: int, err: Exception) -> None:
+        """A rollout actor died: Ray restarts it; it gets the current weights before it generates."""
+        if self.actor_version[i] != -1:  # the first failure since it last took weights: one restart
+            self.state.counts["actor_restarts"] += 1  # exported with the step's record
+            self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
+        else:  # calls to an actor that is still restarting fail at once (ActorUnavailableError)
+            log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
+        self.actor_version[i] = -1  # forces the weights to it before its next group
+        # while Ray restarts it, calls fail at once: back off instead of burning refills
+        time.sleep(min(0.25 * (self.failed_in_row + 1), 5.0))
+
+    # --- weights on idle actors -------------------------------------------------------------------
+
+    def sync_idle(self, poll_s: float) -> None:
+        """Every rollout actor holds the newest version (before an evaluation; actors are idle)."""
+        import ray
+
+        self.wait_idle(poll_s)
+        latest = self.latest()
+        if latest is None:
+            return
+        calls = {i: self.actors[i].set_weights.remote(latest.weights, latest.version, latest.checksum)
+                 for i, v in enumerate(self.actor_version) if v < latest.version}
+        timeout = self.cfg.weight_sync.timeout_s
+        _, late = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
+        if late:
+            who = ", ".join(f"rollout actor {i}" for i, c in calls.items() if c in late)
+            raise StopRun(f"weight sync of version {latest.version} timed out: {who} did not answer "
+                          f"within {timeout}s (weight_sync.timeout_s)")
+        for i, c in calls.items():
+            try:
+                ray.get(c)
+                self.actor_version[i] = latest.version
+            except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
+                self.on_failure(i, e)
