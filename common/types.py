@@ -80,7 +80,8 @@ class Trajectory:
 
 @dataclass
 class Scores:
-    """Reward heads for a batch of videos: `values[i, h]` is head `heads[h]` of video i."""
+    """Reward heads for a batch of videos: `values[i, h]` is head `heads[h]` of video i (their
+    weights and the composite: common/rewards.RewardHeads)."""
 
     heads: list[str]
     values: Tensor                 # [B, H] fp32; non-finite means the head failed for that video
@@ -88,11 +89,6 @@ class Scores:
     @property
     def valid(self) -> Tensor:     # [B] bool
         return torch.isfinite(self.values).all(dim=1)
-
-    def composite(self, weights: dict[str, float]) -> Tensor:
-        """R = Σ_h w_h·S_h (a head without a weight gets 1). [B]"""
-        w = torch.tensor([weights.get(h, 1.0) for h in self.heads], dtype=torch.float32)
-        return self.values.float() @ w
 
     @staticmethod
     def merge(parts: list[Scores]) -> Scores:

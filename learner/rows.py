@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
+from common.rewards import RewardHeads
 from common.sde import Schedule, Scheme, equalizer_weights, make_scheme
 from common.types import Condition, TrainBatch, Trajectory
 from learner.advantages import group_advantages, is_zero_std
@@ -74,13 +75,6 @@ class MicroBatch:
         return MicroBatch(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
-def _head_weights(cfg: RunConfig, heads: list[str]) -> Tensor:
-    w: dict[str, float] = {}
-    for m in cfg.rewards.models:
-        w.update(m.weights)
-    return torch.tensor([w.get(h, 1.0) for h in heads], dtype=torch.float32)
-
-
 def _scheme_of(trajs: list[Trajectory], cfg: RunConfig) -> Scheme:
     t0 = trajs[0]
     for t in trajs:
@@ -124,7 +118,7 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
                 raise ValueError(f"group {group.group_id} has no per-head scores; "
                                  f"grpo.per_head_advantages needs them")
             heads = torch.cat([group.scores.values.float()] + [b[1].float().view(1, -1) for b in bank])
-            weights = _head_weights(cfg, group.scores.heads)
+            weights = RewardHeads.of(cfg.rewards.models, group.scores.heads).vector()
         adv = group_advantages(rewards, stats_mask, g_cfg.adv_clip, heads, weights,
                                "per_head" if g_cfg.per_head_advantages else "composite")  # [N]
         fresh_rewards.append(group.composite.float())

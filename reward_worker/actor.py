@@ -21,6 +21,7 @@ from torch import Tensor
 
 from common.actor_metrics import exports_score
 from common.config import PoolConfig, RewardModelConfig
+from common.rewards import RewardHeads, actor_names
 from common.types import Scores
 from reward_worker.base import RewardModel
 
@@ -112,12 +113,6 @@ def create_reward_actor(cfg: RewardModelConfig, pool: PoolConfig, factory: Model
     return ray.remote(RewardActor).options(**options).remote(cfg, pool.torch_threads, factory)
 
 
-def actor_names(cfgs: list[RewardModelConfig]) -> list[str]:
-    """One name per reward model: its name, numbered when a model appears twice."""
-    names = [c.name for c in cfgs]
-    return [n if names.count(n) == 1 else f"{n}{names[:i].count(n)}" for i, n in enumerate(names)]
-
-
 def create_reward_actors(cfgs: list[RewardModelConfig], pool: PoolConfig, factory: ModelFactory | None = None,
                          options: Callable[[int], dict] | None = None) -> dict[str, list]:
     """`pools.reward.num_actors` actors (at least one) per reward model, by model name;
@@ -136,8 +131,8 @@ class RewardClient:
     at its own index, so N callers spread over M replicas); a try that times out or fails is
     retried on the next replica, so one slow or dead actor does not stall the model.
 
-    A head name that two models share is reported as `model/head`; `weights` maps the merged
-    names to each model's configured head weights for `Scores.composite`.
+    `heads` (common/rewards.RewardHeads) are the heads the actors report, model by model, with
+    their configured weights; two models reporting the same head name are refused at start.
     """
 
     def __init__(self, actors_by_model: dict[str, object | list], cfgs: dict[str, RewardModelConfig],
@@ -158,10 +153,8 @@ class RewardClient:
         firsts = {m: acts[0] for m, acts in self.pool.items()}
         raw = dict(zip(firsts, ray.get([a.heads.remote() for a in firsts.values()],
                                        timeout=startup_timeout_s), strict=True))
-        every = [h for hs in raw.values() for h in hs]
-        self.head_names = {m: [h if every.count(h) == 1 else f"{m}/{h}" for h in hs] for m, hs in raw.items()}
-        self.weights = {merged: self.cfgs[m].weights.get(h, 1.0)
-                        for m, hs in raw.items() for h, merged in zip(hs, self.head_names[m], strict=True)}
+        self.heads = RewardHeads.build([self.cfgs[m] for m in self.pool], [raw[m] for m in self.pool],
+                                       list(self.pool))
         self.timeouts = dict.fromkeys(self.pool, 0)
         self.failures = dict.fromkeys(self.pool, 0)
 
@@ -223,7 +216,7 @@ class RewardClient:
         finally:
             for m, (_, _, _, i) in pending.items():   # given up: no longer counted as in flight
                 self._busy[m][i] = max(0, self._busy[m][i] - 1)
-        return Scores.merge([Scores(self.head_names[m], results[m].values) for m in self.pool])
+        return Scores.merge([results[m] for m in self.pool])
 
     def _retry(self, m: str, attempt: int, failed: int, submit, error: Exception):
         if attempt >= self.cfgs[m].retries:
@@ -231,10 +224,6 @@ class RewardClient:
         log.warning("reward model %s: try %d failed on replica %d (%s); retrying on another",
                     m, attempt + 1, failed, type(error).__name__)
         return submit(m, attempt + 1, failed)
-
-    def composite(self, scores: Scores) -> Tensor:
-        """R = Σ_h w_h·S_h with each model's head weights. [B]"""
-        return scores.composite(self.weights)
 
     def invalid_counts(self) -> dict[str, int]:
         import ray

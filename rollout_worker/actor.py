@@ -118,7 +118,7 @@ class RolloutWorker:
         if not bool(scores.valid.all()):
             rec.invalid_members = int((~scores.valid).sum())
             return self._failed(rec, "invalid", f"{rec.invalid_members} members with a non-finite reward")
-        group.scores, group.composite = scores, client.composite(scores)
+        group.scores, group.composite = scores, client.heads.composite(scores)
         for m in group.members:
             m.frames = None  # the bank does not store frames
         # 2. store, retried with backoff while Redis is unreachable, for up to bank.outage_s

@@ -111,10 +111,10 @@ def test_numerics_waits_for_a_step_with_on_policy_rows():
 
 # --- 2. every step ---------------------------------------------------------------------------
 
-def _group(values: list[list[float]], heads=("VQ", "MQ"), weights=None) -> Group:
+def _group(values: list[list[float]], heads=("VQ", "MQ")) -> Group:
     scores = Scores(list(heads), torch.tensor(values, dtype=torch.float32))
     g = Group(Condition("c", "a prompt"), "g0", 0, [], scores)
-    g.composite = scores.composite(weights or {})
+    g.composite = scores.values.sum(dim=1)  # every head weighted 1
     return g
 
 

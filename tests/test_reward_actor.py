@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from common.config import PoolConfig, RewardModelConfig
+from common.config import ConfigError, PoolConfig, RewardModelConfig
 from reward_worker.actor import (
     RewardClient,
     RewardFailed,
@@ -169,18 +169,29 @@ def test_two_models_side_by_side_merge_heads(ray_mod, colour):
     ray, make = ray_mod
     a, cfg_a = colour
     cfg_b = RewardModelConfig(name="toy", weights={"B": 3.0})
-    b = make(cfg_b, functools.partial(MeanColour, heads=("G", "B", "R2")))
+    b = make(cfg_b, functools.partial(MeanColour, heads=("B", "B2", "R2")))
     client = RewardClient({"a": a, "b": b}, {"a": cfg_a, "b": cfg_b})
     v = frames(3, seed=4)
     s = client.score(v, ["x", "y", "z"])
-    # "G" appears in both models, so it is named by model; the others keep their names.
-    assert s.heads == ["R", "a/G", "b/G", "B", "R2"]
+    assert s.heads == ["R", "G", "B", "B2", "R2"] and list(client.heads.names) == s.heads
     mean = v.float().mean(dim=(1, 2, 3)) / 255.0                   # [3, 3] per channel
     torch.testing.assert_close(s.values, torch.cat([mean[:, :2], mean], dim=1))
-    assert client.weights == {"R": 0.5, "a/G": 2.0, "b/G": 1.0, "B": 3.0, "R2": 1.0}
-    expected = 0.5 * mean[:, 0] + 2.0 * mean[:, 1] + mean[:, 0] + 3.0 * mean[:, 1] + mean[:, 2]
-    torch.testing.assert_close(client.composite(s), expected)
+    assert client.heads.weights == (0.5, 2.0, 3.0, 1.0, 1.0)
+    expected = 0.5 * mean[:, 0] + 2.0 * mean[:, 1] + 3.0 * mean[:, 0] + mean[:, 1] + mean[:, 2]
+    torch.testing.assert_close(client.heads.composite(s), expected)
     assert client.invalid_counts()["b"] == 0
+
+
+def test_two_models_reporting_one_head_name_are_refused_in_one_line(ray_mod, colour):
+    """Per-head advantages and the composite could not tell the two heads apart."""
+    ray, make = ray_mod
+    a, cfg_a = colour
+    cfg_b = RewardModelConfig(name="toy")
+    b = make(cfg_b, functools.partial(MeanColour, heads=("B", "G")))
+    with pytest.raises(ConfigError) as e:
+        RewardClient({"a": a, "b": b}, {"a": cfg_a, "b": cfg_b})
+    assert str(e.value) == ("rewards.models[0] (a) and rewards.models[1] (b) both report a head named 'G'; "
+                            "head names must be unique across reward models: drop one of the two models")
 
 
 def test_actor_names_number_repeated_models():

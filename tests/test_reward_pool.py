@@ -22,11 +22,11 @@ class Pid(RewardModel):
 
     heads = ("pid",)
 
-    def __init__(self, cfg: RewardModelConfig, hang_s: float = 0.0):
-        self.hang_s = hang_s
+    def __init__(self, cfg: RewardModelConfig, hang_s: float = 0.0, head: str = "pid"):
+        self.hang_s, self.head = hang_s, head
 
     def head_names(self) -> list[str]:
-        return ["pid"]
+        return [self.head]
 
     def score(self, frames, prompts, images=None):
         time.sleep(self.hang_s)
@@ -49,17 +49,18 @@ def _pids(ray, actors) -> list[float]:
 
 def test_num_actors_replicas_per_model_and_calls_spread_over_them(ray_mod):
     ray = ray_mod
-    cfg = RewardModelConfig(name="toy")
-    pool = create_reward_actors([cfg, cfg], POOL.model_copy(update={"num_actors": 3}), lambda c: Pid(c))
+    cfgs = {"toy": RewardModelConfig(name="toy"), "hpsv3": RewardModelConfig(name="hpsv3")}
+    pool = create_reward_actors(list(cfgs.values()), POOL.model_copy(update={"num_actors": 3}),
+                                lambda c: Pid(c, head=f"pid_{c.name}"))
     try:
-        assert sorted(pool) == ["toy0", "toy1"] and all(len(a) == 3 for a in pool.values())
-        client = RewardClient(pool, {"toy0": cfg, "toy1": cfg})
+        assert sorted(pool) == ["hpsv3", "toy"] and all(len(a) == 3 for a in pool.values())
+        client = RewardClient(pool, cfgs)
         seen = [client.score(_frames(), ["a", "b"]).values[0, 0].item() for _ in range(6)]
-        # sequential calls rotate over the three replicas of toy0 (head "toy0/pid")
-        assert sorted(set(seen)) == sorted(_pids(ray, pool["toy0"]))
+        # sequential calls rotate over the three replicas of toy (head "pid_toy")
+        assert sorted(set(seen)) == sorted(_pids(ray, pool["toy"]))
         # a second caller with another offset starts on another replica
-        other = RewardClient(pool, {"toy0": cfg, "toy1": cfg}, offset=1)
-        assert other.score(_frames(), ["a", "b"]).values[0, 0].item() == _pids(ray, pool["toy0"])[1]
+        other = RewardClient(pool, cfgs, offset=1)
+        assert other.score(_frames(), ["a", "b"]).values[0, 0].item() == _pids(ray, pool["toy"])[1]
     finally:
         for acts in pool.values():
             for a in acts:

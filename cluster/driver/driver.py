@@ -388,7 +388,7 @@ class Driver:
         self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def heads(self) -> list[str]:
-        return [h for hs in self.rewards.head_names.values() for h in hs]
+        return list(self.rewards.heads.names)
 
     # --- 5. evaluation ------------------------------------------------------------------------
 
@@ -416,7 +416,7 @@ class Driver:
         shown, shown_per = shown_pairs(len(pairs), per)
         t0 = time.monotonic()
         scores, frames = score_pairs(self.rollouts, pairs, images, keep={*gif_pairs, *grid, *shown})
-        composite = self.rewards.composite(scores)
+        composite = self.rewards.heads.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
         self.eval_frames[label] = (_stack(frames, shown), shown_per)  # before_after.png
         self.eval_prompts = [c.prompt for c in conds]  # its row labels

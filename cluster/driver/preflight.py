@@ -8,8 +8,6 @@ from pathlib import Path
 
 from common.config import ConfigError, RunConfig
 
-SCORERS = ("toy", "videoalign", "hpsv3", "qsave")  # reward names with a scorer in reward_worker/
-
 
 def check_prompts(cfg: RunConfig) -> None:
     from cluster.data.prompts import load_prompts
@@ -22,14 +20,16 @@ def check_prompts(cfg: RunConfig) -> None:
 
 
 def check_rewards(cfg: RunConfig) -> None:
-    """Reward checkpoints that are named as local paths must exist; hub ids are left to the loader."""
+    """Every reward model has a scorer, no two report the same head name (common/rewards.py),
+    and reward checkpoints named as local paths exist; hub ids are left to the loader."""
+    from reward_worker.registry import LOCAL, SCORERS, config_heads
     from rollout_worker.models.base import is_local
 
     for i, m in enumerate(cfg.rewards.models):
         field = f"rewards.models[{i}]"
         if m.name not in SCORERS:
             raise ConfigError(f"{field}.name = {m.name!r} has no scorer yet; use one of {', '.join(SCORERS)}")
-        if m.name == "toy":
+        if m.name in LOCAL:
             continue
         if m.path is None:
             raise ConfigError(f"{field}.path is required for name = {m.name!r}; "
@@ -39,6 +39,7 @@ def check_rewards(cfg: RunConfig) -> None:
             if value and is_local(value) and not Path(value).expanduser().exists():
                 raise ConfigError(f"{field}.{key} = {value!r} does not exist; download the checkpoint "
                                   "there or fix the path")
+    config_heads(cfg.rewards.models)
 
 
 def check_model_path(cfg: RunConfig) -> None:

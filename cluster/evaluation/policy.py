@@ -72,19 +72,25 @@ def load_policy(cfg, ckpt: Path | None):
     return model
 
 
-def score(cfg, frames, prompts, images=None):
-    """Scores from every reward model of the config, merged; composite with the configured weights
-    (`images`: the I2V first frames uint8 [B, H, W, 3], or None)."""
+def score(cfg, frames, prompts, images=None, factory=None):
+    """Scores from every reward model of the config, merged, and the composite with the run's
+    reward heads (common/rewards.py). `images`: the I2V first frames uint8 [B, H, W, 3], or None;
+    `factory`: builds a reward model from its config (default: the registry's scorers)."""
+    from common.rewards import RewardHeads
     from common.types import Scores
-    from reward_worker.registry import build_reward_model
 
-    parts, weights = [], {}
-    for m in cfg.rewards.models:
-        rm = build_reward_model(m)
-        parts.append(Scores(list(rm.heads), rm.score(frames, prompts, images)))
-        weights.update(m.weights)
+    if factory is None:
+        from reward_worker.registry import build_reward_model as factory
+        from reward_worker.registry import config_heads
+
+        config_heads(cfg.rewards.models)  # a shared head name: refused before any model loads
+    parts = []
+    for m in cfg.rewards.models:  # one model in memory at a time
+        rm = factory(m)
+        parts.append(Scores(rm.head_names(), rm.score(frames, prompts, images)))
+    heads = RewardHeads.build(cfg.rewards.models, [p.heads for p in parts])
     scores = Scores.merge(parts)
-    return scores, scores.composite(weights)
+    return scores, heads.composite(scores)
 
 
 def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: str | None = None):
@@ -96,8 +102,10 @@ def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: s
     from common.images import condition_images
     from common.sde import Schedule
     from common.toyworld import eval_seeds
+    from reward_worker.registry import config_heads
     from rollout_worker.sampler import sample_videos
 
+    config_heads(cfg.rewards.models)  # a shared head name: refused before any video is sampled
     spec = prompts or cfg.train.eval_prompts
     conds = load_prompts(spec)
     check_task(conds, cfg.model.task, spec)

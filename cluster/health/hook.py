@@ -149,7 +149,7 @@ def heldout_eval(driver, cfg: RunConfig):
     prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
     pairs = [(p, s) for p in prompts for s in eval_seeds(cfg.health.eval_seeds)]
     scores, _ = score_pairs(driver.rollouts, pairs)  # scored by the actors: no frames come back
-    return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.composite(scores).numpy())
+    return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.heads.composite(scores).numpy())
 
 
 def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:
