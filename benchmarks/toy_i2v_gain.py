@@ -31,26 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=4, help="noise seeds per (image, prompt) pair")
     args = ap.parse_args(argv)
 
-    from cluster.data.prompts import load_prompts
-    from cluster.evaluation.policy import load_policy, resolve_target, score
-    from common.images import condition_images
-    from common.sde import Schedule
-    from common.toyworld import eval_seeds
-    from rollout_worker.sampler import sample_videos
+    from cluster.evaluation.policy import evaluate_policy, resolve_target
 
     cfg, ckpt = resolve_target(args.run, None)
-    conds = load_prompts(cfg.train.eval_prompts)
-    seeds = eval_seeds(args.seeds)
-    pairs = [(c, s) for c in conds for s in seeds]
-    images = condition_images([c for c, _ in pairs], cfg.model.height, cfg.model.width)
-    prompts = [c.prompt for c, _ in pairs]
     out = {}
-    for label, at in (("base", None), ("after", ckpt)):
-        model = load_policy(cfg, at)
-        frames = sample_videos(model, prompts, [s for _, s in pairs], Schedule.from_config(cfg.schedule),
-                               images=images)
-        scores, composite = score(cfg, frames, prompts, images)
-        out[label] = dict(zip(scores.heads, scores.values.numpy().T, strict=True)) | {"composite": composite.numpy()}
+    for label, at in (("base", None), ("after", ckpt)):  # the same EvalSet both times
+        result, _, evals = evaluate_policy(cfg, at, args.seeds)
+        out[label] = dict(zip(result.heads, result.values.T, strict=True)) | {"composite": result.composite}
+    conds, seeds = evals.prompt_conditions, evals.seeds[:evals.per_prompt]
     print(f"{args.run} @ {ckpt.name}: {len(conds)} held-out (image, prompt) pairs × {len(seeds)} seeds")
     print(f"{'head':<10} {'base':>7} {'after':>7} {'gain ± se (videos)':>22} {'z':>6} "
           f"{'gain ± se (pairs)':>22} {'z':>6}")

@@ -37,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(1)
     for target in args.targets:
         cfg, ckpt = resolve_target(target, args.config)
-        _, frames, conds, _ = evaluate_policy(cfg, ckpt, args.seeds)
+        _, frames, evals = evaluate_policy(cfg, ckpt, args.seeds)
+        conds = evals.conditions
         rows = [parts(f.numpy(), c.prompt) for f, c in zip(frames, conds, strict=True)]
         keys = ["VQ", "clean", "size", "crisp", "mass/area", "MQ", "smooth", "steady", "speed", "|d|/v*",
                 "TA", "colour", "direction"]

@@ -75,11 +75,12 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
     from cluster.data.prompts import load_prompts
     from cluster.driver.driver import Driver
     from cluster.evaluation.before_after import write_before_after
+    from cluster.evaluation.eval_set import EvalSet, grid_pairs
     from cluster.evaluation.evaluate import sample_pairs
     from cluster.evaluation.policy import score
     from cluster.runs.media import write_gif
     from cluster.runs.run_dir import RunDir
-    from cluster.runs.tracking import encode_gif, grid_pairs, tiled
+    from cluster.runs.tracking import encode_gif, tiled
     from common.toyworld import eval_seeds
 
     cfg = _cfg(tmp_path)
@@ -93,7 +94,7 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
         monkeypatch.undo()
         # the old recipe: every video into this process, scored by the reward models here
         pairs = [(p, s) for p in EVAL_PROMPTS for s in eval_seeds(SEEDS)]
-        frames = sample_pairs(driver.rollouts, pairs)
+        frames = sample_pairs(driver.rollouts, EvalSet.of_pairs(pairs))
     finally:
         monkeypatch.undo()
         driver.teardown()
@@ -143,6 +144,7 @@ class Poisoned:
 
 
 def test_nan_rows_are_kept_and_a_failing_reward_is_named(ray_session, tmp_path):
+    from cluster.evaluation.eval_set import EvalSet
     from cluster.evaluation.evaluate import sample_pairs, score_pairs
     from cluster.evaluation.policy import score
     from common.actors import kill_and_wait
@@ -156,10 +158,10 @@ def test_nan_rows_are_kept_and_a_failing_reward_is_named(ray_session, tmp_path):
                 for i in range(2)]
     try:
         pairs = [(p, s) for p in ("a red square moving left", "a blue square moving up") for s in (1, 2, 3)]
-        scores, kept = score_pairs(rollouts, pairs, keep={4})
-        frames = sample_pairs(rollouts, pairs)
+        scores, kept = score_pairs(rollouts, EvalSet.of_pairs(pairs), keep={4})
+        frames = sample_pairs(rollouts, EvalSet.of_pairs(pairs))
         with pytest.raises(RewardFailed, match="reward model 'toy' failed.*scorer exploded"):
-            score_pairs(rollouts, [("a yellow square moving down", 1), *pairs])
+            score_pairs(rollouts, EvalSet.of_pairs([("a yellow square moving down", 1), *pairs]))
     finally:
         kill_and_wait([*rollouts, *rewards["toy"]])
     assert list(kept) == [4] and torch.equal(kept[4], frames[4])

@@ -317,7 +317,8 @@ def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
 
     notes: list[str] = []
     hook = DriverHealth(_cfg(), SimpleNamespace(path=tmp_path), notes.append, RuntimeError)
-    driver = SimpleNamespace(step=0, rollouts=[DeadActor()], metrics=Metrics(backend="memory"))
+    driver = SimpleNamespace(step=0, rollouts=[DeadActor()], rewards=SimpleNamespace(heads=None),
+                             metrics=Metrics(backend="memory"))
     hook.heldout(driver, start=True)
     assert notes == ["health: held-out evaluation at step 0 skipped: RuntimeError: actor died"]
     assert hook.monitor.evals == []

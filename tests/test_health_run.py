@@ -94,3 +94,28 @@ def test_quickstart_flags_a_reward_bought_with_another_head(ray_session, tmp_pat
     assert rows[2]["health/findings"][0].startswith("health warn at step 2: hacking: held-out quality")
     assert out.index("after − before") < out.index("training health: warn") and "hacking" in out
     assert _listed_health(capsys, tmp_path / "runs") == "warn: hacking"
+
+
+def test_toy_i2v_held_out_checks_run_on_the_first_frames(ray_session, tmp_path, capsys):
+    """`vgrpo train -c configs/toy_i2v.yaml`: the held-out evaluation samples every (first frame,
+    prompt) pair of the held-out set with its image, and the toy I2V reward scores it (it refuses
+    videos without their first frames: the checks used to be skipped). With a learning rate too
+    small to move the policy, the held-out rewards stand still: stagnation fires at step 1."""
+    from cluster.data.prompts import load_prompts
+
+    assert main(["train", "-c", "configs/toy_i2v.yaml", "train.mode=sync", "train.steps=2",
+                 "train.groups_per_step=2", "sampler.group_size=4", "schedule.steps=6", "bank.capacity=4",
+                 "optim.micro_batch=16", "optim.lr=1e-12", "train.checkpoint_every=100", "health.eval_every=1",
+                 "health.stagnation_evals=1", f"run.root={tmp_path / 'runs'}", "run.name=i2v", "--no-eval"]) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "i2v"
+    pairs = len(load_prompts("toy-i2v-eval")) * 2  # health.eval_seeds = 2
+    assert "skipped" not in out and out.count(f"on {pairs} pairs") == 3, out
+    health = json.loads((run / "health.json").read_text())
+    assert health["held_out_evals"] == [0, 1, 2]
+    stagnation = health["checks"]["stagnation"]
+    assert stagnation["fired"] >= 1 and stagnation["first_step"] == 1
+    assert "held-out rewards did not move" in stagnation["last"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    # the hacking check compared the held-out pairs head by head, the image-alignment head too
+    assert {"health/heldout_z/composite", "health/heldout_z/IA"} <= rows[1].keys()

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.runs.tracking import Tracker, check_installed, grid_pairs, tiled, video_grid
+from cluster.evaluation.eval_set import grid_pairs
+from cluster.runs.tracking import Tracker, check_installed, tiled, video_grid
 from common.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,11 +187,11 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=v", "log.video_every=2", "log.video_pairs=3"])
     asked = []
 
-    def sample_pairs(rollouts, pairs):
-        asked.append(pairs)
+    def sample_pairs(rollouts, evals):
+        asked.append(evals.pairs)
         if rollouts == "restarting":
             raise RuntimeError("actor restarting")
-        return torch.zeros(len(pairs), 2, 16, 16, 3, dtype=torch.uint8)
+        return torch.zeros(len(evals), 2, 16, 16, 3, dtype=torch.uint8)
 
     monkeypatch.setattr(cluster.evaluation.evaluate, "sample_pairs", sample_pairs)
     driver = types.SimpleNamespace(cfg=cfg, run_dir=RunDir.create(cfg), rollouts=[], step=0)

@@ -65,8 +65,9 @@ def cmd_eval(args) -> int:
         print(f"wrote {out / 'curve.md'}, curve.json and {png}")
         return 0
     cfg, ckpt = resolve_target(args.target, args.config)
-    result, frames, pair_conds, n_seeds = evaluate_policy(cfg, ckpt, args.seeds, args.prompts)
-    prompts = [c.prompt for c in pair_conds[::n_seeds]]
+    result, frames, evals = evaluate_policy(cfg, ckpt, args.seeds, args.prompts)
+    pair_conds, n_seeds = evals.conditions, evals.per_prompt
+    prompts = [c.prompt for c in evals.prompt_conditions]
     out = Path(args.out) if args.out else (Path(args.target) / "eval" if args.target != "base" else Path("eval"))
     out.mkdir(parents=True, exist_ok=True)
     # I2V: every video is shown with its first frame to its left

@@ -393,39 +393,35 @@ class Driver:
     # --- 5. evaluation ------------------------------------------------------------------------
 
     def evaluate(self, label: str, gifs: int = 4):
-        """ODE samples on the fixed (prompt, seed) evaluation pairs, scored by the reward role.
+        """ODE samples on the fixed evaluation pairs (cluster/evaluation/eval_set.EvalSet), scored by
+        the reward role.
 
         Each rollout actor samples its share and scores it through its own reward client
         (cluster/evaluation/evaluate.score_pairs); the driver gets every pair's score row, and frames only
         for the few pairs it renders: the GIFs, the tracker's grid and before_after.png."""
         from cluster.evaluation.before_after import shown_pairs
+        from cluster.evaluation.eval_set import EvalSet
         from cluster.evaluation.evaluate import EvalResult, score_pairs
         from cluster.runs.media import write_gif
-        from cluster.runs.tracking import grid_pairs
-        from common.toyworld import eval_seeds
 
         self.fleet.sync_idle(POLL_S)
-        conds = load_prompts(self.cfg.train.eval_prompts)
-        check_task(conds, self.cfg.model.task, self.cfg.train.eval_prompts)
-        seeds = eval_seeds(self.cfg.train.eval_seeds)
-        pairs = [(c.prompt, s) for c in conds for s in seeds]
-        images = [c.image_path for c in conds for _ in seeds] if conds[0].is_i2v else None  # by path
-        per = len(seeds)
-        gif_pairs = [i * per for i in range(min(gifs, len(conds)))]  # the first seed of each prompt
-        grid = grid_pairs(len(pairs), per, self.cfg.log.video_pairs)
-        shown, shown_per = shown_pairs(len(pairs), per)
+        evals = EvalSet.load(self.cfg.train.eval_prompts, self.cfg.train.eval_seeds, self.cfg.model)
+        gif_pairs = evals.firsts(gifs)  # the first seed of each prompt
+        grid = evals.grid(self.cfg.log.video_pairs)
+        shown, shown_per = shown_pairs(len(evals), evals.per_prompt)
         t0 = time.monotonic()
-        scores, frames = score_pairs(self.rollouts, pairs, images, keep={*gif_pairs, *grid, *shown})
+        scores, frames = score_pairs(self.rollouts, evals, keep={*gif_pairs, *grid, *shown})
         composite = self.rewards.heads.composite(scores)
         result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
         self.eval_frames[label] = (_stack(frames, shown), shown_per)  # before_after.png
-        self.eval_prompts = [c.prompt for c in conds]  # its row labels
+        self.eval_prompts = [c.prompt for c in evals.prompt_conditions]  # its row labels
         for i, k in enumerate(gif_pairs):
-            video = side_by_side(frames[k].numpy(), conds[i], self.cfg.model)  # I2V: first frame beside it
-            name = conds[i].name or pairs[k][0].replace(' ', '_')  # a dataset row's id, else the prompt
+            cond = evals.conditions[k]
+            video = side_by_side(frames[k].numpy(), cond, self.cfg.model)  # I2V: first frame beside it
+            name = cond.name or cond.prompt.replace(' ', '_')  # a dataset row's id, else the prompt
             write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
         self.run_dir.log_video(f"videos/{label}", tiled(_stack(frames, grid)), self.step)
-        self.note(f"evaluation '{label}': {len(pairs)} videos in {time.monotonic() - t0:.1f}s "
+        self.note(f"evaluation '{label}': {len(evals)} videos in {time.monotonic() - t0:.1f}s "
                   f"({len(frames)} came back to render), composite {composite.mean():.3f}")
         return result
 

@@ -10,13 +10,20 @@ from common.config import ConfigError, RunConfig
 
 
 def check_prompts(cfg: RunConfig) -> None:
+    """Every prompt set loads and fits model.task (I2V: a first frame per row), the held-out
+    health set too."""
+    from cluster.data.manifests import check_task
     from cluster.data.prompts import load_prompts
 
-    for field in ("prompts", "eval_prompts"):
+    sets = {"train.prompts": cfg.train.prompts, "train.eval_prompts": cfg.train.eval_prompts,
+            "health.eval_prompts": cfg.health.eval_prompts}
+    for field, spec in sets.items():
+        if spec is None:
+            continue
         try:
-            load_prompts(getattr(cfg.train, field))
+            check_task(load_prompts(spec), cfg.model.task, spec)
         except ConfigError as e:
-            raise ConfigError(f"train.{field}: {e}") from None
+            raise ConfigError(f"{field}: {e}") from None
 
 
 def check_rewards(cfg: RunConfig) -> None:

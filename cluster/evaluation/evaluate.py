@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cluster.evaluation.eval_set import EvalSet
+
 
 @dataclass
 class EvalResult:
@@ -40,37 +42,34 @@ class EvalResult:
         return out
 
 
-def split_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None):
+def split_pairs(rollouts: list, evals: EvalSet):
     """Round-robin shares of the pairs, one per rollout actor that gets any: (actor, pair indices,
     prompts, seeds, first-frame paths or None). Each sample depends only on its own seed, so the
     split does not change the result."""
     n = len(rollouts)
     for i, actor in enumerate(rollouts):
-        share = list(range(i, len(pairs), n))
+        share = list(range(i, len(evals), n))
         if share:
-            yield (actor, share, [pairs[k][0] for k in share], [pairs[k][1] for k in share],
-                   None if images is None else [images[k] for k in share])
+            part = evals.subset(share)
+            yield actor, share, part.prompts, list(part.seeds), part.images
 
 
-def sample_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None):
-    """ODE videos for (prompt, seed) pairs, split over the rollout actors. uint8 [N, F, H, W, 3]
-
-    I2V: `images[i]` is pair i's first-frame path; each actor reads the files itself.
-    """
+def sample_pairs(rollouts: list, evals: EvalSet):
+    """ODE videos of the evaluation pairs, split over the rollout actors (I2V: each actor reads
+    the first-frame files itself). uint8 [N, F, H, W, 3]"""
     import ray
     import torch
 
-    calls = list(split_pairs(rollouts, pairs, images))
+    calls = list(split_pairs(rollouts, evals))
     refs = [a.sample_videos.remote(prompts, seeds, "ode", imgs) for a, _, prompts, seeds, imgs in calls]
-    frames = [None] * len(pairs)
+    frames = [None] * len(evals)
     for (_, share, *_), part in zip(calls, ray.get(refs), strict=True):
         for k, f in zip(share, part, strict=True):
             frames[k] = f
     return torch.stack(frames)
 
 
-def score_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] | None = None,
-                keep: set[int] | frozenset[int] = frozenset()):
+def score_pairs(rollouts: list, evals: EvalSet, keep: set[int] | frozenset[int] = frozenset()):
     """Each rollout actor ODE-samples its share of the pairs and scores it with the reward pool
     itself (the data plane, as for training groups). Back come every pair's score row and the
     frames of the pairs in `keep` only: (Scores [N, H], {pair index: uint8 [F, H, W, 3]})."""
@@ -78,10 +77,10 @@ def score_pairs(rollouts: list, pairs: list[tuple[str, int]], images: list[str] 
 
     from common.types import Scores
 
-    calls = list(split_pairs(rollouts, pairs, images))
+    calls = list(split_pairs(rollouts, evals))
     refs = [a.evaluate_pairs.remote(prompts, seeds, imgs, [j for j, k in enumerate(share) if k in keep])
             for a, share, prompts, seeds, imgs in calls]
-    rows: list = [None] * len(pairs)
+    rows: list = [None] * len(evals)
     frames: dict[int, torch.Tensor] = {}
     heads = None
     for (_, share, *_), (scores, kept) in zip(calls, _get_scored(refs), strict=True):

@@ -94,27 +94,21 @@ def score(cfg, frames, prompts, images=None, factory=None):
 
 
 def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: str | None = None):
-    """ODE-sample the evaluation pairs with the checkpoint (None: the base) and score them.
-    Returns (EvalResult, frames uint8 [N, F, H, W, 3], the pairs' conditions, seeds per prompt)."""
-    from cluster.data.manifests import check_task
-    from cluster.data.prompts import load_prompts
+    """ODE-sample the evaluation pairs (`prompts` × `seeds`, default the run's train.eval_prompts ×
+    train.eval_seeds) with the checkpoint (None: the base) and score them.
+    Returns (EvalResult, frames uint8 [N, F, H, W, 3], the EvalSet)."""
+    from cluster.evaluation.eval_set import EvalSet
     from cluster.evaluation.evaluate import EvalResult
     from common.images import condition_images
     from common.sde import Schedule
-    from common.toyworld import eval_seeds
     from reward_worker.registry import config_heads
     from rollout_worker.sampler import sample_videos
 
     config_heads(cfg.rewards.models)  # a shared head name: refused before any video is sampled
-    spec = prompts or cfg.train.eval_prompts
-    conds = load_prompts(spec)
-    check_task(conds, cfg.model.task, spec)
-    seed_list = eval_seeds(seeds or cfg.train.eval_seeds)
-    pairs = [(c.prompt, s) for c in conds for s in seed_list]
-    pair_conds = [c for c in conds for _ in seed_list]
-    images = condition_images(pair_conds, cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
+    evals = EvalSet.load(prompts or cfg.train.eval_prompts, seeds or cfg.train.eval_seeds, cfg.model)
+    images = condition_images(list(evals.conditions), cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [p for p, _ in pairs], [s for _, s in pairs], Schedule.from_config(cfg.schedule),
+    frames = sample_videos(model, evals.prompts, list(evals.seeds), Schedule.from_config(cfg.schedule),
                            images=images)
-    scores, composite = score(cfg, frames, [p for p, _ in pairs], images)
-    return EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), frames, pair_conds, len(seed_list)
+    scores, composite = score(cfg, frames, evals.prompts, images)
+    return EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), frames, evals

@@ -2,7 +2,8 @@
 monitor, run the held-out ODE evaluation every `health.eval_every` steps, report findings in the
 console, the step's row, Prometheus and RUN_DIR/health.json, and stop the run on a `stop` finding.
 
-The driver calls it in a few lines; everything that needs Ray is in `heldout_eval`.
+The driver calls it in a few lines; everything that needs Ray is in `heldout_eval`, which
+samples the held-out EvalSet (cluster/evaluation/eval_set.py, first frames included).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cluster.evaluation.eval_set import EvalSet
 from cluster.health.checks import CHECKS, Finding, HealthMonitor
 from common.config import RunConfig
 from learner.advantages import SPREAD_PREFIX
@@ -34,6 +36,7 @@ class DriverHealth:
         self.monitor = HealthMonitor(cfg)
         self.on = cfg.health.enabled
         self.held_out_lines: list[str] = []  # held-out findings, carried into the next step's row
+        self._evals: EvalSet | None = None   # the held-out pairs, loaded at the first evaluation
 
     # --- every step ------------------------------------------------------------------------
 
@@ -67,8 +70,9 @@ class DriverHealth:
             return
         if start and driver.step + every > self.cfg.train.steps:
             return  # no held-out evaluation would follow to compare with
+        evals = self.eval_set()  # outside the try: a bad prompt set is the user's to fix, not skipped
         try:
-            result = heldout_eval(driver, self.cfg)
+            result = heldout_eval(driver.rollouts, driver.rewards.heads, evals)
         except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it
             self.note(f"health: held-out evaluation at step {driver.step} skipped: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}")
@@ -83,6 +87,13 @@ class DriverHealth:
                 driver.metrics.set("vgrpo_heldout_z", _bounded(z, 0.0), head=key.split("/", 1)[1])
         self.write()
         self.raise_if_stopped()
+
+    def eval_set(self) -> EvalSet:
+        """The held-out pairs: health.eval_prompts (else train.eval_prompts) × health.eval_seeds."""
+        if self._evals is None:
+            h = self.cfg.health
+            self._evals = EvalSet.load(h.eval_prompts or self.cfg.train.eval_prompts, h.eval_seeds, self.cfg.model)
+        return self._evals
 
     def final(self, before, after, step: int) -> None:
         if self.on and before is not None and after is not None:
@@ -139,17 +150,15 @@ def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None
             metrics.set("vgrpo_zero_spread_ratio", _bounded(v), head=key[len(SPREAD_PREFIX):])
 
 
-def heldout_eval(driver, cfg: RunConfig):
-    """Deterministic (ODE) samples of the fixed held-out pairs with the weights the rollout actors
-    hold, scored by the reward role from the actors (no GIFs, no video: cheaper than Driver.evaluate)."""
-    from cluster.data.prompts import load_prompts
+def heldout_eval(rollouts: list, heads, evals):
+    """Deterministic (ODE) samples of the fixed held-out pairs (`evals`, an EvalSet: I2V pairs
+    with their first frames) with the weights the rollout actors hold, scored by the reward role
+    from the actors (no GIFs, no video: cheaper than Driver.evaluate); `heads`: the run's
+    RewardHeads, for the composite."""
     from cluster.evaluation.evaluate import EvalResult, score_pairs
-    from common.toyworld import eval_seeds
 
-    prompts = [c.prompt for c in load_prompts(cfg.health.eval_prompts or cfg.train.eval_prompts)]
-    pairs = [(p, s) for p in prompts for s in eval_seeds(cfg.health.eval_seeds)]
-    scores, _ = score_pairs(driver.rollouts, pairs)  # scored by the actors: no frames come back
-    return EvalResult(scores.heads, scores.values.numpy(), driver.rewards.heads.composite(scores).numpy())
+    scores, _ = score_pairs(rollouts, evals)  # scored by the actors: no frames come back
+    return EvalResult(scores.heads, scores.values.numpy(), heads.composite(scores).numpy())
 
 
 def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:

@@ -72,13 +72,6 @@ def tiled(frames: np.ndarray) -> np.ndarray:
     return video_grid(frames, per_row=min(len(frames), 4))
 
 
-def grid_pairs(n: int, seeds: int, limit: int) -> list[int]:
-    """Which of an evaluation's n videos (prompt-major, `seeds` per prompt) its tiled grid video
-    shows, in order, at most `limit`: the first seed of every prompt first, so a short grid shows
-    every prompt."""
-    return [p * seeds + s for s in range(seeds) for p in range(n // seeds)][:limit]
-
-
 def encode_gif(frames: np.ndarray, fps: float) -> bytes:
     """uint8 [F, H, W, 3] → GIF bytes."""
     import imageio.v3 as iio
@@ -152,28 +145,20 @@ class Tracker:
         self.backends = []
 
 
-def eval_pairs(cfg: RunConfig, n: int | None = None) -> list[tuple[str, int]]:
-    """The fixed evaluation pairs, the first seed of every prompt first (so a short list shows
-    every prompt)."""
-    from cluster.data.prompts import load_prompts
-    from common.toyworld import eval_seeds
-
-    prompts = [c.prompt for c in load_prompts(cfg.train.eval_prompts)]
-    pairs = [(p, s) for s in eval_seeds(cfg.train.eval_seeds) for p in prompts]
-    return pairs if n is None else pairs[:n]
-
-
 def step_videos(driver) -> None:
-    """Every log.video_every steps: the fixed evaluation pairs sampled with the actors' current
-    weights, one tiled video (always written to samples/, and sent to each tracker)."""
+    """Every log.video_every steps: the first log.video_pairs evaluation pairs in grid order
+    (the first seed of every prompt first; I2V with their first frames) sampled with the actors'
+    current weights, one tiled video (always written to samples/, and sent to each tracker)."""
+    from cluster.evaluation.eval_set import EvalSet
     from cluster.evaluation.evaluate import sample_pairs
 
-    every = driver.cfg.log.video_every
+    cfg = driver.cfg
+    every = cfg.log.video_every
     if not every or driver.step % every:
         return
-    pairs = eval_pairs(driver.cfg, driver.cfg.log.video_pairs)
+    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
     try:
-        frames = sample_pairs(driver.rollouts, pairs).numpy()
+        frames = sample_pairs(driver.rollouts, evals.subset(evals.grid(cfg.log.video_pairs))).numpy()
     except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on
         log.warning("step %d: no sample video (%s: %s)", driver.step, type(e).__name__, e)
         return
