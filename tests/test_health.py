@@ -317,15 +317,14 @@ def test_a_failing_held_out_evaluation_is_skipped_not_fatal(tmp_path):
 
     notes: list[str] = []
     hook = DriverHealth(_cfg(), SimpleNamespace(path=tmp_path), notes.append, RuntimeError)
-    driver = SimpleNamespace(step=0, rollouts=[DeadActor()], rewards=SimpleNamespace(heads=None),
-                             metrics=Metrics(backend="memory"))
-    hook.heldout(driver, start=True)
+    metrics = Metrics(backend="memory")
+    hook.heldout(0, [DeadActor()], None, metrics, start=True)
     assert notes == ["health: held-out evaluation at step 0 skipped: RuntimeError: actor died"]
     assert hook.monitor.evals == []
     # a run too short for a second held-out evaluation takes no baseline
     short = DriverHealth(_cfg("train.steps=10", "health.eval_every=20"), SimpleNamespace(path=tmp_path),
                          notes.append, RuntimeError)
-    short.heldout(driver, start=True)
+    short.heldout(0, [DeadActor()], None, metrics, start=True)
     assert len(notes) == 1
 
 

@@ -197,9 +197,9 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
     driver = types.SimpleNamespace(cfg=cfg, run_dir=RunDir.create(cfg), rollouts=[], step=0)
     for step in (1, 2, 3, 4):
         driver.step = step
-        step_videos(driver)
+        step_videos(driver.cfg, driver.step, driver.rollouts, driver.run_dir)
     driver.rollouts, driver.step = "restarting", 6
-    step_videos(driver)  # logs a warning, raises nothing
+    step_videos(driver.cfg, driver.step, driver.rollouts, driver.run_dir)  # logs a warning, raises nothing
     videos = sorted(p.name for p in (driver.run_dir.samples / "videos").iterdir())
     assert videos == ["videos_train_step000002.gif", "videos_train_step000004.gif"]
     from cluster.data.prompts import load_prompts

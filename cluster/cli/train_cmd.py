@@ -121,7 +121,7 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
     driver.checkpoint()
     if driver.stop_reason is not None:
         # a fault the run could not ride out: one line, and how to continue
-        health = report_health(driver, console)
+        health = report_health(driver.health, driver.step, console)
         run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
         console.print(f"error: {driver.stop_reason}")
         console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
@@ -138,13 +138,13 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
             summary["before"] = before.to_dict()
             summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
             _write_before_after(driver, run_dir, console)
-        summary["health"] = report_health(driver, console, before, after)
+        summary["health"] = report_health(driver.health, driver.step, console, before, after)
         run_dir.summary_file.write_text(json.dumps(summary, indent=2))
         if run_dir.tracker is not None:
             run_dir.tracker.summary({f"{when}/{k}": v for when in ("before", "after") if when in summary
                                      for k, v in summary[when].items()}, driver.step)
     else:
-        report_health(driver, console)
+        report_health(driver.health, driver.step, console)
     console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
     return 0, "finished", None
 

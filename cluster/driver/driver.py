@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.data.manifests import check_task, side_by_side
+from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
 from cluster.driver.errors import StopRun, bank_call
 from cluster.driver.fleet import MAX_FAILED_IN_ROW, RolloutFleet  # noqa: F401 (MAX_FAILED_IN_ROW: tests)
@@ -51,7 +51,7 @@ from cluster.driver.step_record import StepExporter, step_record
 from cluster.driver.stream import PromptStream
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
-from cluster.runs.tracking import step_videos, tiled
+from cluster.runs.tracking import step_videos
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import PullReceipt
@@ -310,7 +310,7 @@ class Driver:
         self.t_start, self.videos_at_start = time.monotonic(), self.state.counts["videos"]
         prev = signal.signal(signal.SIGINT, self._on_sigint) if threading.current_thread() is threading.main_thread() else None
         try:
-            self.health.heldout(self, start=True)  # health: the held-out baseline
+            self._heldout(start=True)  # health: the held-out baseline
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
@@ -350,7 +350,7 @@ class Driver:
             if self.stop_requested.is_set():
                 break
             if self._step(progress):
-                self.health.heldout(self)  # health: every health.eval_every steps
+                self._heldout()  # health: every health.eval_every steps
 
     def _run_async(self, progress) -> None:
         from cluster.driver.producer import Producer
@@ -363,7 +363,7 @@ class Driver:
                 if self.stop_requested.is_set():
                     break
                 if self._step(progress, published=producer.wake):
-                    self.health.heldout(self)  # health: with the weights the actors hold now
+                    self._heldout()  # health: with the weights the actors hold now
 
     def _after_step(self, stats: dict[str, Any], progress) -> None:
         from memory_bank.errors import BankUnavailable
@@ -382,10 +382,13 @@ class Driver:
             progress.update(record)
         if s.step % 5 == 0 or s.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
-        step_videos(self)  # every log.video_every steps: the fixed eval pairs as one video
+        step_videos(self.cfg, s.step, self.rollouts, self.run_dir)  # every log.video_every steps
         if s.step % self.cfg.train.checkpoint_every == 0:
             self.checkpoint()
         self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
+
+    def _heldout(self, start: bool = False) -> None:
+        self.health.heldout(self.state.step, self.rollouts, self.rewards.heads, self.metrics, start=start)
 
     def heads(self) -> list[str]:
         return list(self.rewards.heads.names)
@@ -393,37 +396,16 @@ class Driver:
     # --- 5. evaluation ------------------------------------------------------------------------
 
     def evaluate(self, label: str, gifs: int = 4):
-        """ODE samples on the fixed evaluation pairs (cluster/evaluation/eval_set.EvalSet), scored by
-        the reward role.
-
-        Each rollout actor samples its share and scores it through its own reward client
-        (cluster/evaluation/evaluate.score_pairs); the driver gets every pair's score row, and frames only
-        for the few pairs it renders: the GIFs, the tracker's grid and before_after.png."""
-        from cluster.evaluation.before_after import shown_pairs
-        from cluster.evaluation.eval_set import EvalSet
-        from cluster.evaluation.evaluate import EvalResult, score_pairs
-        from cluster.runs.media import write_gif
+        """The fixed evaluation pairs, ODE-sampled by the rollout actors with the newest weights and
+        scored by the reward role (cluster/evaluation/run_eval.py); keeps what before_after.png shows."""
+        from cluster.evaluation.run_eval import evaluate_run
 
         self.fleet.sync_idle(POLL_S)
-        evals = EvalSet.load(self.cfg.train.eval_prompts, self.cfg.train.eval_seeds, self.cfg.model)
-        gif_pairs = evals.firsts(gifs)  # the first seed of each prompt
-        grid = evals.grid(self.cfg.log.video_pairs)
-        shown, shown_per = shown_pairs(len(evals), evals.per_prompt)
-        t0 = time.monotonic()
-        scores, frames = score_pairs(self.rollouts, evals, keep={*gif_pairs, *grid, *shown})
-        composite = self.rewards.heads.composite(scores)
-        result = EvalResult(scores.heads, scores.values.numpy(), composite.numpy())
-        self.eval_frames[label] = (_stack(frames, shown), shown_per)  # before_after.png
-        self.eval_prompts = [c.prompt for c in evals.prompt_conditions]  # its row labels
-        for i, k in enumerate(gif_pairs):
-            cond = evals.conditions[k]
-            video = side_by_side(frames[k].numpy(), cond, self.cfg.model)  # I2V: first frame beside it
-            name = cond.name or cond.prompt.replace(' ', '_')  # a dataset row's id, else the prompt
-            write_gif(video, self.run_dir.samples / f"{label}_{i}_{name}.gif")
-        self.run_dir.log_video(f"videos/{label}", tiled(_stack(frames, grid)), self.step)
-        self.note(f"evaluation '{label}': {len(evals)} videos in {time.monotonic() - t0:.1f}s "
-                  f"({len(frames)} came back to render), composite {composite.mean():.3f}")
-        return result
+        ev = evaluate_run(self.cfg, self.rollouts, self.rewards.heads, self.run_dir, self.state.step, label, gifs,
+                          self.note)
+        self.eval_frames[label] = (ev.shown, ev.shown_per)
+        self.eval_prompts = ev.prompts
+        return ev.result
 
     # --- 6. checkpoints and teardown ---------------------------------------------------------
 
@@ -476,8 +458,3 @@ def _step_values(values: dict[str, float], pulled: PullReceipt, step: int) -> di
     out.update({f"reward/{h}": v for h, v in pulled.head_means.items()})
     out.update(pulled.spread)  # health: zero-spread share per head (computed on rank 0)
     return out
-
-
-def _stack(frames: dict, order: list[int]) -> np.ndarray:
-    """The kept evaluation frames of the pairs in `order`, uint8 [len(order), F, H, W, 3]."""
-    return np.stack([frames[k].numpy() for k in order])

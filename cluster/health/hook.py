@@ -62,29 +62,30 @@ class DriverHealth:
 
     # --- held out ----------------------------------------------------------------------------
 
-    def heldout(self, driver, start: bool = False) -> None:
-        """At the start of the run (the baseline) and every health.eval_every steps after it."""
+    def heldout(self, step: int, rollouts: list, heads, metrics, start: bool = False) -> None:
+        """At the start of the run (the baseline) and every health.eval_every steps after it:
+        the rollout actors sample the held-out pairs, scored with the run's RewardHeads."""
         every = self.cfg.health.eval_every
-        if not self.on or every == 0 or (not start and driver.step % every) \
-                or any(s == driver.step for s, _ in self.monitor.evals):
+        if not self.on or every == 0 or (not start and step % every) \
+                or any(s == step for s, _ in self.monitor.evals):
             return
-        if start and driver.step + every > self.cfg.train.steps:
+        if start and step + every > self.cfg.train.steps:
             return  # no held-out evaluation would follow to compare with
         evals = self.eval_set()  # outside the try: a bad prompt set is the user's to fix, not skipped
         try:
-            result = heldout_eval(driver.rollouts, driver.rewards.heads, evals)
+            result = heldout_eval(rollouts, heads, evals)
         except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it
-            self.note(f"health: held-out evaluation at step {driver.step} skipped: {type(e).__name__}: "
+            self.note(f"health: held-out evaluation at step {step} skipped: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}")
             return
-        found = self.monitor.observe_eval(driver.step, result)
+        found = self.monitor.observe_eval(step, result)
         self.held_out_lines += [f.line() for f in found]
-        self.note(f"health: held-out evaluation at step {driver.step}: composite {result.composite.mean():.3f} "
+        self.note(f"health: held-out evaluation at step {step}: composite {result.composite.mean():.3f} "
                   f"on {len(result.composite)} pairs")
-        self._report(found, driver.metrics)
+        self._report(found, metrics)
         for key, z in self.monitor.values.items():
             if key.startswith("heldout_z/"):
-                driver.metrics.set("vgrpo_heldout_z", _bounded(z, 0.0), head=key.split("/", 1)[1])
+                metrics.set("vgrpo_heldout_z", _bounded(z, 0.0), head=key.split("/", 1)[1])
         self.write()
         self.raise_if_stopped()
 
@@ -161,15 +162,14 @@ def heldout_eval(rollouts: list, heads, evals):
     return EvalResult(scores.heads, scores.values.numpy(), heads.composite(scores).numpy())
 
 
-def report_health(driver, console, before=None, after=None) -> dict[str, Any] | None:
+def report_health(h: DriverHealth, step: int, console, before=None, after=None) -> dict[str, Any] | None:
     """At the end of a run: the before/after hacking check, RUN_DIR/health.json, the console
     table; returns the summary.json section (None with health.enabled=false)."""
     from cluster.health.checks import health_table
 
-    h: DriverHealth = driver.health
     if not h.on:
         return None
-    h.final(before, after, driver.step)
+    h.final(before, after, step)
     h.write()
     summary = h.summary()
     console.print(health_table(summary))

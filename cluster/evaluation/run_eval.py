@@ -1,0 +1,60 @@
+"""A run's evaluation on the rollout pool: ODE samples of the fixed evaluation pairs
+(`EvalSet`), scored by the reward role, plus what the run directory shows of them.
+
+Each rollout actor samples its share and scores it through its own reward client
+(evaluate.score_pairs); the caller gets every pair's score row, and frames only for the few
+pairs it renders: the GIFs, the tracker's grid and before_after.png.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.evaluation.evaluate import EvalResult
+
+
+@dataclass
+class RunEval:
+    result: EvalResult
+    shown: np.ndarray       # uint8 [N, F, H, W, 3]: the pairs before_after.png shows
+    shown_per: int          # of them, seeds per prompt
+    prompts: list[str]      # its row labels
+
+
+def evaluate_run(cfg, rollouts: list, heads, run_dir, step: int, label: str, gifs: int,
+                 note: Callable[[str], None]) -> RunEval:
+    """Evaluate with the weights the (idle) rollout actors hold; write `gifs` GIFs and the
+    tracker's grid video under `label`."""
+    from cluster.data.manifests import side_by_side
+    from cluster.evaluation.before_after import shown_pairs
+    from cluster.evaluation.eval_set import EvalSet
+    from cluster.evaluation.evaluate import score_pairs
+    from cluster.runs.media import write_gif
+    from cluster.runs.tracking import tiled
+
+    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
+    gif_pairs = evals.firsts(gifs)  # the first seed of each prompt
+    grid = evals.grid(cfg.log.video_pairs)
+    shown, shown_per = shown_pairs(len(evals), evals.per_prompt)
+    t0 = time.monotonic()
+    scores, frames = score_pairs(rollouts, evals, keep={*gif_pairs, *grid, *shown})
+    composite = heads.composite(scores)
+    for i, k in enumerate(gif_pairs):
+        cond = evals.conditions[k]
+        video = side_by_side(frames[k].numpy(), cond, cfg.model)  # I2V: first frame beside it
+        name = cond.name or cond.prompt.replace(' ', '_')  # a dataset row's id, else the prompt
+        write_gif(video, run_dir.samples / f"{label}_{i}_{name}.gif")
+    run_dir.log_video(f"videos/{label}", tiled(_stack(frames, grid)), step)
+    note(f"evaluation '{label}': {len(evals)} videos in {time.monotonic() - t0:.1f}s "
+         f"({len(frames)} came back to render), composite {composite.mean():.3f}")
+    return RunEval(EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), _stack(frames, shown),
+                   shown_per, [c.prompt for c in evals.prompt_conditions])
+
+
+def _stack(frames: dict, order: list[int]) -> np.ndarray:
+    """The kept evaluation frames of the pairs in `order`, uint8 [len(order), F, H, W, 3]."""
+    return np.stack([frames[k].numpy() for k in order])
