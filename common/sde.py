@@ -96,14 +96,57 @@ def _drifted_mean(x: Tensor, v: Tensor, s: Tensor, s1: Tensor, c: Tensor) -> Ten
 
 # --- schemes -------------------------------------------------------------------------
 
+Param = float | str | None  # the type of one constructor argument
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """How a rollout's transitions were sampled, complete: a scheme's name, every argument of its
+    constructor and the schedule σ_0 … σ_T it ran on.
+
+    A Trajectory carries it, so the learner replays a step with exactly the sampler's scheme and
+    never fills a gap from its own config (the idea of diffusers' `register_to_config`: an object
+    describes itself). `Scheme.spec` writes it, `scheme_from_spec` reads it back, exactly.
+    """
+
+    name: str
+    params: tuple[tuple[str, Param], ...]   # (argument, value), in the constructor's order
+    sigmas: tuple[float, ...]
+
+    def __post_init__(self):  # lists in, tuples held: a spec compares and hashes by value
+        object.__setattr__(self, "params", tuple((str(a), v) for a, v in self.params))
+        object.__setattr__(self, "sigmas", tuple(float(s) for s in self.sigmas))
+
+    @property
+    def kwargs(self) -> dict[str, Param]:
+        return dict(self.params)
+
+    def schedule(self) -> Schedule:
+        return Schedule.explicit(self.sigmas)
+
+    def describe(self) -> str:
+        """One line for messages: `sage(eta=0.5, clamp_c=0.003) on 11 sigmas`."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params)
+        return f"{self.name}({args}) on {len(self.sigmas)} sigmas"
+
 
 class Scheme:
     """A Gaussian transition x' = μ(x, v) + std·z for one step σ_k → σ_{k+1}."""
 
     name: ClassVar[str]
+    arg_names: ClassVar[tuple[str, ...]] = ("eta",)
+    """Every constructor argument, each kept as the attribute of the same name (what `spec` reads)."""
 
     def __init__(self, eta: float = 0.0):
         self.eta = float(eta)
+
+    def arguments(self) -> tuple[tuple[str, Param], ...]:
+        """(argument, value) of every constructor argument, in the constructor's order."""
+        return tuple((a, getattr(self, a)) for a in self.arg_names)
+
+    def spec(self, schedule: Schedule) -> SchemeSpec:
+        """This scheme, with every constructor argument, on `schedule`."""
+        return SchemeSpec(self.name, self.arguments(), tuple(schedule.sigmas))
 
     def std(self, sigma, sigma_next) -> Tensor:
         raise NotImplementedError
@@ -171,13 +214,16 @@ class Flow(Scheme):
     """
 
     name = "flow"
+    arg_names = ("eta", "first_step", "sigma1", "clamp_c")
 
     def __init__(self, eta: float = 0.7, first_step: str = "sigma1", sigma1: float | None = None,
                  clamp_c: float = 3e-3):
         super().__init__(eta)
         if first_step not in ("sigma1", "clamp"):
             raise ValueError(f"first_step must be 'sigma1' or 'clamp', got {first_step!r}")
-        self.first_step, self.sigma1, self.clamp_c = first_step, sigma1, clamp_c
+        self.first_step = first_step
+        self.sigma1 = None if sigma1 is None else float(sigma1)
+        self.clamp_c = float(clamp_c)
 
     def g(self, sigma) -> Tensor:
         """g = η·√(σ_k / (1-σ̄)): σ̄ replaces σ_k in the denominator only, as upstream does."""
@@ -211,6 +257,7 @@ class CPS(Scheme):
     """
 
     name = "cps"
+    arg_names = ("eta", "log_prob_form")
 
     def __init__(self, eta: float = 0.7, log_prob_form: str = "mse"):
         super().__init__(eta)
@@ -252,10 +299,11 @@ class Sage(Scheme):
     """
 
     name = "sage"
+    arg_names = ("eta", "clamp_c")
 
     def __init__(self, eta: float = 0.5, clamp_c: float = 3e-3):
         super().__init__(eta)
-        self.clamp_c = clamp_c
+        self.clamp_c = float(clamp_c)
 
     def variance(self, sigma, sigma_next) -> Tensor:
         """Σ_k in float64 (the log and -Δ nearly cancel on small steps, so fp32 would lose it)."""
@@ -304,6 +352,22 @@ def scheme_from_config(cfg, schedule: Schedule) -> Scheme:
     """From a common.config.RunConfig."""
     return make_scheme(cfg.sde.scheme, cfg.sde.resolved_eta, schedule,
                        cfg.sde.flow_first_step, cfg.sde.clamp_c, cfg.sde.cps_log_prob)
+
+
+def scheme_from_spec(spec: SchemeSpec) -> Scheme:
+    """The scheme `spec` describes, built from its arguments only (the inverse of `Scheme.spec`).
+
+    Raises ValueError when the name is unknown or the arguments are not exactly the
+    constructor's: a missing one would silently take a default the sampler may not have used.
+    """
+    cls = SCHEMES.get(spec.name)
+    if cls is None:
+        raise ValueError(f"unknown SDE scheme {spec.name!r}; expected one of {sorted(SCHEMES)}")
+    names = tuple(a for a, _ in spec.params)
+    if names != cls.arg_names:
+        raise ValueError(f"scheme {spec.name!r} takes the arguments {list(cls.arg_names)}, "
+                         f"the spec holds {list(names)}")
+    return cls(**spec.kwargs)
 
 
 # --- the shared step operations ------------------------------------------------------

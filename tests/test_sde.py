@@ -274,3 +274,73 @@ def test_equalizer_flattens_per_step_gradient_norms(name):
     if name not in ("dance", "cps"):
         assert raw.max() / raw.min() > 10, raw  # raw norms span an order of magnitude or more
     assert eq.max() / eq.min() < 3.0, eq  # equalized: within a small factor
+
+
+# --- the scheme's full spec (what a Trajectory carries) ---------------------------------
+
+# a value unlike the default for every constructor argument of every scheme
+_NON_DEFAULT = {"eta": 0.9137, "first_step": "clamp", "sigma1": 0.8125, "clamp_c": 0.0173,
+                "log_prob_form": "gaussian"}
+
+
+def _ctor_args(cls) -> dict:
+    """The constructor's own parameters (read from its signature, not from arg_names)."""
+    import inspect
+
+    names = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return {n: _NON_DEFAULT[n] for n in names}
+
+
+@pytest.mark.parametrize("name", SCHEME_NAMES)
+def test_spec_holds_every_constructor_argument_and_round_trips(name):
+    from common.sde import SCHEMES, SchemeSpec, scheme_from_spec
+
+    cls = SCHEMES[name]
+    args = _ctor_args(cls)
+    sched = Schedule.linear(7, 2.5)
+    scheme = cls(**args)
+    spec = scheme.spec(sched)
+    assert spec.name == name and spec.kwargs == args and list(spec.kwargs) == list(args)
+    assert spec.sigmas == sched.sigmas and spec.schedule() == sched
+    back = scheme_from_spec(spec)
+    assert type(back) is cls and back.spec(sched) == spec
+    assert all(getattr(back, a) == v for a, v in args.items())
+    # the rebuilt scheme computes the same numbers, bit for bit
+    x, v = torch.randn(2, 3, 2, 4, 4), torch.randn(2, 3, 2, 4, 4)
+    for k in range(sched.steps):
+        s, s1 = sched.pair(k)
+        assert torch.equal(back.std(s, s1), scheme.std(s, s1))
+        assert torch.equal(back.mean(x, v, s, s1), scheme.mean(x, v, s, s1))
+        assert torch.equal(back.dmu_dv(s, s1), scheme.dmu_dv(s, s1))
+    # a spec equals one built from lists, and hashes alike
+    twin = SchemeSpec(name, [list(p) for p in spec.params], list(spec.sigmas))
+    assert twin == spec and hash(twin) == hash(spec)
+
+
+@pytest.mark.parametrize("name", SCHEME_NAMES)
+def test_spec_of_a_configured_scheme_rebuilds_it_without_the_config(name):
+    from common.config import RunConfig
+    from common.sde import scheme_from_config, scheme_from_spec
+
+    cfg = RunConfig.model_validate({"sde": {"scheme": name, "eta": 0.77, "flow_first_step": "clamp",
+                                            "clamp_c": 0.02, "cps_log_prob": "gaussian"},
+                                    "schedule": {"steps": 5, "shift": 2.0}})
+    sched = Schedule.from_config(cfg.schedule)
+    scheme = scheme_from_config(cfg, sched)
+    spec = scheme.spec(sched)
+    assert spec.kwargs["eta"] == 0.77
+    assert scheme_from_spec(spec).arguments() == scheme.arguments()
+    if name == "flow":
+        assert spec.kwargs == {"eta": 0.77, "first_step": "clamp", "sigma1": sched.sigmas[1], "clamp_c": 0.02}
+
+
+def test_spec_with_missing_or_unknown_arguments_is_refused():
+    from common.sde import SchemeSpec, scheme_from_spec
+
+    sigmas = Schedule.linear(3).sigmas
+    with pytest.raises(ValueError, match=r"takes the arguments \['eta', 'clamp_c'\].*\['eta'\]"):
+        scheme_from_spec(SchemeSpec("sage", (("eta", 0.5),), sigmas))   # clamp_c would default
+    with pytest.raises(ValueError, match="takes the arguments"):
+        scheme_from_spec(SchemeSpec("dance", (("eta", 0.5), ("clamp_c", 0.1)), sigmas))
+    with pytest.raises(ValueError, match="unknown SDE scheme 'ddim'"):
+        scheme_from_spec(SchemeSpec("ddim", (("eta", 0.5),), sigmas))
