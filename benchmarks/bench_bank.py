@@ -20,12 +20,14 @@ import uuid
 import torch
 
 from common.config import BankConfig
+from common.sde import Sage, Schedule
 from common.types import Condition, Group, Scores, Trajectory
 from memory_bank.bank import MemoryBank
 from memory_bank.codec import encode
 from memory_bank.embedded import EmbeddedRedis
 
 K, C, F, H = 2, 16, 4, 32
+SPEC = Sage(0.5).spec(Schedule.explicit(torch.linspace(1, 0, 21).tolist()))
 # Until the bank holds its capacity, each push makes Redis (and this process) take fresh
 # memory from the OS; the raw baseline rewrites the same keys. Time the steady state.
 WARMUP = 3
@@ -37,9 +39,8 @@ def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator) -> G
     cond = Condition(id="bench", prompt="a benchmark prompt")
     gid = uuid.uuid4().hex
     members = [Trajectory(
-        condition=cond, group_id=gid, member=i, seed=i, scheme="sage", eta=0.5,
-        guidance_scale=1.0, policy_version=version, sigmas=torch.linspace(1, 0, 21).tolist(),
-        step_indices=[0, 1],
+        condition=cond, group_id=gid, member=i, seed=i, spec=SPEC,
+        guidance_scale=1.0, policy_version=version, step_indices=[0, 1],
         x=torch.randn(K, C, F, H, w, generator=gen),        # [K, C, F, H, W]
         x_next=torch.randn(K, C, F, H, w, generator=gen),   # [K, C, F, H, W]
         logp_old=torch.randn(K, generator=gen),             # [K]

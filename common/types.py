@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from common.sde import SchemeSpec
+
 
 @dataclass
 class Condition:
@@ -35,8 +37,9 @@ class Trajectory:
     """One member of a group: the trained transitions of its SDE rollout.
 
     Only recorded steps are stored. `x[j] → x_next[j]` is step `step_indices[j]`, from
-    σ = sigmas[k] to sigmas[k+1]; `logp_old[j]` is its element-averaged log-prob under the
-    policy that sampled it, computed from exactly these stored tensors. A group records the
+    σ = spec.sigmas[k] to spec.sigmas[k+1]; `logp_old[j]` is its element-averaged log-prob under
+    the policy that sampled it, computed from exactly these stored tensors with the scheme
+    `spec` describes (name, every argument, the schedule), which is all the learner replays it with. A group records the
     same steps for every member: each member's trained steps, plus every step trajectory
     alignment may need a winner's or loser's next latent at. `trained_steps` says which of
     them this member trains (None: all).
@@ -46,11 +49,9 @@ class Trajectory:
     group_id: str
     member: int
     seed: int
-    scheme: str
-    eta: float
+    spec: SchemeSpec               # the SDE scheme and the whole schedule σ_0 … σ_T it sampled with
     guidance_scale: float
     policy_version: int
-    sigmas: list[float]            # the whole schedule σ_0 … σ_T
     step_indices: list[int]        # K trained steps k
     x: Tensor                      # [K, C, F, H, W] latents at the trained steps
     x_next: Tensor                 # [K, C, F, H, W] the sampled next latents

@@ -9,15 +9,15 @@ them and move to the device.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from common.config import RunConfig
 from common.rewards import RewardHeads
-from common.sde import Schedule, Scheme, equalizer_weights, make_scheme
-from common.types import Condition, TrainBatch, Trajectory
+from common.sde import Scheme, SchemeSpec, equalizer_weights, scheme_from_spec
+from common.types import Condition, Group, TrainBatch, Trajectory
 from learner.advantages import group_advantages, is_zero_std
 
 
@@ -75,15 +75,95 @@ class MicroBatch:
         return MicroBatch(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
-def _scheme_of(trajs: list[Trajectory], cfg: RunConfig) -> Scheme:
+def _scheme_of(trajs: list[Trajectory]) -> tuple[Scheme, SchemeSpec]:
+    """The one scheme the batch was sampled with, from the trajectories' spec alone (never the
+    learner's config: a trajectory replays with exactly what sampled it)."""
     t0 = trajs[0]
     for t in trajs:
-        if (t.scheme, t.eta, list(t.sigmas)) != (t0.scheme, t0.eta, list(t0.sigmas)):
-            raise ValueError(f"trajectory {t.group_id}/{t.member} was sampled with {t.scheme} η={t.eta} "
-                             f"on another schedule than {t0.group_id}/{t0.member}; one batch needs one "
+        if t.spec != t0.spec:
+            raise ValueError(f"trajectory {t.group_id}/{t.member} was sampled with {t.spec.describe()}, "
+                             f"{t0.group_id}/{t0.member} with {t0.spec.describe()}; one batch needs one "
                              f"scheme and schedule")
-    return make_scheme(t0.scheme, t0.eta, Schedule.explicit(t0.sigmas), cfg.sde.flow_first_step,
-                       cfg.sde.clamp_c, cfg.sde.cps_log_prob)
+    return scheme_from_spec(t0.spec), t0.spec
+
+
+def _group_advantages(group: Group, bank: list[tuple[Trajectory, Tensor, float]], cfg: RunConfig
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """A_i of the group's fresh members, then its bank entries (section 3). Returns (adv [N],
+    rewards [N], the mask of the members the group statistics are taken over [N])."""
+    g_cfg = cfg.grpo
+    if group.composite is None:
+        raise ValueError(f"group {group.group_id} has no composite reward; score it before training")
+    rewards = torch.cat([group.composite.float(),
+                         torch.tensor([float(b[2]) for b in bank], dtype=torch.float32)])  # [N]
+    fresh = torch.arange(len(rewards)) < group.size                                       # [N]
+    stats_mask = fresh if g_cfg.adv_stats == "group" else torch.ones_like(fresh)
+    heads, weights = None, None
+    if g_cfg.per_head_advantages:
+        if group.scores is None:
+            raise ValueError(f"group {group.group_id} has no per-head scores; "
+                             f"grpo.per_head_advantages needs them")
+        heads = torch.cat([group.scores.values.float()] + [b[1].float().view(1, -1) for b in bank])
+        weights = RewardHeads.of(cfg.rewards.models, group.scores.heads).vector()
+    adv = group_advantages(rewards, stats_mask, g_cfg.adv_clip, heads, weights,
+                           "per_head" if g_cfg.per_head_advantages else "composite")  # [N]
+    return adv, rewards, stats_mask
+
+
+@dataclass
+class _Columns:
+    """The rows' columns, and every recorded next latent (J_align's targets), group by group."""
+
+    x: list[Tensor] = field(default_factory=list)
+    x_next: list[Tensor] = field(default_factory=list)
+    logp_old: list[Tensor] = field(default_factory=list)
+    mu_old: list[Tensor] = field(default_factory=list)
+    k: list[int] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
+    adv: list[Tensor] = field(default_factory=list)
+    cond: list[int] = field(default_factory=list)
+    win: list[int] = field(default_factory=list)       # the winner's index among all trajectories
+    lose: list[int] = field(default_factory=list)
+    a_pos: list[Tensor] = field(default_factory=list)
+    a_neg: list[Tensor] = field(default_factory=list)
+    targets: list[Tensor] = field(default_factory=list)
+    target_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (trajectory, k) -> targets index
+    n_trajs: int = 0
+
+    def add_group(self, gi: int, trajs: list[Trajectory], adv: Tensor, rewards: Tensor, need_mu: bool) -> None:
+        """A row per (member, step) the member trains; a target per step it recorded. The winner
+        and loser are taken over fresh + bank members."""
+        win, lose, base = int(rewards.argmax()), int(rewards.argmin()), self.n_trajs
+        for mi, t in enumerate(trajs):
+            if need_mu and t.mu_old is None:
+                raise ValueError(f"trajectory {t.group_id}/{t.member} has no recorded μ_old, which "
+                                 f"kl.d_step=exact and align.form=clipped need; it was sampled with "
+                                 f"another config")
+            for j, k in enumerate(t.step_indices):
+                self.target_at[(base + mi, int(k))] = len(self.targets)
+                self.targets.append(t.x_next[j])
+                if not t.trains(k):
+                    continue
+                self.x.append(t.x[j])
+                self.x_next.append(t.x_next[j])
+                self.logp_old.append(t.logp_old[j].float())
+                if need_mu:
+                    self.mu_old.append(t.mu_old[j].float())
+                self.k.append(int(k))
+                self.version.append(int(t.policy_version))
+                self.adv.append(adv[mi])
+                self.cond.append(gi)
+                self.win.append(base + win)
+                self.lose.append(base + lose)
+                self.a_pos.append(adv[win])
+                self.a_neg.append(adv[lose])
+        self.n_trajs += len(trajs)
+
+    def align_rows(self) -> tuple[Tensor, Tensor]:
+        """Each row's winner's and loser's next latent at the row's step k in `targets` (-1: none)."""
+        pos = [self.target_at.get((w, k), -1) for w, k in zip(self.win, self.k, strict=True)]
+        neg = [self.target_at.get((lo, k), -1) for lo, k in zip(self.lose, self.k, strict=True)]
+        return torch.tensor(pos), torch.tensor(neg)
 
 
 def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
@@ -92,106 +172,56 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
     A row is a (member, step) the member trains; `targets` holds every recorded next latent, so a
     winner's x⁺_{k+1} is found even at a step the winner itself does not train.
     """
-    g_cfg = cfg.grpo
     need_mu = cfg.records_mu_old
-    cols: dict[str, list] = {k: [] for k in ("x", "x_next", "logp_old", "mu_old", "k", "adv", "cond", "win", "lose",
-                                             "version")}
-    a_pos_rows, a_neg_rows = [], []
-    targets: list[Tensor] = []
-    target_at: dict[tuple[int, int], int] = {}   # (member, k) -> index into targets
-    all_trajs: list[Trajectory] = []
+    cols, all_trajs = _Columns(), []
     fresh_rewards, fresh_adv, zero_std = [], [], []
     for gi, group in enumerate(batch.fresh):
-        # 1. the members: the fresh group, then the bank entries of the same condition
-        if group.composite is None:
-            raise ValueError(f"group {group.group_id} has no composite reward; score it before training")
         bank = batch.bank[gi] if gi < len(batch.bank) else []
         trajs = list(group.members) + [b[0] for b in bank]
-        rewards = torch.cat([group.composite.float(),
-                             torch.tensor([float(b[2]) for b in bank], dtype=torch.float32)])  # [N]
-        fresh = torch.arange(len(trajs)) < group.size                                          # [N]
-        stats_mask = fresh if g_cfg.adv_stats == "group" else torch.ones_like(fresh)
-        # 2. advantages
-        heads, weights = None, None
-        if g_cfg.per_head_advantages:
-            if group.scores is None:
-                raise ValueError(f"group {group.group_id} has no per-head scores; "
-                                 f"grpo.per_head_advantages needs them")
-            heads = torch.cat([group.scores.values.float()] + [b[1].float().view(1, -1) for b in bank])
-            weights = RewardHeads.of(cfg.rewards.models, group.scores.heads).vector()
-        adv = group_advantages(rewards, stats_mask, g_cfg.adv_clip, heads, weights,
-                               "per_head" if g_cfg.per_head_advantages else "composite")  # [N]
+        adv, rewards, stats_mask = _group_advantages(group, bank, cfg)
         fresh_rewards.append(group.composite.float())
-        fresh_adv.append(adv[fresh])
+        fresh_adv.append(adv[:group.size])
         zero_std.append(is_zero_std(rewards, stats_mask))
-        # 3. winner and loser over fresh + bank
-        win, lose = int(rewards.argmax()), int(rewards.argmin())
-        base = len(all_trajs)
-        for mi, t in enumerate(trajs):
-            if need_mu and t.mu_old is None:
-                raise ValueError(f"trajectory {t.group_id}/{t.member} has no recorded μ_old, which "
-                                 f"kl.d_step=exact and align.form=clipped need; it was sampled with "
-                                 f"another config")
-            for j, k in enumerate(t.step_indices):
-                target_at[(base + mi, int(k))] = len(targets)
-                targets.append(t.x_next[j])
-                if not t.trains(k):
-                    continue
-                cols["x"].append(t.x[j])
-                cols["x_next"].append(t.x_next[j])
-                cols["logp_old"].append(t.logp_old[j].float())
-                if need_mu:
-                    cols["mu_old"].append(t.mu_old[j].float())
-                cols["k"].append(int(k))
-                cols["version"].append(int(t.policy_version))
-                cols["adv"].append(adv[mi])
-                cols["cond"].append(gi)
-                cols["win"].append(base + win)
-                cols["lose"].append(base + lose)
-                a_pos_rows.append(adv[win])
-                a_neg_rows.append(adv[lose])
+        cols.add_group(gi, trajs, adv, rewards, need_mu)
         all_trajs.extend(trajs)
     if not all_trajs:
         raise ValueError("empty TrainBatch: no fresh groups")
-    if not cols["x"]:
+    if not cols.x:
         raise ValueError("the TrainBatch has no trained steps (check sampler.train_steps)")
-    scheme = _scheme_of(all_trajs, cfg)
-    sigmas = all_trajs[0].sigmas
+    scheme, spec = _scheme_of(all_trajs)
+    ks = torch.tensor(cols.k)
+    pos_row, neg_row = cols.align_rows()
+    # w_k over the whole schedule (section 4), 1 with the equalizer off
+    weight = equalizer_weights(scheme, spec.schedule())[ks] if cfg.grpo.equalizer else torch.ones(len(ks))
+    sig = torch.tensor(spec.sigmas, dtype=torch.float32)
+    found = int(((pos_row >= 0) & (neg_row >= 0)).sum())
+    return Rows(
+        x=torch.stack(cols.x), x_next=torch.stack(cols.x_next), logp_old=torch.stack(cols.logp_old),
+        mu_old=torch.stack(cols.mu_old) if need_mu else None,
+        sigma=sig[ks], sigma_next=sig[ks + 1],
+        adv=torch.stack(cols.adv).float(), weight=weight.float(), cond_idx=torch.tensor(cols.cond),
+        targets=torch.stack(cols.targets), pos_row=pos_row, neg_row=neg_row,
+        a_pos=torch.stack(cols.a_pos).float(), a_neg=torch.stack(cols.a_neg).float(),
+        conditions=[g.condition for g in batch.fresh], scheme=scheme,
+        stats=_batch_stats(cfg, torch.cat(fresh_rewards), torch.cat(fresh_adv), zero_std, len(ks), found),
+        policy_version=torch.tensor(cols.version, dtype=torch.long),
+    )
 
-    # 4. the winner's and loser's next latent at each row's step k
-    pos_row = [target_at.get((w, k), -1) for w, k in zip(cols["win"], cols["k"], strict=True)]
-    neg_row = [target_at.get((lo, k), -1) for lo, k in zip(cols["lose"], cols["k"], strict=True)]
 
-    ks = torch.tensor(cols["k"])
-    if g_cfg.equalizer:
-        w_k = equalizer_weights(scheme, Schedule.explicit(sigmas))  # [T] over the whole schedule
-        weight = w_k[ks]
-    else:
-        weight = torch.ones(len(ks))
-    sig = torch.tensor(sigmas, dtype=torch.float32)
-    b_rewards, b_adv = torch.cat(fresh_rewards), torch.cat(fresh_adv)
-    found = sum(1 for p, q in zip(pos_row, neg_row, strict=True) if p >= 0 and q >= 0)
+def _batch_stats(cfg: RunConfig, rewards: Tensor, adv: Tensor, zero_std: list[bool], rows: int,
+                 found: int) -> dict[str, float]:
+    """The fresh members' reward and advantage spread, and how many rows found J_align's targets."""
     stats = {
-        "reward_mean": float(b_rewards.mean()),
-        "reward_std": float(b_rewards.std(unbiased=False)),
-        "adv_std": float(b_adv.std(unbiased=False)),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "adv_std": float(adv.std(unbiased=False)),
         "zero_std_frac": sum(zero_std) / len(zero_std),
-        "num_rows": float(len(ks)),
+        "num_rows": float(rows),
     }
     if cfg.align.enabled:
-        stats["align/rows_wanted"] = float(len(ks))
+        stats["align/rows_wanted"] = float(rows)
         stats["align/rows_used"] = float(found)
-    return Rows(
-        x=torch.stack(cols["x"]), x_next=torch.stack(cols["x_next"]),
-        logp_old=torch.stack(cols["logp_old"]),
-        mu_old=torch.stack(cols["mu_old"]) if need_mu else None,
-        sigma=sig[ks], sigma_next=sig[ks + 1],
-        adv=torch.stack(cols["adv"]).float(), weight=weight.float(), cond_idx=torch.tensor(cols["cond"]),
-        targets=torch.stack(targets), pos_row=torch.tensor(pos_row), neg_row=torch.tensor(neg_row),
-        a_pos=torch.stack(a_pos_rows).float(), a_neg=torch.stack(a_neg_rows).float(),
-        conditions=[g.condition for g in batch.fresh], scheme=scheme, stats=stats,
-        policy_version=torch.tensor(cols["version"], dtype=torch.long),
-    )
+    return stats
 
 
 def rank_rows(n: int, rank: int, world_size: int) -> tuple[Tensor, Tensor]:

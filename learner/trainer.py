@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
-from common.sde import Schedule, scheme_from_config
 from common.types import TrainBatch, TrainStats
 from learner import checkpoint
 from learner.kl import KLController
@@ -55,10 +54,8 @@ class Trainer:
         # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01), over fp32 master weights
         self.optimizer = torch.optim.AdamW(self.policy.optim_parameters(), lr=cfg.optim.lr,
                                            weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)
-        # 3. λ_KL and the configured schedule/scheme (batches carry their own; these are defaults)
+        # 3. λ_KL (the SDE scheme and schedule come with each batch: rows.build_rows)
         self.kl = KLController(cfg.kl)
-        self.schedule = Schedule.from_config(cfg.schedule)
-        self.scheme = scheme_from_config(cfg, self.schedule)
         return self
 
     # --- one optimizer step ------------------------------------------------------------

@@ -6,6 +6,11 @@ Numbers are accepted only in the form `encode` writes them (`str(int)`, `repr(fl
 damaged field is never read as another number. `encode` decodes its own output before it
 returns, so everything it writes reads back, exactly.
 Frames are not stored: the learner needs latents, log-probs and rewards, not video.
+
+Each entry stores its SDE scheme's full spec (`scheme`, `scheme_params`: every constructor
+argument, `sigmas`), the only thing the learner replays it with. Format 1 (before the spec)
+stored the name and η alone; its entries are refused in one line, not read with guessed
+arguments that may not be the ones it was sampled with.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import torch
 from torch import Tensor
 
 from common.config import SchemeName
+from common.sde import Param, SchemeSpec, scheme_from_spec
 from common.types import Condition, Trajectory
 from memory_bank.errors import CorruptEntry
 from memory_bank.keys import check_eid
 from memory_bank.tensorfile import dumps, loads
 
-FORMAT = "1"
+FORMAT = "2"
 _INT = re.compile(r"(0|-?[1-9][0-9]*)")   # str(int) and nothing else
 SCHEMES = frozenset(get_args(SchemeName))
 STATUSES = frozenset({"fresh", "banked"})
@@ -35,7 +41,7 @@ TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V, 
 OPTIONAL_TENSORS = ("image", "mu_old")
 REQUIRED = (
     "format", "id", "condition", "prompt", "group", "member", "seed", "version", "created",
-    "scheme", "eta", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
+    "scheme", "scheme_params", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
     "composite", "status",
 )
 
@@ -85,10 +91,10 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
         "seed": str(int(traj.seed)),
         "version": str(int(traj.policy_version)),
         "created": repr(time.time()),
-        "scheme": traj.scheme,
-        "eta": repr(float(traj.eta)),
+        "scheme": traj.spec.name,
+        "scheme_params": _params_json(traj.spec.params),
         "guidance_scale": repr(float(traj.guidance_scale)),
-        "sigmas": json.dumps([float(s) for s in traj.sigmas]),
+        "sigmas": json.dumps([float(s) for s in traj.spec.sigmas]),
         "step_indices": json.dumps([int(k) for k in traj.step_indices]),
         "trained": str(int(traj.trained_times)),
         "heads": json.dumps(list(heads)),
@@ -131,42 +137,92 @@ def decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool = True) -> En
 
 
 def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
-    # 1. Metadata: text fields, all present, each parsed and range-checked.
+    m = _fields(meta)
+    eid = m["id"]
+    member, seed, version, trained = (_int(m, f) for f in ("member", "seed", "version", "trained"))
+    if member < 0 or trained < 0:
+        raise CorruptEntry(f"field 'member'/'trained' negative: {member}/{trained}")
+    cfg_scale, composite, created = (_float(m, f) for f in ("guidance_scale", "composite", "created"))
+    spec = _spec(m)
+    steps, trained_steps = _steps(m, len(spec.sigmas))
+    heads, scores = _json_list(m, "heads", str), _json_list(m, "scores", float)
+    if not heads:
+        raise CorruptEntry("field 'heads' is empty")
+    if len(scores) != len(heads):
+        raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
+    t = _tensors(blob, len(steps), copy)
+    traj = Trajectory(
+        condition=Condition(id=m["condition"], prompt=m["prompt"], image=t.get("image"),
+                            image_path=m.get("image_path"), negative_prompt=m.get("negative_prompt")),
+        group_id=m["group"], member=member, seed=seed, spec=spec, guidance_scale=cfg_scale,
+        policy_version=version, step_indices=steps, x=t["x"], x_next=t["x_next"], logp_old=t["logp_old"],
+        final_latents=t["final_latents"], frames=None, trained_times=trained, bank_id=eid,
+        trained_steps=trained_steps, mu_old=t.get("mu_old"),
+    )
+    return Entry(id=eid, trajectory=traj, heads=heads,
+                 scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
+                 status=m["status"], created=created)
+
+
+def _fields(meta: Mapping[Any, Any]) -> dict[str, str]:
+    """The hash fields as text, all present, of this format, with a valid id and status."""
     m = {_text(k, "field name"): _text(v, k) for k, v in meta.items()}
     missing = [f for f in REQUIRED if f not in m]
+    if m.get("format") == "1":  # checked first: a format-1 entry also lacks scheme_params
+        raise CorruptEntry("field 'format' is '1': an entry of an older vgrpo, which did not store its "
+                           "SDE scheme's full spec; it cannot be replayed exactly and is not read")
     if missing:
         raise CorruptEntry(f"missing fields {missing}")
     if m["format"] != FORMAT:
         raise CorruptEntry(f"field 'format' is {m['format']!r}, expected {FORMAT!r}")
-    eid = m["id"]
     try:
-        check_eid(eid)
+        check_eid(m["id"])
     except ValueError as e:
         raise CorruptEntry(f"field 'id': {e}") from None
-    if m["scheme"] not in SCHEMES:
-        raise CorruptEntry(f"field 'scheme' is {m['scheme']!r}, expected one of {sorted(SCHEMES)}")
     if m["status"] not in STATUSES:
         raise CorruptEntry(f"field 'status' is {m['status']!r}")
-    member, seed, version, trained = (_int(m, f) for f in ("member", "seed", "version", "trained"))
-    if member < 0 or trained < 0:
-        raise CorruptEntry(f"field 'member'/'trained' negative: {member}/{trained}")
-    eta, cfg_scale, composite, created = (
-        _float(m, f) for f in ("eta", "guidance_scale", "composite", "created"))
+    return m
+
+
+def _spec(m: dict[str, str]) -> SchemeSpec:
+    """The scheme's full spec; its arguments must be exactly what encode writes for it."""
+    if m["scheme"] not in SCHEMES:
+        raise CorruptEntry(f"field 'scheme' is {m['scheme']!r}, expected one of {sorted(SCHEMES)}")
     sigmas = _json_list(m, "sigmas", float)
+    if len(sigmas) < 2:
+        raise CorruptEntry(f"field 'sigmas' has {len(sigmas)} values, expected at least 2 (σ_0 … σ_T)")
+    text = m["scheme_params"]
+    try:
+        params = json.loads(text)
+    except (ValueError, RecursionError):
+        raise CorruptEntry("field 'scheme_params' is not JSON") from None
+    if not isinstance(params, dict) or not all(_is_param(v) for v in params.values()):
+        raise CorruptEntry("field 'scheme_params' must be a JSON object of finite numbers, strings and nulls")
+    spec = SchemeSpec(m["scheme"], tuple(params.items()), sigmas)
+    try:
+        scheme = scheme_from_spec(spec)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise CorruptEntry(f"field 'scheme_params': {e}") from None
+    if _params_json(scheme.arguments()) != text:
+        raise CorruptEntry(f"field 'scheme_params' is {text[:80]!r}, not the arguments as encode writes them")
+    return spec
+
+
+def _steps(m: dict[str, str], n_sigmas: int) -> tuple[list[int], list[int] | None]:
+    """step_indices (each a step of the schedule) and trained_steps (a subset of them, or None)."""
     steps = _json_list(m, "step_indices", int)
-    heads = _json_list(m, "heads", str)
-    scores = _json_list(m, "scores", float)
-    if len(sigmas) < 2 or not steps or not heads:
-        raise CorruptEntry("fields 'sigmas' (>= 2), 'step_indices', 'heads' must be non-empty")
-    if any(not 0 <= k < len(sigmas) - 1 for k in steps):
-        raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{len(sigmas) - 2}")
-    if len(scores) != len(heads):
-        raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
+    if not steps:
+        raise CorruptEntry("field 'step_indices' is empty")
+    if any(not 0 <= k < n_sigmas - 1 for k in steps):
+        raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{n_sigmas - 2}")
     trained_steps = _json_list(m, "trained_steps", int) if "trained_steps" in m else None
     if trained_steps is not None and not set(trained_steps) <= set(steps):
         raise CorruptEntry(f"field 'trained_steps' {trained_steps} is not a subset of 'step_indices' {steps}")
+    return steps, trained_steps
 
-    # 2. Blob: safetensors only (no pickle), exactly the expected tensors and shapes.
+
+def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
+    """The blob's tensors: safetensors only (no pickle), exactly the expected names and shapes."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptEntry("blob missing")
     try:
@@ -176,18 +232,18 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
     extra, absent = set(t) - {*TENSORS, *OPTIONAL_TENSORS}, set(TENSORS) - set(t)
     if extra or absent:
         raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
-    x, x_next, logp_old, final = (t[k] for k in TENSORS)
-    if x.dim() != 5 or x.shape[0] != len(steps):
-        raise CorruptEntry(f"tensor 'x' shape {tuple(x.shape)}: expected [K={len(steps)}, C, F, H, W]")
+    x, x_next, logp_old, final = (t[n] for n in TENSORS)
+    if x.dim() != 5 or x.shape[0] != k:
+        raise CorruptEntry(f"tensor 'x' shape {tuple(x.shape)}: expected [K={k}, C, F, H, W]")
     if x_next.shape != x.shape:
         raise CorruptEntry(f"tensor 'x_next' shape {tuple(x_next.shape)} != x {tuple(x.shape)}")
-    if logp_old.shape != (len(steps),):
-        raise CorruptEntry(f"tensor 'logp_old' shape {tuple(logp_old.shape)}: expected [{len(steps)}]")
+    if logp_old.shape != (k,):
+        raise CorruptEntry(f"tensor 'logp_old' shape {tuple(logp_old.shape)}: expected [{k}]")
     if final.shape != x.shape[1:]:
         raise CorruptEntry(f"tensor 'final_latents' shape {tuple(final.shape)} != {tuple(x.shape[1:])}")
-    for k in TENSORS:
-        if not t[k].is_floating_point():
-            raise CorruptEntry(f"tensor {k!r} has dtype {t[k].dtype}, expected floating point")
+    for n in TENSORS:
+        if not t[n].is_floating_point():
+            raise CorruptEntry(f"tensor {n!r} has dtype {t[n].dtype}, expected floating point")
     if not torch.isfinite(logp_old).all():
         raise CorruptEntry("tensor 'logp_old' has non-finite values")
     mu_old = t.get("mu_old")
@@ -196,19 +252,17 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
     image = t.get("image")
     if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
         raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
+    return t
 
-    # 3. Assemble.
-    traj = Trajectory(
-        condition=Condition(id=m["condition"], prompt=m["prompt"], image=image, image_path=m.get("image_path"),
-                            negative_prompt=m.get("negative_prompt")),
-        group_id=m["group"], member=member, seed=seed, scheme=m["scheme"], eta=eta,
-        guidance_scale=cfg_scale, policy_version=version, sigmas=sigmas, step_indices=steps,
-        x=x, x_next=x_next, logp_old=logp_old, final_latents=final, frames=None,
-        trained_times=trained, bank_id=eid, trained_steps=trained_steps, mu_old=mu_old,
-    )
-    return Entry(id=eid, trajectory=traj, heads=heads,
-                 scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
-                 status=m["status"], created=created)
+
+def _params_json(params: tuple[tuple[str, Param], ...]) -> str:
+    return json.dumps(dict(params))
+
+
+def _is_param(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))
 
 
 def _text(v: Any, field: Any) -> str:

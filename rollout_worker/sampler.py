@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -112,36 +113,83 @@ def condition_seed(condition_id: str, run_seed: int) -> int:
 def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
                  group_id: str | None = None) -> Group:
     """Generate G = sampler.group_size rollouts of `condition` and record their trained transitions."""
-    scfg = cfg.sampler
-    G = scfg.group_size
-    store = _LATENT_DTYPES[scfg.latent_dtype]
+    G = cfg.sampler.group_size
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
     # 1. Schedule, scheme, each member's trained steps and the steps the group records
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)
-    trained = draw_trained_steps(schedule, scheme, scfg, seed, G, model)
+    trained = draw_trained_steps(schedule, scheme, cfg.sampler, seed, G, model)
     recorded = recorded_steps(trained, schedule, scheme, cfg, model)
-    recorded_set, keep_mu = set(recorded), cfg.records_mu_old
-    ode_from = schedule.steps - scfg.ode_last_steps
 
     # 2. Encode the condition once; every member shares it
     image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
     cond = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
                         **negative_kwargs([condition])).repeat(G)
 
-    # 3. Initial noise: shared by the group (default) or fresh per member
+    # 3. Initial noise, 4. the denoising loop, 5. decode
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
+    x = _initial_noise(model, condition, cfg, gen)
+    x, steps = _denoise(model, x, cond, schedule, scheme, set(recorded), cfg, gen)
+    frames = model.decode(x)  # uint8 [G, F, H, W, 3]
+
+    # 6. One Trajectory per member (each stacks its own K steps: one copy), stamped with the
+    # scheme's full spec so the learner replays it with exactly this scheme and schedule
+    spec, store = scheme.spec(schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
+    members = [
+        Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
+                   guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
+                   step_indices=list(recorded), trained_steps=list(trained[i]),
+                   **steps.member(i, x.shape[1:], store),
+                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
+        for i in range(G)
+    ]
+    return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
+
+
+def _initial_noise(model: VideoModel, condition: Condition, cfg: RunConfig, gen: torch.Generator) -> Tensor:
+    """Shared by the group (default) or fresh per member; drawn from the step-noise generator
+    `gen` with initial_noise=group, else from the condition's own seed. [G, C, F, H, W] fp32"""
+    scfg = cfg.sampler
+    G = scfg.group_size
     init_gen = gen if scfg.initial_noise == "group" else \
         torch.Generator().manual_seed(condition_seed(condition.id, cfg.train.seed))
     x = model.initial_noise(1 if scfg.shared_noise else G, init_gen).float()
-    x = _round(x.expand(G, *x.shape[1:]).clone(), store)  # [G, C, F, H, W]
+    return _round(x.expand(G, *x.shape[1:]).clone(), _LATENT_DTYPES[scfg.latent_dtype])
 
-    # 4. Denoising loop; the state keeps the stored dtype's values so stored steps replay exactly
-    xs, x_nexts, logps, mus = [], [], [], []
+
+@dataclass
+class _Recorded:
+    """The transitions of the recorded steps, one [G, ...] tensor per step, in step order."""
+
+    x: list[Tensor] = field(default_factory=list)
+    x_next: list[Tensor] = field(default_factory=list)
+    logp: list[Tensor] = field(default_factory=list)
+    mu: list[Tensor] | None = None       # None: μ_old not kept
+
+    def member(self, i: int, shape: tuple, store: torch.dtype) -> dict[str, Tensor | None]:
+        """Member i's Trajectory tensors: x, x_next [K, C, F, H, W], logp_old [K], mu_old or None."""
+        def stack(ts: list[Tensor], shape: tuple) -> Tensor:
+            return torch.stack([t[i] for t in ts]) if ts else torch.empty((0, *shape), dtype=store)
+
+        return {"x": stack(self.x, shape), "x_next": stack(self.x_next, shape),
+                "logp_old": stack(self.logp, ()).float(),
+                "mu_old": torch.stack([m[i] for m in self.mu]) if self.mu else None}
+
+
+def _denoise(model: VideoModel, x: Tensor, cond: Cond, schedule: Schedule, scheme: Scheme,
+             recorded: set[int], cfg: RunConfig, gen: torch.Generator) -> tuple[Tensor, _Recorded]:
+    """Run every step from x [G, C, F, H, W]; returns the final latents and the recorded steps.
+
+    The state keeps the stored dtype's values, so a stored step replays exactly. A step neither
+    recorded nor (with untrained_steps=scheme, before ode_last_steps) sampled runs as ODE.
+    """
+    scfg = cfg.sampler
+    store, ode_from = _LATENT_DTYPES[scfg.latent_dtype], schedule.steps - scfg.ode_last_steps
+    out = _Recorded(mu=[] if cfg.records_mu_old else None)
     for k in range(schedule.steps):
         sigma, sigma_next = schedule.pair(k)
-        step_scheme = scheme if k in recorded_set or (k < ode_from and scfg.untrained_steps == "scheme") \
+        step_scheme = scheme if k in recorded or (k < ode_from and scfg.untrained_steps == "scheme") \
             else ODE()
         v = _velocity(model, x, sigma, cond, sigma_next)  # [G, C, F, H, W], CFG inside
         std = step_scheme.std(sigma, sigma_next)
@@ -150,34 +198,14 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
         else:
             x_next = mu = step_scheme.mean(x, v, sigma, sigma_next)
         x_next = _round(x_next, store)
-        if k in recorded_set:
-            logps.append(step_scheme.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
-            xs.append(x.to(store).cpu())
-            x_nexts.append(x_next.to(store).cpu())
-            if keep_mu:
-                mus.append(mu.float().cpu())
+        if k in recorded:
+            out.logp.append(step_scheme.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
+            out.x.append(x.to(store).cpu())
+            out.x_next.append(x_next.to(store).cpu())
+            if out.mu is not None:
+                out.mu.append(mu.float().cpu())
         x = x_next
-
-    # 5. Decode and record one Trajectory per member (each stacks its own K steps: one copy)
-    frames = model.decode(x)  # uint8 [G, F, H, W, 3]
-    K = len(recorded)
-
-    def steps_of(ts: list[Tensor], i: int, shape: tuple) -> Tensor:
-        return torch.stack([t[i] for t in ts]) if K else torch.empty((0, *shape), dtype=store)
-
-    members = [
-        Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, scheme=scheme.name,
-                   eta=scheme.eta, guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
-                   sigmas=list(schedule.sigmas), step_indices=list(recorded),
-                   trained_steps=list(trained[i]),
-                   x=steps_of(xs, i, x.shape[1:]),               # [K, C, F, H, W]
-                   x_next=steps_of(x_nexts, i, x.shape[1:]),     # [K, C, F, H, W]
-                   logp_old=steps_of(logps, i, ()).float(),      # [K]
-                   mu_old=torch.stack([m[i] for m in mus]) if keep_mu and K else None,  # [K, C, F, H, W]
-                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
-        for i in range(G)
-    ]
-    return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
+    return x, out
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from common.sde import Sage, Schedule
 from common.types import Condition, Group, Scores, Trajectory
 
 SHAPE = (4, 6, 16, 16)   # [C, F, H, W]
@@ -12,11 +13,10 @@ HEADS = ["vq", "mq", "ta"]
 
 def make_traj(cond: Condition, group_id: str, member: int, version: int, gen: torch.Generator,
               k: int = 3, shape: tuple[int, ...] = SHAPE, dtype=torch.float32) -> Trajectory:
-    sigmas = torch.linspace(1, 0, 9).tolist()
+    spec = Sage(0.5).spec(Schedule.explicit(torch.linspace(1, 0, 9).tolist()))
     return Trajectory(
-        condition=cond, group_id=group_id, member=member, seed=1234 + member, scheme="sage",
-        eta=0.5, guidance_scale=1.0, policy_version=version, sigmas=sigmas,
-        step_indices=list(range(k)),
+        condition=cond, group_id=group_id, member=member, seed=1234 + member, spec=spec,
+        guidance_scale=1.0, policy_version=version, step_indices=list(range(k)),
         x=torch.randn(k, *shape, generator=gen).to(dtype),          # [K, C, F, H, W]
         x_next=torch.randn(k, *shape, generator=gen).to(dtype),     # [K, C, F, H, W]
         logp_old=torch.randn(k, generator=gen),                     # [K]

@@ -92,9 +92,8 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
         x = x_next
     gid = group_id or f"{condition.id}-{seed}"
     members = [
-        Trajectory(condition=condition, group_id=gid, member=i, seed=seed, scheme=scheme_name,
-                   eta=scheme.eta, guidance_scale=1.0, policy_version=version,
-                   sigmas=list(schedule.sigmas), step_indices=list(trained),
+        Trajectory(condition=condition, group_id=gid, member=i, seed=seed, spec=scheme.spec(schedule),
+                   guidance_scale=1.0, policy_version=version, step_indices=list(trained),
                    x=torch.stack([t[i] for t in xs]), x_next=torch.stack([t[i] for t in xns]),
                    logp_old=torch.stack([t[i] for t in lps]), final_latents=x[i].clone(),
                    mu_old=torch.stack([t[i] for t in mus]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,6 +15,8 @@ from bank_helpers import HEADS, make_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.sde import SCHEMES as SCHEME_CLASSES
+from common.sde import SchemeSpec
 from common.types import Condition, Trajectory
 from memory_bank.codec import REQUIRED, SCHEMES, decode, encode
 from memory_bank.errors import CorruptEntry
@@ -45,9 +48,10 @@ def test_round_trip_bit_exact(image, dtype):
         assert r.condition.image is None
     assert r.frames is None  # frames are not stored
     assert (r.condition.id, r.condition.prompt) == (t.condition.id, t.condition.prompt)
-    for f in ("group_id", "member", "seed", "scheme", "eta", "guidance_scale", "policy_version",
-              "sigmas", "step_indices", "trained_times"):
+    for f in ("group_id", "member", "seed", "spec", "guidance_scale", "policy_version",
+              "step_indices", "trained_times"):
         assert getattr(r, f) == getattr(t, f), f
+    assert meta["scheme"] == "sage" and json.loads(meta["scheme_params"]) == {"eta": 0.5, "clamp_c": 3e-3}
     assert e.heads == HEADS
     assert torch.equal(e.scores, grp.scores.values[1])
     assert e.composite == float(grp.composite[1])
@@ -87,14 +91,34 @@ def test_foreign_shapes_rejected(tensor, shape, match):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("scheme", "ddim"), ("step_indices", "[0, 99]"), ("scores", "[1.0]"), ("eta", "nan"),
+    ("scheme", "ddim"), ("step_indices", "[0, 99]"), ("scores", "[1.0]"),
     ("member", "-1"), ("format", "0"), ("sigmas", '["a"]'), ("heads", "{}"),
+    ("scheme_params", '{"eta": NaN, "clamp_c": 0.003}'),
+    ("scheme_params", '{"eta": 0.5}'),                     # clamp_c missing: no default is guessed
+    ("scheme_params", '{"clamp_c": 0.003, "eta": 0.5}'),   # not in the order encode writes
+    ("scheme_params", '{"eta": 0.5, "clamp_c": 3e-3}'),    # not the number as encode writes it
+    ("scheme_params", '{"eta": 1, "clamp_c": 0.003}'),
+    ("scheme_params", '{"eta": "0.5", "clamp_c": 0.003}'),
+    ("scheme_params", '[0.5, 0.003]'),
+    ("scheme", "flow"),                                    # sage's arguments under another name
 ])
 def test_bad_metadata_rejected(field, value):
     _, _, _, meta, blob = _encoded()
     meta[field] = value
     with pytest.raises(CorruptEntry, match=field):
         decode(meta, blob)
+
+
+def test_entry_of_format_1_is_refused_in_one_line():
+    """Format 1 stored the scheme's name and η only; the other arguments came from the learner's
+    config, so such an entry cannot be replayed exactly: it is refused, not guessed at."""
+    _, _, _, meta, blob = _encoded()
+    old = {k: v for k, v in meta.items() if k != "scheme_params"}
+    old.update(format="1", eta="0.5")
+    with pytest.raises(CorruptEntry) as e:
+        decode(old, blob)
+    assert str(e.value) == ("field 'format' is '1': an entry of an older vgrpo, which did not store its "
+                            "SDE scheme's full spec; it cannot be replayed exactly and is not read")
 
 
 def test_pickle_and_garbage_blobs_rejected():
@@ -134,6 +158,12 @@ def _decode_outcome(meta, blob):
         return None
 
 
+_finite = st.floats(allow_nan=False, allow_infinity=False)
+_ARG_VALUES = {"eta": _finite, "clamp_c": _finite, "sigma1": st.one_of(st.none(), _finite),
+               "first_step": st.sampled_from(["sigma1", "clamp"]),
+               "log_prob_form": st.sampled_from(["mse", "gaussian"])}
+
+
 @st.composite
 def _trajectories(draw):
     k = draw(st.integers(1, 3))
@@ -150,11 +180,13 @@ def _trajectories(draw):
     image = (torch.randint(0, 256, (draw(st.integers(1, 4)), draw(st.integers(1, 4)), 3),
                            dtype=torch.uint8, generator=gen) if draw(st.booleans()) else None)
     cond = Condition(id=draw(st.text(max_size=20)), prompt=draw(st.text(max_size=60)), image=image)
+    cls = SCHEME_CLASSES[draw(st.sampled_from(sorted(SCHEMES)))]
+    args = {a: draw(_ARG_VALUES[a]) for a in cls.arg_names}
     traj = Trajectory(
         condition=cond, group_id=draw(st.text(max_size=20)), member=draw(st.integers(0, 2**40)),
-        seed=draw(st.integers(-2**63, 2**64)), scheme=draw(st.sampled_from(sorted(SCHEMES))),
-        eta=draw(finite), guidance_scale=draw(finite), policy_version=draw(st.integers(-5, 2**40)),
-        sigmas=sigmas, step_indices=steps, x=x, x_next=torch.randn(k, *shape, generator=gen).to(dtype),
+        seed=draw(st.integers(-2**63, 2**64)), spec=SchemeSpec(cls.name, cls(**args).arguments(), sigmas),
+        guidance_scale=draw(finite), policy_version=draw(st.integers(-5, 2**40)),
+        step_indices=steps, x=x, x_next=torch.randn(k, *shape, generator=gen).to(dtype),
         logp_old=torch.randn(k, generator=gen).to(draw(st.sampled_from(_FLOATS))),
         final_latents=torch.randn(*shape, generator=gen).to(dtype), frames=None,
         trained_times=draw(st.integers(0, 1000)))
@@ -178,10 +210,11 @@ def test_fuzz_valid_entries_round_trip_exactly(case):
     assert (r.condition.id, r.condition.prompt) == (t.condition.id, t.condition.prompt)
     assert (r.condition.image is None) == (t.condition.image is None)
     assert r.condition.image is None or _same(r.condition.image, t.condition.image)
-    for f in ("group_id", "member", "seed", "scheme", "eta", "guidance_scale", "policy_version",
-              "sigmas", "step_indices", "trained_times"):
+    for f in ("group_id", "member", "seed", "spec", "guidance_scale", "policy_version",
+              "step_indices", "trained_times"):
         assert getattr(r, f) == getattr(t, f), f
-    assert math.copysign(1, r.eta) == math.copysign(1, t.eta)          # -0.0 stays -0.0
+    for (_, a), (_, b) in zip(r.spec.params, t.spec.params, strict=True):  # -0.0 stays -0.0
+        assert type(a) is type(b) and (not isinstance(a, float) or math.copysign(1, a) == math.copysign(1, b))
 
 
 def test_encode_refuses_what_decode_would_refuse():
@@ -190,7 +223,8 @@ def test_encode_refuses_what_decode_would_refuse():
         "logp_old": lambda t: setattr(t, "logp_old", torch.tensor([0.0, float("nan"), 0.0])),
         "step_indices": lambda t: setattr(t, "step_indices", [0, 1, 8]),
         "member": lambda t: setattr(t, "member", -1),
-        "sigmas": lambda t: setattr(t, "sigmas", [1.0, float("nan"), 0.0]),
+        "sigmas": lambda t: setattr(t, "spec", dataclasses.replace(t.spec, sigmas=[1.0, float("nan"), 0.0])),
+        "scheme_params": lambda t: setattr(t, "spec", dataclasses.replace(t.spec, params=(("eta", 0.5),))),
         "dtype": lambda t: setattr(t, "x", t.x.to(torch.int32)),
         "Unicode": lambda t: setattr(t.condition, "prompt", "bad \ud800 text"),
     }
@@ -270,7 +304,29 @@ _text_or_bytes = st.one_of(st.text(max_size=40), st.binary(max_size=40),
                                             "sage", "fresh", "banked", "true", "{}", "١٢"]))
 
 _INT_FIELDS = ("member", "seed", "version", "trained")
-_FLOAT_FIELDS = ("eta", "guidance_scale", "composite", "created")
+_FLOAT_FIELDS = ("guidance_scale", "composite", "created")
+# each scheme's constructor arguments, in order, and the values each may hold (restated)
+_FLOAT, _FLOAT_OR_NONE = "float", "float or None"
+_ARGS = {"ode": {"eta": _FLOAT}, "dance": {"eta": _FLOAT},
+         "flow": {"eta": _FLOAT, "first_step": ("sigma1", "clamp"), "sigma1": _FLOAT_OR_NONE, "clamp_c": _FLOAT},
+         "cps": {"eta": _FLOAT, "log_prob_form": ("mse", "gaussian")}, "sage": {"eta": _FLOAT, "clamp_c": _FLOAT}}
+
+
+def _reference_params(scheme: str, text: str):
+    """The arguments when `text` is exactly what encode writes for a `scheme`, else None."""
+    try:
+        p = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(p, dict) or list(p) != list(_ARGS[scheme]) or json.dumps(p) != text:
+        return None
+    for name, rule in _ARGS[scheme].items():
+        v = p[name]
+        is_float = isinstance(v, float) and math.isfinite(v)
+        ok = is_float if rule == _FLOAT else (is_float or v is None) if rule == _FLOAT_OR_NONE else v in rule
+        if not ok:
+            return None
+    return p
 
 
 def _json_list(v: str, kind):
@@ -300,7 +356,7 @@ def _reference_meta(meta: dict):
             m[key] = v.decode("utf-8") if isinstance(v, bytes) else v
         except UnicodeDecodeError:
             return None
-    if any(f not in m for f in REQUIRED) or m["format"] != "1" or m["scheme"] not in SCHEMES:
+    if any(f not in m for f in REQUIRED) or m["format"] != "2" or m["scheme"] not in SCHEMES:
         return None
     if not re.fullmatch(r"[0-9a-f]{32}", m["id"]) or m["status"] not in ("fresh", "banked"):
         return None
@@ -317,9 +373,10 @@ def _reference_meta(meta: dict):
         if not math.isfinite(v) or repr(v) != m[f]:
             return None
         out[f] = v
+    out["scheme"], out["params"] = m["scheme"], _reference_params(m["scheme"], m["scheme_params"])
     out["sigmas"], out["step_indices"] = _json_list(m["sigmas"], float), _json_list(m["step_indices"], int)
     out["heads"], out["scores"] = _json_list(m["heads"], str), _json_list(m["scores"], float)
-    if any(out[f] is None for f in ("sigmas", "step_indices", "heads", "scores")):
+    if any(out[f] is None for f in ("params", "sigmas", "step_indices", "heads", "scores")):
         return None
     if out["member"] < 0 or out["trained"] < 0 or len(out["sigmas"]) < 2 or not out["heads"]:
         return None
@@ -339,8 +396,9 @@ def _check_meta(meta: dict) -> None:
     assert got is not None, "valid metadata was refused"
     r = got.trajectory
     assert (r.member, r.seed, r.policy_version, r.trained_times) == tuple(ref[f] for f in _INT_FIELDS)
-    assert (r.eta, r.guidance_scale, got.composite, got.created) == tuple(ref[f] for f in _FLOAT_FIELDS)
-    assert (r.sigmas, r.step_indices, got.heads) == (ref["sigmas"], ref["step_indices"], ref["heads"])
+    assert (r.guidance_scale, got.composite, got.created) == tuple(ref[f] for f in _FLOAT_FIELDS)
+    assert (r.spec.name, r.spec.kwargs) == (ref["scheme"], ref["params"])
+    assert (list(r.spec.sigmas), r.step_indices, got.heads) == (ref["sigmas"], ref["step_indices"], ref["heads"])
     assert got.scores.tolist() == torch.tensor(ref["scores"], dtype=torch.float32).tolist()
 
 

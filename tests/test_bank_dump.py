@@ -98,3 +98,36 @@ def test_step_dir_finds_the_checkpoint_under_a_root(tmp_path):
     (tmp_path / "step_00000004" / "extra.json").write_text("{}")
     assert step_dir(tmp_path, 4) == tmp_path / "step_00000004"
     assert step_dir(tmp_path / "step_00000004", 4) == tmp_path / "step_00000004"
+
+
+def _as_format_1(src) -> None:
+    """Rewrite a dump's entries as bank format 1 wrote them (the scheme's name and η, no
+    scheme_params), with the index's offsets and digest made to match: a well-formed old dump."""
+    import hashlib
+
+    index_path, data_path = src / INDEX, src / DATA
+    index, data = json.loads(index_path.read_text()), data_path.read_bytes()
+    out, entries = bytearray(), {}
+    for eid, (off, n_meta, n_blob) in index["entries"].items():
+        meta = json.loads(data[off:off + n_meta])
+        eta = json.loads(meta.pop("scheme_params"))["eta"]
+        meta.update(format="1", eta=repr(eta))
+        m = json.dumps(meta).encode()
+        entries[eid] = [len(out), len(m), n_blob]
+        out += m + data[off + n_meta:off + n_meta + n_blob]
+    data_path.write_bytes(bytes(out))
+    index.update(entries=entries, size=len(out), sha256=hashlib.sha256(out).hexdigest())
+    index_path.write_text(json.dumps(index))
+
+
+def test_a_dump_of_format_1_entries_is_refused_in_one_line(bank, tmp_path):
+    """Entries written before the scheme's full spec was stored are not restored with guessed
+    arguments: the resume says why in one line and starts with an empty bank."""
+    _filled(bank)
+    dump_bank(bank, tmp_path)
+    bank.clear()
+    _as_format_1(tmp_path / DIR)
+    note = restore_bank(bank, tmp_path)
+    assert "\n" not in note and note.endswith("resuming with an empty bank")
+    assert "field 'format' is '1': an entry of an older vgrpo, which did not store its SDE scheme's full spec" in note
+    assert list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*")) == []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.config import KLConfig, RunConfig
-from common.sde import Schedule, equalizer_weights, log_prob, make_scheme
+from common.sde import CPS, Schedule, equalizer_weights, log_prob, make_scheme
 from common.types import Condition, Group, Scores, TrainBatch, Trajectory
 from learner.advantages import group_advantages, is_zero_std
 from learner.kl import KLController
@@ -62,8 +62,9 @@ def test_stats_mask_restricts_mean_and_std():
 def _traj(cond, gid, member, steps, seed, sigmas, version=0):
     g = torch.Generator().manual_seed(seed)
     k = len(steps)
-    return Trajectory(condition=cond, group_id=gid, member=member, seed=0, scheme="sage", eta=0.5,
-                      guidance_scale=1.0, policy_version=version, sigmas=sigmas, step_indices=steps,
+    return Trajectory(condition=cond, group_id=gid, member=member, seed=0,
+                      spec=make_scheme("sage", 0.5).spec(Schedule.explicit(sigmas)),
+                      guidance_scale=1.0, policy_version=version, step_indices=steps,
                       x=torch.randn(k, *SHAPE, generator=g), x_next=torch.randn(k, *SHAPE, generator=g),
                       logp_old=torch.randn(k, generator=g), final_latents=torch.zeros(SHAPE),
                       mu_old=torch.randn(k, *SHAPE, generator=g))
@@ -121,9 +122,26 @@ def test_equalizer_weights_picked_at_trained_steps():
 
 def test_batch_with_two_schemes_is_rejected():
     batch = _batch([0.0, 1.0])
-    batch.fresh[0].members[1].scheme = "flow"
-    with pytest.raises(ValueError, match="one batch needs one scheme"):
+    sched = batch.fresh[0].members[0].spec.schedule()
+    batch.fresh[0].members[1].spec = make_scheme("flow", 0.5, sched).spec(sched)
+    with pytest.raises(ValueError, match=r"g/1 was sampled with flow\(eta=0.5, .*; one batch needs one scheme"):
         build_rows(batch, RunConfig())
+
+
+def test_rows_take_the_scheme_from_the_trajectories_not_the_config():
+    """CPS's log-prob form and η, and the schedule, come from the trajectory's spec; the learner's
+    config (CPS with the Gaussian form, η 0.7, another schedule) is not read for them."""
+    sched = Schedule.linear(5, 2.0)
+    batch = _batch([0.0, 1.0], sigmas=list(sched.sigmas))
+    spec = CPS(0.6, log_prob_form="mse").spec(sched)
+    for t in batch.fresh[0].members:
+        t.spec = spec
+    cfg = RunConfig.model_validate({"sde": {"scheme": "cps", "cps_log_prob": "gaussian"},
+                                    "schedule": {"steps": 8, "shift": 1.0}})
+    rows = build_rows(batch, cfg)
+    assert type(rows.scheme) is CPS and (rows.scheme.eta, rows.scheme.log_prob_form) == (0.6, "mse")
+    assert rows.sigma.tolist() == [sched.sigmas[k] for k in (0, 1, 0, 1)]
+    assert torch.equal(rows.weight, equalizer_weights(CPS(0.6), sched)[[0, 1, 0, 1]])
 
 
 def test_rank_shares_cover_rows_once_with_equal_lengths():

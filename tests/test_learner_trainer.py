@@ -262,3 +262,45 @@ def test_turning_ema_on_at_a_resume_starts_the_average_at_the_resumed_weights(tm
     assert all(torch.equal(on.weights_payload(ema=True)[k], v) for k, v in live.items())
     on.train_step(_batch(model, seed=1))  # and it moves from there
     assert any(not torch.equal(on.weights_payload(ema=True)[k], v) for k, v in live.items())
+
+
+@pytest.mark.parametrize("sampled,learner", [
+    (["sde.scheme=flow", "sde.eta=0.9", "sde.flow_first_step=clamp", "sde.clamp_c=0.02"], []),
+    (["sde.scheme=cps", "sde.eta=0.6", "sde.cps_log_prob=mse"], ["sde.scheme=cps", "sde.cps_log_prob=gaussian"]),
+    (["sde.scheme=sage", "sde.eta=1.1", "sde.clamp_c=0.05"], []),
+    (["sde.scheme=dance", "sde.eta=0.4"], ["sde.scheme=flow", "sde.flow_first_step=clamp"]),
+])
+def test_a_trajectory_is_replayed_with_its_own_scheme_not_the_learners_config(sampled, learner):
+    """The rollout's config differs from the learner's in the scheme's arguments and the schedule:
+    the learner replays each step with the trajectory's spec, so with unchanged weights log r is
+    exactly 0 (the real sampler and the committed toy model, as in a run). Groups of 4: with 3 the
+    toy model's forward rounds differently from the learner's batch by an ulp, whatever the scheme."""
+    from common.config import load_config
+    from common.sde import Schedule, scheme_from_config
+    from rollout_worker.models.toy import ToyVideoModel
+    from rollout_worker.sampler import sample_group as sample_toy_group
+    from rollout_worker.sampler import transition_log_prob
+
+    base = ["sampler.group_size=4", "grpo.per_head_advantages=false", "align.enabled=false"]
+    rollout_cfg = load_config("configs/quickstart.yaml", [*base, "schedule.steps=5", "schedule.shift=2.0", *sampled])
+    learner_cfg = load_config("configs/quickstart.yaml", [*base, *learner])   # 10 steps, shift 3
+    model = ToyVideoModel.from_config(learner_cfg)
+    groups = [sample_toy_group(model, Condition(f"c{i}", p), rollout_cfg, seed=7 + i, policy_version=0)
+              for i, p in enumerate(["a red square moving left", "a blue square moving up"])]
+    for g in groups:
+        g.composite = torch.stack([t.final_latents[0].mean() for t in g.members])
+    spec = groups[0].members[0].spec
+    sched = Schedule.from_config(rollout_cfg.schedule)
+    assert spec == scheme_from_config(rollout_cfg, sched).spec(sched) and spec.sigmas == sched.sigmas
+    rows = build_rows(TrainBatch(groups), learner_cfg)
+    assert rows.scheme.spec(sched) == spec
+    # the learner's own config would not replay it: its scheme gives another log-prob
+    t = groups[0].members[0]
+    own = scheme_from_config(learner_cfg, Schedule.from_config(learner_cfg.schedule))
+    with torch.no_grad():
+        lp_own, _ = transition_log_prob(model, own, t.x[:1], t.x_next[:1], *sched.pair(t.step_indices[0]),
+                                        model.encode([t.condition.prompt]))
+    assert float((lp_own - t.logp_old[0]).abs()) > 1e-3
+    st = Trainer(learner_cfg, model).setup().train_step(TrainBatch(groups))
+    assert st["onpolicy_rows"] == rows.n > 0
+    assert st["logratio_first_absmax"] == 0.0 and st["logratio_onpolicy_absmax"] == 0.0

@@ -49,11 +49,13 @@ def test_group_records_trained_steps_and_replays_exactly(wan22, latent_dtype):
     assert group.size == 3 and group.policy_version == 5 and group.group_id == "c0-s3-v5"
     cond = wan22.encode([COND.prompt])
     for m in group.members:
-        assert m.step_indices == ks and m.sigmas == list(schedule.sigmas)
+        assert m.step_indices == ks and m.spec == scheme.spec(schedule)
         assert m.x.shape == m.x_next.shape == (len(ks), 4, 2, 2, 2) and m.x.dtype == store
         assert m.logp_old.shape == (len(ks),) and m.logp_old.dtype == torch.float32
         assert m.final_latents.dtype == store and m.frames.shape == (5, 16, 16, 3)
-        assert (m.scheme, m.eta, m.guidance_scale, m.policy_version, m.seed) == ("sage", 0.5, 2.0, 5, 3)
+        assert (m.spec.name, m.spec.kwargs["eta"], m.guidance_scale, m.policy_version, m.seed) == (
+            "sage", 0.5, 2.0, 5, 3)
+        assert m.spec.sigmas == schedule.sigmas
         # the chain is continuous: each stored x_{k+1} is the next stored x_k
         assert torch.equal(m.x[1:], m.x_next[:-1])
     # replaying each step's batch as sampled, with σ per sample as the learner holds it (fp32
