@@ -34,6 +34,7 @@ from torch import Tensor
 
 from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
+from common.retry import retry_outage
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt, Scores
 from common.weights import WeightsRecord, verify
@@ -85,6 +86,47 @@ class RolloutWorker:
 
     def deliver(self, group_id: str) -> GroupReceipt:
         """Score the staged group with the reward pool and push it into the bank."""
+        group, cursor, gen_s = self._staged.pop(group_id)
+        frames = group.frames()                                            # uint8 [G, F, H, W, 3]
+        rec = GroupReceipt(group_id, group.condition.id, cursor, group.policy_version, actor=self.actor_index,
+                           size=group.size, frame_bytes=frames.numel(),
+                           latent_bytes=sum(m.nbytes() for m in group.members) - frames.numel(),
+                           seconds={"generate": gen_s})
+        if not self._score(group, frames, rec):
+            return rec
+        for m in group.members:
+            m.frames = None  # the bank does not store frames
+        return self._store(group, rec)
+
+    def _score(self, group: Group, frames: Tensor, rec: GroupReceipt) -> bool:
+        """Score with the reward pool: the frames go from here to the reward actors through the
+        object store. Sets group.scores and composite; False (with `rec` failed) if it cannot."""
+        from common.images import reward_images
+        from reward_worker.actor import RewardFailed, RewardTimeout
+
+        client = self._reward_client()
+        before = (sum(client.timeouts.values()), sum(client.failures.values()))
+        t0 = time.monotonic()
+        try:
+            scores = client.score(frames, [group.condition.prompt] * group.size,
+                                  reward_images(group.condition, group.size))
+        except (RewardFailed, RewardTimeout) as e:
+            self._failed(rec, "reward", str(e))
+            return False
+        finally:
+            rec.seconds["score"] = time.monotonic() - t0
+            rec.reward_timeouts = sum(client.timeouts.values()) - before[0]
+            rec.reward_failures = sum(client.failures.values()) - before[1]
+        if not bool(scores.valid.all()):
+            rec.invalid_members = int((~scores.valid).sum())
+            self._failed(rec, "invalid", f"{rec.invalid_members} members with a non-finite reward")
+            return False
+        group.scores, group.composite = scores, client.heads.composite(scores)
+        return True
+
+    def _store(self, group: Group, rec: GroupReceipt) -> GroupReceipt:
+        """Push the scored group into the bank, retried while Redis is unreachable (for up to
+        bank.outage_s); every other bank error fails the receipt with its kind."""
         from memory_bank.errors import (
             BankError,
             BankFull,
@@ -92,60 +134,31 @@ class RolloutWorker:
             BankUnavailable,
             DuplicateGroup,
         )
-        from reward_worker.actor import RewardFailed, RewardTimeout
 
-        group, cursor, gen_s = self._staged.pop(group_id)
-        frames = group.frames()                                            # uint8 [G, F, H, W, 3]
-        rec = GroupReceipt(group_id, group.condition.id, cursor, group.policy_version, actor=self.actor_index,
-                           size=group.size, frame_bytes=frames.numel(),
-                           latent_bytes=sum(m.nbytes() for m in group.members) - frames.numel(),
-                           seconds={"generate": gen_s})
-        # 1. score: the frames go from here to the reward actors through the object store
-        client = self._reward_client()
-        before = (sum(client.timeouts.values()), sum(client.failures.values()))
-        t0 = time.monotonic()
-        from common.images import reward_images
+        t0, outage_s, retried = time.monotonic(), self.cfg.bank.outage_s, []
 
-        try:
-            scores = client.score(frames, [group.condition.prompt] * group.size,
-                                  reward_images(group.condition, group.size))
-        except (RewardFailed, RewardTimeout) as e:
-            return self._failed(rec, "reward", str(e))
-        finally:
-            rec.seconds["score"] = time.monotonic() - t0
-            rec.reward_timeouts = sum(client.timeouts.values()) - before[0]
-            rec.reward_failures = sum(client.failures.values()) - before[1]
-        if not bool(scores.valid.all()):
-            rec.invalid_members = int((~scores.valid).sum())
-            return self._failed(rec, "invalid", f"{rec.invalid_members} members with a non-finite reward")
-        group.scores, group.composite = scores, client.heads.composite(scores)
-        for m in group.members:
-            m.frames = None  # the bank does not store frames
-        # 2. store, retried with backoff while Redis is unreachable, for up to bank.outage_s
-        t0 = time.monotonic()
-        outage_s = self.cfg.bank.outage_s
-        deadline, delay, again = t0 + outage_s, 0.25, False
-        while True:
+        def push() -> None:
             try:
                 self._open_bank().push_group(group)
-                break
-            except DuplicateGroup as e:
-                if not again:
-                    return self._failed(rec, "bank_error", str(e))
-                break  # a retry after a dropped connection: the first try got through
-            except BankUnavailable as e:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return self._failed(rec, "bank_unavailable",
-                                        f"memory bank unreachable for {outage_s:.0f}s during push_group ({e})")
-                time.sleep(min(delay, left))
-                delay, again = min(delay * 2, 5.0), True
-            except BankTooSmall as e:  # one step cannot fit bank.max_bytes: no retry helps
-                return self._failed(rec, "fatal", str(e))
-            except BankFull as e:  # no room now: the driver waits for space and draws it again
-                return self._failed(rec, "bank_full", str(e))
-            except BankError as e:
-                return self._failed(rec, "bank_error", str(e))
+            except DuplicateGroup:
+                if not retried:
+                    raise
+                # a retry after a dropped connection: the first try got through
+
+        try:
+            retry_outage(push, outage_s=outage_s, what="push_group", errors=BankUnavailable,
+                         on_retry=lambda *_: retried.append(True))
+        except BankUnavailable as e:
+            return self._failed(rec, "bank_unavailable",
+                                f"memory bank unreachable for {outage_s:.0f}s during push_group ({e})")
+        except DuplicateGroup as e:
+            return self._failed(rec, "bank_error", str(e))
+        except BankTooSmall as e:  # one step cannot fit bank.max_bytes: no retry helps
+            return self._failed(rec, "fatal", str(e))
+        except BankFull as e:  # no room now: the driver waits for space and draws it again
+            return self._failed(rec, "bank_full", str(e))
+        except BankError as e:
+            return self._failed(rec, "bank_error", str(e))
         rec.seconds["store"] = time.monotonic() - t0
         return rec
 
