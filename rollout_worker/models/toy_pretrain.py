@@ -104,24 +104,19 @@ def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_p
     eval), eval}]. The eval is I2V (with IA) when `eval_i2v`, by default when i2v_prob >= 0.5."""
     # 1. Model, optimizer and the two independent streams (data / noise) from one seed.
     torch.manual_seed(seed)
-    if init is None:
-        model = ToyVideoModel(i2v_layout=i2v_layout)
-    else:
-        model = ToyVideoModel.from_pretrained(init)
-        model.i2v_layout = i2v_layout
+    model = _initial_model(init, i2v_layout)
     eval_i2v = i2v_prob >= 0.5 if eval_i2v is None else eval_i2v
     net = model.trainable_module().train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(warmup, 1)))
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
-    _, F, H, _ = model.latent_shape
-    n_params = sum(p.numel() for p in net.parameters())
     history: list[dict] = []
     record = {"command": command, "seed": seed, "steps": steps, "batch": batch, "lr": lr, "warmup": warmup,
               "shift": shift, "cfg_drop": cfg_drop, "i2v_prob": i2v_prob, "weight_decay": weight_decay,
               "init": None if init is None else str(init), "i2v_layout": i2v_layout, "eval_i2v": eval_i2v,
-              "params": n_params, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "params": sum(p.numel() for p in net.parameters()), "torch": torch.__version__,
+              "threads": torch.get_num_threads(),
               "eval_set": {"prompts": list(tw.EVAL_PROMPTS), "seeds_per_prompt": eval_seeds,
                            "ode_steps": EVAL_STEPS, "shift": EVAL_SHIFT}}
 
@@ -140,38 +135,58 @@ def pretrain(steps: int, batch: int = 64, lr: float = 1e-3, seed: int = 0, out_p
     with Progress(*columns, disable=not progress) as bar:
         task = bar.add_task("train", total=steps, info="")
         for step in range(1, steps + 1):
-            prompts, frames, use_img = make_batch(rng, batch, i2v_prob, F, H)
-            x0 = ToyVideoModel.encode_frames(frames)                       # [B, 3, F, H, W]
-            drop = torch.rand(batch, generator=gen) < cfg_drop
-            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
-            cond = model.encode(prompts, frames[:, 0])
-            cond.tensors["image"][~use_img] = 0.0                          # T2V rows: no first frame
-            sigma = sample_sigma(gen, batch, shift)                        # [B]
-            eps = torch.randn(x0.shape, generator=gen)
-            s = sigma.view(-1, 1, 1, 1, 1)
-            x = (1 - s) * x0 + s * eps
-            v = model.velocity(x, sigma, cond)
-            loss = ((v - (eps - x0)) ** 2).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            window.append(loss.item())
+            window.append(_train_step(model, opt, sched, rng, gen, batch, shift, cfg_drop, i2v_prob))
             rate = step / (time.perf_counter() - t0)
             bar.update(task, advance=1, info=f"loss {np.mean(window[-50:]):.4f}  {rate:.1f} it/s")
             if snapshot_dir is not None and (step % eval_every == 0 or step == steps):
                 mean_loss = float(np.mean(window))
                 window = []
                 checkpoint(step, mean_loss, Path(snapshot_dir) / f"step_{step:05d}.safetensors")
-                ev = history[-1]["eval"]
-                bar.console.print(f"step {step}: loss {mean_loss:.4f}  VQ {ev['VQ']['mean']:.3f}  MQ {ev['MQ']['mean']:.3f}"
-                                  f"  TA {ev['TA']['mean']:.3f}  colour {ev['colour']['mean']:.3f}"
-                                  f"  dir-acc {ev['direction_correct']['mean']:.3f}"
-                                  + (f"  IA {ev['IA']['mean']:.3f}" if "IA" in ev else ""))
+                bar.console.print(_eval_line(step, mean_loss, history[-1]["eval"]))
 
     # 3. The final checkpoint, with its eval record.
     net.eval()
     if out_path is not None:
         checkpoint(steps, float(np.mean(window[-eval_every:])) if window else history[-1]["loss"], Path(out_path))
     return model, history
+
+
+def _initial_model(init: str | Path | None, i2v_layout: str) -> ToyVideoModel:
+    """A fresh model (seeded by the caller), or the checkpoint `init` with the layout `i2v_layout`."""
+    if init is None:
+        return ToyVideoModel(i2v_layout=i2v_layout)
+    model = ToyVideoModel.from_pretrained(init)
+    model.i2v_layout = i2v_layout
+    return model
+
+
+def _train_step(model: ToyVideoModel, opt: torch.optim.Optimizer, sched, rng: np.random.Generator,
+                gen: torch.Generator, batch: int, shift: float, cfg_drop: float, i2v_prob: float) -> float:
+    """One flow-matching step on a rendered batch: x_σ = (1-σ)·x0 + σ·ε, loss ‖v - (ε - x0)‖²."""
+    net = model.trainable_module()
+    _, F, H, _ = model.latent_shape
+    prompts, frames, use_img = make_batch(rng, batch, i2v_prob, F, H)
+    x0 = ToyVideoModel.encode_frames(frames)                       # [B, 3, F, H, W]
+    drop = torch.rand(batch, generator=gen) < cfg_drop
+    prompts = ["" if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
+    cond = model.encode(prompts, frames[:, 0])
+    cond.tensors["image"][~use_img] = 0.0                          # T2V rows: no first frame
+    sigma = sample_sigma(gen, batch, shift)                        # [B]
+    eps = torch.randn(x0.shape, generator=gen)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    x = (1 - s) * x0 + s * eps
+    v = model.velocity(x, sigma, cond)
+    loss = ((v - (eps - x0)) ** 2).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def _eval_line(step: int, loss: float, ev: dict[str, Any]) -> str:
+    return (f"step {step}: loss {loss:.4f}  VQ {ev['VQ']['mean']:.3f}  MQ {ev['MQ']['mean']:.3f}"
+            f"  TA {ev['TA']['mean']:.3f}  colour {ev['colour']['mean']:.3f}"
+            f"  dir-acc {ev['direction_correct']['mean']:.3f}"
+            + (f"  IA {ev['IA']['mean']:.3f}" if "IA" in ev else ""))
