@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-import time
-
-log = logging.getLogger("vgrpo.driver")
+from common.retry import retry_outage
 
 
 class StopRun(Exception):
@@ -14,25 +11,16 @@ class StopRun(Exception):
 
 def bank_call(what: str, fn, *args, outage_s: float, metrics=None, **kw):
     """A bank call (here, or on an actor through Ray) retried with backoff while Redis is
-    unreachable, for up to `outage_s`; then StopRun with the call's name and the cause."""
-    import ray
-
+    unreachable, for up to `outage_s` (common/retry.py); then StopRun naming the call and cause."""
     from memory_bank.errors import BankUnavailable
 
-    deadline, delay = time.monotonic() + outage_s, 0.25
-    while True:
-        try:
-            return fn(*args, **kw)
-        except (BankUnavailable, ray.exceptions.RayTaskError) as e:
-            cause = e if isinstance(e, BankUnavailable) else getattr(e, "cause", None)
-            if not isinstance(cause, BankUnavailable):
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StopRun(f"memory bank unreachable for {outage_s:.0f}s during {what} "
-                              f"({str(cause).splitlines()[0]}); stopping") from None
-            if metrics is not None:
-                metrics.inc("vgrpo_errors_total", 1, kind="redis_unreachable")
-            log.warning("%s; retrying %s in %.1fs (%.0fs left)", cause, what, min(delay, left), left)
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 5.0)
+    def count(*_) -> None:
+        if metrics is not None:
+            metrics.inc("vgrpo_errors_total", 1, kind="redis_unreachable")
+
+    try:
+        return retry_outage(lambda: fn(*args, **kw), outage_s=outage_s, what=what, errors=BankUnavailable,
+                            on_retry=count)
+    except BankUnavailable as e:
+        raise StopRun(f"memory bank unreachable for {outage_s:.0f}s during {what} "
+                      f"({str(e).splitlines()[0]}); stopping") from None
