@@ -68,7 +68,7 @@ class Lease:
         if got == 0 and not self.lost:
             log.error("bank: lost the lease on namespace %r to another run (%s): stop this run",
                       self.bank.keys.namespace, _describe(self.bank.r.get(self.key)))
-        self.lost = got == 0
+        self.lost = self.lost or got == 0  # sticky: a run that lost its lease once must stop
         self.renewals += got != 0
         return got != 0
 

@@ -1,4 +1,5 @@
-"""Ctrl-C finishes the current step, writes a checkpoint, and stops what the run started."""
+"""Ctrl-C, and SIGTERM (what Kubernetes sends before it evicts a pod), finish the current step,
+write a checkpoint, and stop what the run started."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +31,8 @@ def _children(pid: int) -> set[int]:
     return seen
 
 
-def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
+@pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, name):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
@@ -45,16 +49,16 @@ def test_ctrl_c_checkpoints_and_stops_ray_and_redis(tmp_path):
     started = _children(proc.pid)
     assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
                for p in started if Path(f"/proc/{p}/cmdline").exists())
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     assert "vgrpo resume" in out
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     ckpts = sorted((tmp_path / "int" / "checkpoints").glob("step_*"))
     assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}"  # the step it finished was saved
     status = json.loads((tmp_path / "int" / "status.json").read_text())  # what `vgrpo runs` reports
-    assert (status["state"], status["reason"]) == ("stopped", f"interrupted (Ctrl-C) at step {steps[-1]}")
+    assert (status["state"], status["reason"]) == ("stopped", f"interrupted ({name}) at step {steps[-1]}")
     alive = _wait_gone(started, timeout_s=30)
     assert not alive, f"processes left behind: {alive}"
 

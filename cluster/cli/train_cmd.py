@@ -58,11 +58,21 @@ def resume(args) -> int:
         raise ConfigError(f"{run}: not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml", args.overrides)
     root = run / "checkpoints"
-    dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
+    newest = dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
+    check_saved_state(newest)  # the driver's fields too, before Ray starts
     preflight(cfg)
     run_dir = RunDir(run)
     run_dir.video_fps = cfg.log.video_fps
     return _run(cfg, run_dir, resume=root, evaluate=not args.no_eval)
+
+
+def check_saved_state(ckpt: Path) -> None:
+    """The checkpoint's driver state (extra.json) reads as a DriverState, or one line naming the
+    file and the field (CheckpointError, exit 2) before anything starts."""
+    from cluster.driver.state import DriverState
+    from learner.checkpoint import EXTRA_FILE, read_extra
+
+    DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
 
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:
@@ -128,7 +138,8 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
         return 1, "stopped", driver.stop_reason
     if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
         console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
-        return 130, "stopped", f"interrupted (Ctrl-C) at step {driver.step}"
+        by = driver.stopped_by or "Ctrl-C"
+        return (130 if by == "Ctrl-C" else 143), "stopped", f"interrupted ({by}) at step {driver.step}"
     if evaluate:
         after = driver.evaluate("after")
         summary = {"steps": driver.step, "after": after.to_dict()}

@@ -83,8 +83,10 @@ class Driver:
         self.timers: dict[str, float] = defaultdict(float)
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {})
-        self.stop_reason: str | None = None     # why the run stopped early (None: finished or Ctrl-C)
+        self.stop_reason: str | None = None     # why the run stopped early (None: finished or a signal)
+        self.stopped_by: str | None = None      # "Ctrl-C" or "SIGTERM": the signal that asked the run to stop
         self.learner_lost = False
+        self.lease_lost = False
         self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
         self.stream = PromptStream([], cfg.train.seed, self.state)
         # set by setup(): the bank, the pools and the loop's parts
@@ -241,6 +243,7 @@ class Driver:
         import ray
 
         t0, s = time.monotonic(), self.state
+        self._check_lease()
         try:
             pulled: PullReceipt = self._bank("pull", self.learner.pull, self.cfg.train.groups_per_step, s.step)
             if pulled.dropped:
@@ -308,7 +311,9 @@ class Driver:
 
     def run(self, progress=None) -> None:
         self.t_start, self.videos_at_start = time.monotonic(), self.state.counts["videos"]
-        prev = signal.signal(signal.SIGINT, self._on_sigint) if threading.current_thread() is threading.main_thread() else None
+        main = threading.current_thread() is threading.main_thread()
+        # SIGTERM is what Kubernetes sends before it evicts a pod: it stops the run like Ctrl-C
+        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             self._heldout(start=True)  # health: the held-out baseline
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
@@ -321,14 +326,24 @@ class Driver:
             log.error("run stopped at step %d: %s", self.state.step, e)
             self.note(f"stopping at step {self.state.step}: {e}")
         finally:
-            if prev is not None:
-                signal.signal(signal.SIGINT, prev)
+            for s, handler in prev.items():
+                signal.signal(s, handler)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if self.stop_requested.is_set():
             raise KeyboardInterrupt
+        self.stopped_by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         self.stop_requested.set()
-        self.note("Ctrl-C: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)")
+        self.note(f"{self.stopped_by}: finishing the current step, then writing a checkpoint "
+                  "(Ctrl-C again to abort)")
+
+    def _check_lease(self) -> None:
+        """A run whose bank lease another run took must not train, commit or checkpoint again."""
+        lease = self.started.lease
+        if lease is not None and lease.lost:
+            self.lease_lost = True
+            raise StopRun(f"lost the bank lease on namespace {self.cfg.bank.namespace!r} to another run; "
+                          "this run stops without training, committing or checkpointing further")
 
     def _step(self, progress, published=None) -> bool:
         """Train one step on the queued groups, publish (then `published()`), record. False when
@@ -414,8 +429,9 @@ class Driver:
         learner is gone (the last checkpoint stands)."""
         from cluster.driver.checkpoint import write_checkpoint
 
-        if self.learner_lost:
-            self.note("no checkpoint: the learner is gone; the last checkpoint stands")
+        if self.learner_lost or self.lease_lost or (self.started.lease is not None and self.started.lease.lost):
+            why = "the learner is gone" if self.learner_lost else "another run holds the bank's lease"
+            self.note(f"no checkpoint: {why}; the last checkpoint stands")
             return None
         return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
 

@@ -145,6 +145,28 @@ def test_resume_with_a_damaged_checkpoint_is_one_line_and_changes_nothing(work, 
     assert _hashes(work) == before
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("open", {"x": "g1"}, "'open' must be a map of cursor -> group id or null"),
+    ("counts", {"groups_trained": -4}, "'counts' must be a map of name -> count"),
+    ("uncommitted", "g0000001-v1", "'uncommitted' must be a list of group ids"),
+    ("cursor", -3, "'cursor' must be a whole number >= 0"),
+])
+def test_resume_with_wrong_driver_fields_is_one_line_before_ray(work, field, value, needle):
+    """extra.json's driver fields are read as a DriverState before Ray starts: a wrong-typed one
+    is one line naming the file and the field, and nothing changes."""
+    import json
+
+    f = work / "run/checkpoints" / NEWEST / "extra.json"
+    extra = json.loads(f.read_text())
+    extra[field] = value
+    f.write_text(json.dumps(extra))
+    before = _hashes(work)
+    out = _vgrpo("resume", str(work / "run"))
+    _assert_one_line(out, f, needle)
+    assert "Ray" not in out.stdout + out.stderr  # it stopped before starting anything
+    assert _hashes(work) == before
+
+
 def test_damaged_policy_on_eval_and_sample_is_one_line_and_writes_nothing(work):
     f = work / "run/checkpoints" / NEWEST / "policy.safetensors"
     _truncate(f)
