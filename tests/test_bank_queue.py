@@ -12,7 +12,7 @@ import pytest
 import torch
 from bank_helpers import HEADS, make_group
 
-from cluster.driver.driver import version_of
+from cluster.driver.state import version_of
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
 from memory_bank.errors import DuplicateGroup, UnscoredGroup

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.driver.driver import Driver, cursor_of
+from cluster.driver.driver import Driver
+from cluster.driver.state import cursor_of
 from cluster.runs.run_dir import RunDir
 from common.config import load_config
 

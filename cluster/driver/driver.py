@@ -42,7 +42,7 @@ import numpy as np
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
 from cluster.driver.errors import StopRun, bank_call
-from cluster.driver.fleet import MAX_FAILED_IN_ROW, RolloutFleet  # noqa: F401 (MAX_FAILED_IN_ROW: tests)
+from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle
 from cluster.driver.preflight import check_model_path
 from cluster.driver.publish import Publisher

@@ -10,7 +10,8 @@ import pytest
 import torch
 from fault_helpers import Ledger, in_thread, tiny_cfg, when
 
-from cluster.driver.driver import Driver, cursor_of
+from cluster.driver.driver import Driver
+from cluster.driver.state import cursor_of
 from cluster.runs.run_dir import RunDir
 from learner import dist_checkpoint
 
