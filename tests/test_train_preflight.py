@@ -74,7 +74,7 @@ def test_a_run_stopped_by_a_fault_is_kept_with_its_reason(tmp_path, monkeypatch,
     from cluster.driver.driver import Driver
 
     def run(self, progress=None):
-        self.step = 1
+        self.state.step = 1
         self.run_dir.log({"step": 1, "time_s": 1.0, "reward_mean": 0.5})
         self.stop_reason = "the learner died (RayActorError)"
 
