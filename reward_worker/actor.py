@@ -35,7 +35,12 @@ class RewardTimeout(TimeoutError):
 
 
 class RewardFailed(RuntimeError):
-    """A reward model raised (or its actor died) on every try."""
+    """A reward model raised (or its actor died) on every try. `restarting`: the last try met a
+    replica Ray is restarting (it comes back by itself: not a fault of the group's)."""
+
+    def __init__(self, message: str, restarting: bool = False):
+        super().__init__(message)
+        self.restarting = restarting
 
 
 class RewardActor:
@@ -203,7 +208,8 @@ class RewardClient:
                         cause = getattr(e, "cause", None) or e          # the scorer's own exception
                         pending[m] = self._retry(m, attempt, i, submit, RewardFailed(
                             f"reward model {m!r} failed on all {attempt + 1} tries: "
-                            f"{type(cause).__name__}: {cause}"))
+                            f"{type(cause).__name__}: {cause}",
+                            restarting=isinstance(e, ray.exceptions.ActorUnavailableError)))
                 now = time.monotonic()
                 for m, (ref, deadline, attempt, i) in list(pending.items()):
                     if m not in results and deadline <= now and ref not in ready:

@@ -111,7 +111,8 @@ class RolloutWorker:
             scores = client.score(frames, [group.condition.prompt] * group.size,
                                   reward_images(group.condition, group.size))
         except (RewardFailed, RewardTimeout) as e:
-            self._failed(rec, "reward", str(e))
+            # a replica Ray is restarting comes back by itself: the driver waits instead of counting it
+            self._failed(rec, "reward_restarting" if getattr(e, "restarting", False) else "reward", str(e))
             return False
         finally:
             rec.seconds["score"] = time.monotonic() - t0

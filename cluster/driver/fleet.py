@@ -54,6 +54,7 @@ class RolloutFleet:
         self.group_bytes = 0                    # the largest group stored (bank space per group)
         self.receipts: deque[GroupReceipt] = deque(maxlen=100_000)  # what the actors reported
         self.failed_in_row = 0
+        self.restarting_in_row = 0              # groups refused by a reward replica Ray is restarting
 
     # --- dispatch -------------------------------------------------------------------------------
 
@@ -112,9 +113,12 @@ class RolloutFleet:
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
+            # a call to an actor Ray is still restarting is the same failure again, not a new one
+            again = self.actor_version[i] == -1 and isinstance(e, ray.exceptions.ActorUnavailableError)
             del self.busy[i]
+            self.restarting_in_row += again
             self.on_failure(i, e)
-            self.abandon(f.cursor)
+            self.state.redraw(f.cursor) if again else self.abandon(f.cursor)
             return None
         except ray.exceptions.RayTaskError as e:
             del self.busy[i]
@@ -171,11 +175,14 @@ class RolloutFleet:
                 s.open[rec.cursor] = rec.group_id
                 s.counts["groups_produced"] += 1
                 s.counts["videos"] += rec.size
-            self.failed_in_row = 0
+            self.failed_in_row = self.restarting_in_row = 0
             return
         if rec.failure in ("bank_unavailable", "fatal"):
             raise StopRun(f"{rec.detail}; stopping")
         s.counts["groups_refilled"] += 1
+        if rec.failure == "reward_restarting":
+            self._wait_for_reward(rec)
+            return
         if rec.failure == "invalid":
             s.counts["invalid_members"] += rec.invalid_members
             self.metrics.inc("vgrpo_invalid_rewards_total", rec.invalid_members, head="any")
@@ -183,6 +190,16 @@ class RolloutFleet:
         self.abandon(rec.cursor)
 
     # --- failures -------------------------------------------------------------------------------
+
+    def _wait_for_reward(self, rec: GroupReceipt) -> None:
+        """A reward replica is restarting (Ray restarts it, up to its max_restarts; after that its
+        calls fail as a dead actor's, which do count): the group is drawn again after a backoff,
+        and the failures in a row are not counted, so a slow restart on a busy machine cannot stop
+        the run; a reward model that is really broken still does."""
+        self.restarting_in_row += 1
+        self.note(f"group {rec.group_id} not scored: a reward replica is restarting; drawing it again")
+        self.state.redraw(rec.cursor)
+        time.sleep(min(0.5 * self.restarting_in_row, 5.0))
 
     def _on_timeout(self, i: int, cursor: int, phase: str) -> None:
         """A rollout actor past its deadline (a hung device, a stuck kernel): restart it."""
@@ -206,7 +223,7 @@ class RolloutFleet:
             log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
         self.actor_version[i] = -1  # forces the weights to it before its next group
         # while Ray restarts it, calls fail at once: back off instead of burning refills
-        time.sleep(min(0.25 * (self.failed_in_row + 1), 5.0))
+        time.sleep(min(0.25 * (self.failed_in_row + self.restarting_in_row + 1), 5.0))
 
     # --- weights on idle actors -------------------------------------------------------------------
 
