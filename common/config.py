@@ -221,7 +221,11 @@ class BankConfig(Section):
     max_bytes: int = Field(2 << 30, ge=1 << 20)
     """Bound on every stored byte: banked entries are evicted (oldest first) to make room, and
     producers wait while queued groups fill it. One training step of groups must fit: the first
-    group pushed is measured and a smaller bound is refused with both numbers."""
+    group pushed is measured and a smaller bound is refused with both numbers. `vgrpo plan` and
+    `vgrpo train`'s preflight size it from the config: it must hold `headroom_steps` steps."""
+    headroom_steps: int = Field(2, ge=1, le=16)
+    """Training steps of groups bank.max_bytes must hold (checked before a run starts, from the
+    config's shapes): 1 is the step being trained; async runs ahead by train.max_staleness more."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
     outage_s: float = Field(60.0, gt=0.0)
@@ -312,6 +316,58 @@ class WeightSyncConfig(Section):
     checksum: bool = False
     timeout_s: float = Field(120.0, gt=0.0)
     bucket_mb: int = Field(64, ge=1)
+
+
+class LearnerConfig(Section):
+    """Timeouts of the learner's own process group (FSDP2 ranks). NCCL's watchdog aborts a rank
+    whose collective waits past its group's timeout, and learner ranks are never restarted, so
+    each bound fits the work it waits for; `vgrpo plan` checks each against its estimate."""
+
+    collective_timeout_s: float = Field(1800.0, gt=0.0)
+    """Every collective of the learner's group (init_process_group's timeout): how long a rank
+    waits in one for its slowest peer during training."""
+    load_timeout_s: float = Field(3600.0, gt=0.0)
+    """How long ranks wait, after loading their model, for the slowest rank's read (a barrier
+    before the first collective), and how long the driver waits for the group to form."""
+    checkpoint_timeout_s: float = Field(1800.0, gt=0.0)
+    """How long ranks wait for the slowest rank's checkpoint shard write (or read, on resume)."""
+
+
+GpuName = Literal["H100", "H200", "A100"]
+
+
+class PodGroupConfig(Section):
+    """One Kubernetes worker group as the Helm chart declares it."""
+
+    memory: str = Field(pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|[kmgtpe])?$")
+    """The pod's memory limit, a Kubernetes quantity (96Gi)."""
+    roles: dict[str, float] = Field(default_factory=dict)
+    """Its rayResources: actors of each role one pod hosts."""
+
+
+class PodsConfig(Section):
+    """The pods a run gets; the Helm chart writes this section from its values (workerGroups,
+    ray.shmSize, redis), so `vgrpo train`'s preflight checks the pods it runs on."""
+
+    groups: dict[str, PodGroupConfig] = Field(default_factory=dict)
+    shm: str = Field("0", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|[kmgtpe])?$")
+    """/dev/shm of every Ray pod (memory-backed: it counts against the pod's memory limit)."""
+    redis_maxmemory: str | None = Field(None, pattern=r"^[0-9]+([kmg]b?)?$")
+    """The chart's Redis `maxmemory` (Redis units: 8gb = 8 GiB); None when Redis is external."""
+
+
+class PlanConfig(Section):
+    """What `vgrpo plan` and `vgrpo train`'s preflight size the config for (cluster/plan)."""
+
+    gpu: GpuName = "H100"
+    """The GPU this config is written for (`vgrpo plan`'s default --gpu)."""
+    storage_gb_s: float = Field(0.5, gt=0.0)
+    """GB/s one process reads or writes on the shared storage while its peers do too (weights
+    at load, checkpoint shards)."""
+    network_gb_s: float = Field(5.0, gt=0.0)
+    """GB/s weights move from learner rank 0 to the rollout actors (weight sync)."""
+    pods: PodsConfig | None = None
+    """The pods' memory; None: not checked (the Helm chart fills it in)."""
 
 
 class TrainConfig(Section):
@@ -449,6 +505,8 @@ class RunConfig(Section):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
     log: LogConfig = Field(default_factory=LogConfig)

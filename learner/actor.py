@@ -37,6 +37,7 @@ from rollout_worker.models import VideoModel
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], VideoModel]
+SETUP_MARGIN_S = 120.0  # starting the rank processes and forming the group, beyond the load barrier
 
 
 def _free_port() -> int:
@@ -76,8 +77,8 @@ class LearnerRank:
         mesh = None
         if self.world_size > 1:
             mesh = fsdp.init_distributed(self.rank, self.world_size, master_addr, master_port,
-                                         self.device, cfg.weight_sync.timeout_s)
-        # 2. the model and the Trainer (LoRA injection happens in Trainer.setup)
+                                         self.device, cfg.learner.collective_timeout_s)
+        # 2. the model and the Trainer (LoRA injection happens in Trainer.setup); no collective yet
         if self.model_factory is not None:
             model = self.model_factory()
         else:
@@ -85,8 +86,10 @@ class LearnerRank:
 
             model = build_model(cfg, self.device)
         self.trainer = Trainer(cfg, model, device=self.device).setup()
-        # 3. shard per transformer block
+        # 3. wait for the slowest rank's read, then shard per transformer block (its broadcast
+        #    is the group's first collective)
         if mesh is not None:
+            fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "loaded its model")
             _shard_trainer(self.trainer, mesh)
         return self.trainer.version
 
@@ -216,13 +219,17 @@ class LearnerRank:
         if self.world_size == 1:
             return str(self.trainer.save_checkpoint(dir, extra))
         return str(dist_checkpoint.save(dir, self.trainer.version, self.trainer.state_dict(),
-                                        dict(extra or {}), self.cfg.train.keep_checkpoints))
+                                        dict(extra or {}), self.cfg.train.keep_checkpoints,
+                                        timeout_s=self.cfg.learner.checkpoint_timeout_s))
 
     def load_checkpoint(self, dir: str) -> dict:
         if self.world_size == 1:
             return self.trainer.load_checkpoint(dir)
         state, extra, _ = dist_checkpoint.load(dir, self.trainer.state_dict())
         self.trainer.load_state_dict(state)
+        # every rank read its shard: the next collective must not wait on the slowest reader
+        fsdp.barrier(self.cfg.learner.checkpoint_timeout_s, "learner.checkpoint_timeout_s",
+                     "read its checkpoint shard")
         return extra
 
     def version(self) -> int:
@@ -240,9 +247,11 @@ class LearnerGroup:
     (common/dispatch.verb: to every rank or rank 0 alone, with the result collected)."""
 
     def __init__(self, cfg: RunConfig, model_factory: ModelFactory | None = None,
-                 num_ranks: int | None = None, setup_timeout_s: float = 600.0, bank: Any = None,
+                 num_ranks: int | None = None, setup_timeout_s: float | None = None, bank: Any = None,
                  placement: Callable[[int], dict] | None = None):
         pool = cfg.pools.learner
+        if setup_timeout_s is None:  # the ranks' own wait for the slowest load, plus forming the group
+            setup_timeout_s = cfg.learner.load_timeout_s + SETUP_MARGIN_S
         n = num_ranks if num_ranks is not None else pool.num_actors
         if n < 1:
             raise ValueError(f"pools.learner.num_actors = {n}: the learner needs at least one rank")
@@ -255,7 +264,9 @@ class LearnerGroup:
         self.ranks = [remote.options(**{**(placement(r) if placement else default), "max_restarts": 0,
                                         "max_task_retries": 0})
                       .remote(cfg_data, r, n, model_factory, bank if r == 0 else None) for r in range(n)]
-        addr, port = ray.get(self.ranks[0].address.remote(), timeout=setup_timeout_s)
+        # every rank's process is up before the rendezvous starts: it is bounded by the
+        # collective timeout, not by how long Ray takes to start a process
+        addr, port = ray.get([r.address.remote() for r in self.ranks], timeout=setup_timeout_s)[0]
         try:
             self._version = ray.get([r.setup.remote(addr, port) for r in self.ranks],
                                     timeout=setup_timeout_s)[0]

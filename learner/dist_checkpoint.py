@@ -35,6 +35,7 @@ from learner.checkpoint import (
     step_dirs,
     verify_file,
 )
+from learner.fsdp import barrier
 
 META_FILE = "meta.json"
 
@@ -75,8 +76,12 @@ def list_sharded(root: str | os.PathLike) -> list[Path]:
     return list_checkpoints(root, marker=META_FILE)
 
 
-def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int) -> Path:
-    """Collective: every rank calls it with its own trainer state; returns the final dir."""
+def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int,
+         timeout_s: float | None = None) -> Path:
+    """Collective: every rank calls it with its own trainer state; returns the final dir.
+
+    timeout_s (learner.checkpoint_timeout_s) bounds the waits for the slowest rank's shard write
+    and for rank 0's rename and clean-up; None waits as long as the group's collective timeout."""
     root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
     # 1. rank 0 names the temp dir and tells the others
     box = [f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
@@ -88,7 +93,7 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
     dist.barrier()
     # 2. every rank writes its shard
     torch.save(to_local(state), tmp / shard_file(rank))
-    dist.barrier()
+    _wait(timeout_s, "wrote its checkpoint shard")
     # 3. rank 0 seals it (meta last: list_sharded only sees complete dirs) and renames
     if rank == 0:
         (tmp / META_FILE).write_text(json.dumps({"world_size": world, "step": step}), encoding="utf-8")
@@ -99,8 +104,15 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         tmp.rename(final)
         for stale in list_sharded(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
+    _wait(timeout_s, "saw the checkpoint sealed")
     return final
+
+
+def _wait(timeout_s: float | None, what: str) -> None:
+    if timeout_s is None:
+        dist.barrier()
+    else:
+        barrier(timeout_s, "learner.checkpoint_timeout_s", what)
 
 
 def load(path: str | os.PathLike, template: dict) -> tuple[dict, dict, Path]:

@@ -37,15 +37,44 @@ log = logging.getLogger(__name__)
 BLOCK_LISTS = ("blocks", "transformer_blocks", "single_transformer_blocks")
 
 
+class LearnerTimeout(TimeoutError):
+    """A learner rank did not reach a barrier in time; the message names the rank and the field."""
+
+
+_control: dist.ProcessGroup | None = None  # gloo, for barriers with a timeout of their own
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     device: torch.device | str = "cpu", timeout_s: float = 120.0) -> DeviceMesh:
-    """Join the learner's default process group and return its 1-D device mesh."""
+                     device: torch.device | str = "cpu", timeout_s: float = 1800.0) -> DeviceMesh:
+    """Join the learner's default process group and return its 1-D device mesh.
+
+    timeout_s (learner.collective_timeout_s) bounds every collective of the group. Waits that
+    are longer by nature (the slowest rank's model read, a checkpoint write) are barriers on a
+    gloo control group instead, each with its own timeout (`barrier`)."""
+    global _control
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+                            rank=rank, world_size=world_size, timeout=timeout)
+    # made now, while every rank is here: new_group is itself a rendezvous of all ranks
+    _control = dist.new_group(backend="gloo", timeout=timeout)
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+
+
+def barrier(timeout_s: float, field: str, what: str) -> None:
+    """Wait up to timeout_s for every rank of the learner's group (gloo's monitored barrier,
+    whose timeout is per call); raises LearnerTimeout naming the late rank and `field`."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    group = _control if _control is not None else dist.new_group(backend="gloo")
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise LearnerTimeout(f"learner rank {dist.get_rank()}: not every rank {what} within "
+                             f"{timeout_s:g} s ({field}); raise it if the work is that slow "
+                             f"({str(e).splitlines()[0][:200]})") from None
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
