@@ -339,7 +339,7 @@ GpuName = Literal["H100", "H200", "A100"]
 class PodGroupConfig(Section):
     """One Kubernetes worker group as the Helm chart declares it."""
 
-    memory: str = Field(pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|[kmgtpe])?$")
+    memory: str = Field(pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$")
     """The pod's memory limit, a Kubernetes quantity (96Gi)."""
     roles: dict[str, float] = Field(default_factory=dict)
     """Its rayResources: actors of each role one pod hosts."""
@@ -350,9 +350,9 @@ class PodsConfig(Section):
     ray.shmSize, redis), so `vgrpo train`'s preflight checks the pods it runs on."""
 
     groups: dict[str, PodGroupConfig] = Field(default_factory=dict)
-    shm: str = Field("0", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|[kmgtpe])?$")
+    shm: str = Field("0", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|k)?$")
     """/dev/shm of every Ray pod (memory-backed: it counts against the pod's memory limit)."""
-    redis_maxmemory: str | None = Field(None, pattern=r"^[0-9]+([kmg]b?)?$")
+    redis_maxmemory: str | None = Field(None, pattern=r"^[0-9]+([kmgKMG][bB]?)?$")
     """The chart's Redis `maxmemory` (Redis units: 8gb = 8 GiB); None when Redis is external."""
 
 

@@ -40,6 +40,31 @@ def render(cfg, p: Plan, source: str) -> str:
     return "\n".join(lines)
 
 
+def render_checks(cfg, p: Plan, checks, pods_source: str) -> str:
+    """The memory bank, host RAM per role and every checked figure, one line each."""
+    from cluster.plan.bank import bank_size
+    from cluster.plan.host import host_ram, peak
+    from cluster.plan.timing import SAFETY
+
+    b = bank_size(cfg)
+    lines = ["memory bank (each member stores only the steps it trains; the condition once per group):",
+             f"  stored steps per member        {b.steps_per_member:9d}     latents {list(b.latent)} "
+             f"{cfg.sampler.latent_dtype}{', mu_old fp32' if cfg.records_mu_old else ''}",
+             f"  per member                     {b.member / 1e6:9.1f} MB",
+             f"  per group                      {b.group / 1e6:9.1f} MB  (G = {cfg.sampler.group_size}, "
+             f"condition {b.condition / 1e6:.1f} MB)",
+             f"  per step                       {b.step / 1e9:9.2f} GB  (train.groups_per_step = "
+             f"{cfg.train.groups_per_step})",
+             "host RAM per process (peak):"]
+    for role, parts in host_ram(cfg, p).items():
+        detail = ", ".join(f"{k} {v / GB:.1f}" for k, v in parts.items())
+        lines.append(f"  {role:<31}{peak(parts) / GB:9.1f} GiB  ({detail} GiB)")
+    lines.append(f"checks (timeouts at least {SAFETY:g}x the estimate; pods from {pods_source}):")
+    for c in checks:
+        lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.line}")
+    return "\n".join(lines)
+
+
 def register(sub) -> None:
     from cluster.cli.config_cmd import add_config_args
 
@@ -48,11 +73,17 @@ def register(sub) -> None:
                        "learner and a rollout rank need, FLOPs and seconds per rollout and per trained "
                        "video, and the rollout:learner GPU split that balances the two.")
     add_config_args(p)
-    p.add_argument("--gpu", default="H100", choices=sorted(GPUS), help="the GPU to plan for")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS),
+                   help="the GPU to plan for (default: the config's plan.gpu)")
+    p.add_argument("--values", default=None, metavar="FILE",
+                   help="a Helm values file whose pods to check (default: the config's plan.pods, else "
+                   "the repository's deploy/helm/vgrpo/values.yaml)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from cluster.plan.checks import refuse, run_checks
+    from cluster.plan.host import pods_for
     from common.config import ConfigError, load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -60,9 +91,14 @@ def run(args) -> int:
         p = plan(cfg, args.gpu)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    pods, source = pods_for(cfg, args.values)
+    checks = run_checks(cfg, p, pods)
     print(render(cfg, p, args.config or "defaults"))
+    print(render_checks(cfg, p, checks, source))
     from cluster.driver.preflight import health_warnings
 
     for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
         print(f"warning: {line}")
+    refuse(checks)  # the first failing check, in one line (exit 2)
+    print(f"plan: ok for {p.gpu}")
     return 0

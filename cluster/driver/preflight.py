@@ -65,6 +65,25 @@ def check_model_path(cfg: RunConfig) -> None:
         require_dir(path, ["model_index.json"], f"model.family = {cfg.model.family!r}")
 
 
+PLANNED = ("wan", "hunyuan15")  # model families `vgrpo plan` can size (cluster/plan/sizing.py)
+
+
+def check_plan(cfg: RunConfig) -> None:
+    """`vgrpo plan`'s checks on the config's own GPU (plan.gpu): a bank that holds
+    bank.headroom_steps steps, timeouts that fit their work, pods (plan.pods, which the Helm
+    chart writes) that hold their processes. Families without a plan (toy) are not sized."""
+    if cfg.model.family not in PLANNED:
+        return
+    from cluster.plan.checks import refuse, run_checks
+    from cluster.plan.sizing import plan
+
+    try:
+        p = plan(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    refuse(run_checks(cfg, p, cfg.plan.pods))
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything a run checks before it starts Ray, Redis or writes a file."""
     from cluster.runs.tracking import check_installed
@@ -73,6 +92,7 @@ def preflight(cfg: RunConfig) -> None:
     check_prompts(cfg)
     check_model_path(cfg)
     check_rewards(cfg)
+    check_plan(cfg)
 
 
 # --- training health, before any GPU is spent (cluster/health/checks.py) ----------------------------

@@ -7,7 +7,8 @@ parameter counts are exact. Activation memory per block is the saved-tensor coun
 blocks, counted with autograd's saved_tensors_hooks (`_ACT`); it is checked against the
 measured peak of CPU train steps in tests/test_plan.py. FLOPs are 2·params per token for the
 blocks' linears plus 4·S²·d per attention layer; seconds assume `MFU` of the GPU's dense bf16
-peak. Pure: imports torch, diffusers and pydantic only (benchmarks/gpu_check.py uses it).
+peak; the trained steps per video are the sampler's own draw (cluster/plan/steps.py). Pure:
+imports torch, diffusers, pydantic and the sampler's step rules (benchmarks/gpu_check.py uses it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cluster.plan.steps import has_two_experts as _has_two_experts
+from cluster.plan.steps import stored_steps_per_member
 
 GB = 1024**3
 
@@ -84,16 +88,6 @@ def transformer_config(cfg) -> dict:
     if m.family == "wan" and m.task == "i2v":
         return {"in_channels": 36}  # Wan 2.2 I2V A14B: [x, mask, condition] = 16 + 4 + 16
     return {}
-
-
-def _has_two_experts(cfg) -> bool:
-    m = cfg.model
-    if m.family != "wan":
-        return False
-    if m.path is not None and (Path(m.path) / "model_index.json").is_file():
-        index = json.loads((Path(m.path) / "model_index.json").read_text(encoding="utf-8"))
-        return (index.get("transformer_2") or [None])[0] is not None
-    return m.boundary_ratio is not None or "A14B" in (m.path or "")
 
 
 def arch(cfg, transformer=None) -> Arch:
@@ -247,7 +241,9 @@ def forward_flops(a: Arch, rows: int) -> float:
     return rows * (linear + attn)
 
 
-def plan(cfg, gpu: str = "H100") -> Plan:
+def plan(cfg, gpu: str | None = None) -> Plan:
+    """The sizing on `gpu` (default: the config's plan.gpu)."""
+    gpu = cfg.plan.gpu if gpu is None else gpu
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: expected one of {', '.join(GPUS)}")
     a = arch(cfg)
@@ -258,13 +254,7 @@ def plan(cfg, gpu: str = "H100") -> Plan:
     steps = Schedule.from_config(cfg.schedule).steps
     cfg_passes = 2 if cfg.model.guidance_scale > 1.0 else 1
     fwd = forward_flops(a, 1)
-    # trained steps per video: the sampler's selection (threshold: σ > sigma_threshold)
-    sched = Schedule.from_config(cfg.schedule)
-    eligible = steps - cfg.sampler.ode_last_steps
-    s = cfg.sampler
-    k = (eligible if s.train_steps == "all" else
-         sum(1 for x in sched.sigmas[:eligible] if x > s.sigma_threshold) if s.train_steps == "threshold"
-         else max(1, round(s.train_fraction * eligible)))
+    k = stored_steps_per_member(cfg)  # trained steps per video, as the sampler draws them
     anchors_fwd = (1 if cfg.kl.strategy in ("fixed", "moving", "dual") else 0) + \
         (1 if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact" else 0)
     recompute = 1 if cfg.model.gradient_checkpointing else 0

@@ -237,10 +237,16 @@ class WanVideoModel(VideoModel):
         return self._experts
 
     def trains_sigma(self, sigma: float) -> bool:
-        if self.transformer_2 is None or self.cfg.train_experts == "all":
-            return True
-        t = torch.tensor(sigma, dtype=torch.float32) * 1000.0  # the same fp32 test as velocity's
-        return bool(t >= self.boundary_timestep)
+        return expert_trains(sigma, self.boundary_timestep, self.cfg.train_experts)
+
+
+def expert_trains(sigma: float, boundary_timestep: float | None, train_experts: str) -> bool:
+    """Whether a step at σ runs a trained expert: with train_experts=high_noise, only steps the
+    high-noise expert serves (t = 1000σ at or above the boundary); None: one expert (Wan 2.1)."""
+    if boundary_timestep is None or train_experts == "all":
+        return True
+    t = torch.tensor(sigma, dtype=torch.float32) * 1000.0  # the same fp32 test as velocity's
+    return bool(t >= boundary_timestep)
 
 
 def _to_pil(img: Tensor):

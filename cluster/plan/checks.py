@@ -1,0 +1,98 @@
+"""What `vgrpo plan` checks and `vgrpo train`'s preflight refuses: a bank that cannot hold
+`bank.headroom_steps` steps of groups, a timeout below SAFETY times the work it waits for, a pod
+below the host RAM of the processes it holds, a Redis maxmemory below bank.max_bytes. Each
+check is one line of figures; a failing one also carries the one-line refusal (field, figure,
+fix). GPU memory per rank is printed by the plan, never refused here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.plan.bank import BankSize, bank_size
+from cluster.plan.host import (
+    REDIS_OVERHEAD,
+    ROLES,
+    gi,
+    host_ram,
+    k8s_bytes,
+    peak,
+    redis_bytes,
+)
+from cluster.plan.sizing import GB, Plan
+from cluster.plan.timing import SAFETY, estimates
+from common.config import ConfigError, PodsConfig
+
+
+@dataclass
+class Check:
+    field: str
+    ok: bool
+    line: str          # the figures, as the plan prints them
+    refusal: str = ""  # one line: the field, the figure, the fix (only when not ok)
+
+
+def bank_check(cfg, b: BankSize) -> Check:
+    h, have = cfg.bank.headroom_steps, cfg.bank.max_bytes
+    need = h * b.step
+    line = (f"bank.max_bytes {have / 1e9:.2f} GB holds {have / b.step:.1f} steps of "
+            f"{b.step / 1e9:.2f} GB (bank.headroom_steps = {h})")
+    refusal = (f"bank.max_bytes = {have} holds {have / b.step:.2f} training steps, below bank.headroom_steps = "
+               f"{h}: one step is train.groups_per_step = {cfg.train.groups_per_step} x {b.group} bytes per "
+               f"group ({cfg.sampler.group_size} members x {b.steps_per_member} stored steps of latents "
+               f"{list(b.latent)}); set bank.max_bytes to at least {need} (and Redis maxmemory above it) "
+               "or lower train.groups_per_step")
+    return Check("bank.max_bytes", have >= need, line, refusal)
+
+
+def timeout_checks(cfg, p: Plan) -> list[Check]:
+    out = []
+    for field, (est, parts) in estimates(cfg, p).items():
+        section, key = field.split(".")
+        have = getattr(getattr(cfg, section), key)
+        need = SAFETY * est
+        shown = " + ".join(f"{k} {v:.1f} s" for k, v in parts.items() if k != "bytes")
+        if "bytes" in parts:
+            shown = f"{parts['bytes'] / 1e9:.1f} GB at plan.storage_gb_s = {cfg.plan.storage_gb_s:g}"
+        line = f"{field} {have:g} s vs {est:.1f} s estimated{f' ({shown})' if shown else ''}"
+        refusal = (f"{field} = {have:g} is below {SAFETY:g}x the {est:.1f} s the work takes "
+                   f"({shown or 'one micro-batch'}, on {p.gpu}); set {field} to at least {math.ceil(need)}")
+        out.append(Check(field, have >= need, line, refusal))
+    return out
+
+
+def pod_checks(cfg, p: Plan, pods: PodsConfig) -> list[Check]:
+    per = {role: peak(parts) for role, parts in host_ram(cfg, p).items()}
+    shm = k8s_bytes(pods.shm)
+    out = []
+    for name, g in pods.groups.items():
+        have = k8s_bytes(g.memory)
+        units = {r: n for r, n in g.roles.items() if r in ROLES and n > 0}
+        need = sum(n * per[r] for r, n in units.items()) + shm
+        parts = " + ".join(f"{n:g} {r} x {per[r] / GB:.1f} GiB" for r, n in units.items())
+        line = f"workerGroups.{name}.memory {g.memory} vs {need / GB:.1f} GiB ({parts} + /dev/shm {pods.shm})"
+        refusal = (f"workerGroups.{name}.memory = {g.memory} is below the plan's {need / GB:.1f} GiB "
+                   f"({parts} + /dev/shm {pods.shm}); set it to at least {gi(need)} in the chart's values")
+        out.append(Check(f"workerGroups.{name}.memory", have >= need, line, refusal))
+    if pods.redis_maxmemory is not None:
+        have, need = redis_bytes(pods.redis_maxmemory), REDIS_OVERHEAD * cfg.bank.max_bytes
+        line = f"redis.maxmemory {pods.redis_maxmemory} vs bank.max_bytes {cfg.bank.max_bytes / GB:.1f} GiB"
+        refusal = (f"redis.maxmemory = {pods.redis_maxmemory} is below bank.max_bytes = {cfg.bank.max_bytes} "
+                   f"plus {REDIS_OVERHEAD - 1:.0%} for Redis's own structures; set redis.maxmemory to at least "
+                   f"{math.ceil(need / GB)}gb or lower bank.max_bytes")
+        out.append(Check("redis.maxmemory", have >= need, line, refusal))
+    return out
+
+
+def run_checks(cfg, p: Plan, pods: PodsConfig | None) -> list[Check]:
+    """Every check, in the order they are reported."""
+    out = [bank_check(cfg, bank_size(cfg)), *timeout_checks(cfg, p)]
+    return out + (pod_checks(cfg, p, pods) if pods is not None else [])
+
+
+def refuse(checks: list[Check]) -> None:
+    """Raise the first failing check's refusal as a ConfigError (one line, exit 2)."""
+    for c in checks:
+        if not c.ok:
+            raise ConfigError(c.refusal)

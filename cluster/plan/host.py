@@ -1,0 +1,140 @@
+"""Host RAM per process and role, and the pods that must hold it (the Helm chart's values).
+
+A rollout or learner process loads its pipeline on the host in the dtypes it loads in, then
+moves it to the GPU (diffusers' from_pretrained, then .to(cuda)): its host peak is the whole
+pipeline. Learner rank 0 gathers the full fp32 payload on the host at every publish and packs
+(object store) or flattens (collective) a second copy of it. A pod holds `rayResources` such
+processes of each role plus its /dev/shm (memory-backed: it counts against the pod's limit).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cluster.plan.sizing import GB, Plan, _safetensors_params
+from cluster.plan.timing import load_bytes, payload_bytes
+
+PROCESS_BYTES = 4 * GB
+"""A role process before it loads anything: Python, torch, the CUDA context, the Ray worker
+(an assumption; 3-4 GiB resident is typical for a CUDA torch process under Ray)."""
+REDIS_OVERHEAD = 1.1
+"""Redis's own structures and allocator slack over the bytes bank.max_bytes counts."""
+# Reward models in parameters (the released checkpoints): VideoAlign on Qwen2-VL-2B, HPSv3 on
+# Qwen2-VL-7B, Q-Save on Qwen3-VL-8B; toy scorers hold no weights to speak of.
+_REWARD_PARAMS = {"videoalign": 2.21e9, "hpsv3": 8.29e9, "qsave": 8.77e9, "ocr": 0.0, "toy": 0.0,
+                  "toy_i2v": 0.0}
+ROLES = ("rollout", "reward", "learner")
+
+
+def reward_bytes(m) -> float:
+    """One reward model in its dtype: a local checkpoint's own files, else the released size."""
+    c = 4 if m.dtype == "float32" else 2
+    if m.path is not None and Path(m.path).is_dir() and any(Path(m.path).glob("*.safetensors")):
+        return c * _safetensors_params(Path(m.path))
+    return c * _REWARD_PARAMS[m.name]
+
+
+def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:
+    """Role → {part: bytes} of one process's host peak (the parts' max, plus the process)."""
+    rollout_load = p.rollout["weights"] + p.rollout["frozen modules"]
+    payload = payload_bytes(cfg, p)
+    rewards = [reward_bytes(m) for m in cfg.rewards.models] or [0.0]
+    return {"rollout": {"process": PROCESS_BYTES, "pipeline load": rollout_load},
+            "reward": {"process": PROCESS_BYTES, "model load": max(rewards)},
+            "learner": {"process": PROCESS_BYTES, "pipeline load": load_bytes(cfg, p),
+                        "rank 0 at a publish (2 x payload)": 2 * payload}}
+
+
+def peak(parts: dict[str, float]) -> float:
+    return parts["process"] + max(v for k, v in parts.items() if k != "process")
+
+
+# --- quantities ---------------------------------------------------------------------------
+
+_K8S = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+        "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_REDIS = {"": 1, "k": 1e3, "kb": 2**10, "m": 1e6, "mb": 2**20, "g": 1e9, "gb": 2**30}
+
+
+def k8s_bytes(q: str) -> float:
+    """A Kubernetes quantity (96Gi, 64G, 1000000) in bytes."""
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)", str(q).strip())
+    if m is None or m.group(2) not in _K8S:
+        raise ValueError(f"{q!r} is not a Kubernetes memory quantity (e.g. 96Gi)")
+    return float(m.group(1)) * _K8S[m.group(2)]
+
+
+def redis_bytes(q: str) -> float:
+    """A Redis memory value (8gb = 8 GiB, 8g = 8e9, bytes) in bytes."""
+    m = re.fullmatch(r"([0-9]+)([A-Za-z]*)", str(q).strip())
+    if m is None or m.group(2).lower() not in _REDIS:
+        raise ValueError(f"{q!r} is not a Redis memory value (e.g. 12gb)")
+    return float(m.group(1)) * _REDIS[m.group(2).lower()]
+
+
+def gi(nbytes: float) -> str:
+    """Bytes as the smallest whole Gi quantity that holds them."""
+    return f"{-(-int(nbytes) // 2**30)}Gi"
+
+
+# --- the chart's values -------------------------------------------------------------------
+
+def merge_values(base: dict, over: dict) -> dict:
+    """Helm's coalescing of a values file over the chart's: maps merge, a null deletes the key."""
+    out = dict(base)
+    for k, v in over.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge_values(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def pods_from_values(values: dict) -> dict:
+    """The `plan.pods` section the chart writes into the run config (templates/configmap-config.yaml),
+    from a values file: every worker group's memory and roles, ray.shmSize, internal Redis's maxmemory."""
+    groups = {name: {"memory": str(g["memory"]),
+                     "roles": {r: float(n) for r, n in (g.get("rayResources") or {}).items() if r in ROLES}}
+              for name, g in (values.get("workerGroups") or {}).items() if g}
+    redis = values.get("redis") or {}
+    out = {"groups": groups, "shm": str((values.get("ray") or {}).get("shmSize", "0"))}
+    if redis.get("mode", "internal") == "internal":
+        out["redis_maxmemory"] = str(redis["maxmemory"])
+    return out
+
+
+CHART_VALUES = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "vgrpo" / "values.yaml"
+"""The chart's default values, present in a clone of the repository (not in the image)."""
+
+
+def pods_for(cfg, values: str | Path | None = None):
+    """(PodsConfig, where it came from) for the pod checks, or (None, why not): a values file
+    given, else the config's plan.pods (the chart writes it), else the repository's chart values."""
+    import yaml
+
+    from common.config import ConfigError, PodsConfig
+
+    if values is None and cfg.plan.pods is not None:
+        return cfg.plan.pods, "the config's plan.pods"
+    path = Path(values) if values is not None else (CHART_VALUES if CHART_VALUES.is_file() else None)
+    if path is None:
+        return None, "not checked (no plan.pods in the config; pass --values FILE)"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if path.resolve() != CHART_VALUES and CHART_VALUES.is_file():  # as `helm install -f FILE` sees it
+            data = merge_values(yaml.safe_load(CHART_VALUES.read_text(encoding="utf-8")) or {}, data)
+        return PodsConfig.model_validate(pods_from_values(data)), _shown(path)
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ConfigError(f"--values {path}: cannot read its pods ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory when it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,55 @@
+"""The steps a group member trains, and so stores, counted from the config exactly as the
+sampler draws them (rollout_worker/sampler.py), without loading the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_BOUNDARY = {"i2v": 0.9, "t2v": 0.875}  # Wan 2.2 A14B's boundary_ratio, as its model_index.json sets it
+
+
+def has_two_experts(cfg) -> bool:
+    """Wan 2.2 A14B: a high-noise `transformer` and a low-noise `transformer_2`."""
+    m = cfg.model
+    if m.family != "wan":
+        return False
+    if m.path is not None and (Path(m.path) / "model_index.json").is_file():
+        index = json.loads((Path(m.path) / "model_index.json").read_text(encoding="utf-8"))
+        return (index.get("transformer_2") or [None])[0] is not None
+    return m.boundary_ratio is not None or "A14B" in (m.path or "")
+
+
+class _ExpertRule:
+    """The sampler's `model.trains_sigma` without the model: Wan 2.2 with train_experts=high_noise
+    trains only the steps its high-noise expert serves."""
+
+    def __init__(self, cfg):
+        m = cfg.model
+        boundary = m.boundary_ratio if m.boundary_ratio is not None else _BOUNDARY[m.task]
+        self.boundary_timestep = boundary * 1000.0 if has_two_experts(cfg) else None
+        self.train_experts = m.train_experts
+
+    def trains_sigma(self, sigma: float) -> bool:
+        from rollout_worker.models.wan import expert_trains
+
+        return expert_trains(sigma, self.boundary_timestep, self.train_experts)
+
+
+def stored_steps_per_member(cfg) -> int:
+    """Transitions one group member stores in the bank: the steps it trains, counted exactly as
+    the sampler draws them (rollout_worker/sampler.draw_trained_steps over trainable_steps:
+    never a step without noise, one of the last `ode_last_steps`, or one a frozen expert serves).
+
+    This is the agreed group format ("each member stores only the steps it trains"). Today's
+    sampler (sampler.recorded_steps) still stores in every member the union of its group's
+    trained steps, and every trainable step with alignment on; the format change makes the
+    two equal. To size today's format instead, count len(recorded_steps(draws, ...)) here."""
+    from common.sde import Schedule, scheme_from_config
+    from rollout_worker.sampler import draw_trained_steps
+
+    schedule = Schedule.from_config(cfg.schedule)
+    scheme = scheme_from_config(cfg, schedule)
+    draws = draw_trained_steps(schedule, scheme, cfg.sampler, seed=0, members=cfg.sampler.group_size,
+                               model=_ExpertRule(cfg))
+    return max(len(d) for d in draws)

@@ -1,0 +1,90 @@
+"""Seconds of the work each timeout waits for, estimated from the plan (cluster/plan/sizing.py)
+and the config's `plan` section (storage and network rates). Every timeout must be at least
+SAFETY times its estimate: the estimates assume a steady MFU and full bandwidth, and a real
+node is slower now and then (a cold cache, a busy link, a thermally throttled GPU).
+"""
+
+from __future__ import annotations
+
+from cluster.plan.sizing import _FROZEN, GPUS, MFU, Plan
+from cluster.plan.vae import vae_flops
+
+SAFETY = 3.0
+"""Each timeout must be at least this multiple of the work's estimate."""
+VAE_MFU = 0.15
+"""The fraction of peak a video VAE's 3-D convolutions reach (memory-bound, tiled): an
+assumption, like MFU. fp32 VAEs run on TF32 tensor cores, half the bf16 peak."""
+HASH_GB_S = 0.5
+"""blake2b (common/weights.checksum) on one core, GB/s: 0.5-1 on current x86 cores (hashlib);
+0.27 was measured on a shared build machine. The low end is assumed."""
+
+
+def group_seconds(cfg, p: Plan) -> dict[str, float]:
+    """One group (sampler.timeout_s waits for it): G videos denoised, the condition encoded once
+    (text, and the I2V first frame through the VAE), G videos decoded."""
+    m, G = cfg.model, cfg.sampler.group_size
+    peak = GPUS[p.gpu][0] * 1e12
+    vae_rate = peak * VAE_MFU * (0.5 if _vae_fp32(cfg) else 1.0)
+    branches = 2 if m.guidance_scale > 1.0 else 1
+    text = 2 * sum(v for k, v in _FROZEN[m.family].items() if k.startswith("text_encoder")) \
+        * m.max_sequence_length * branches
+    encode = text / (peak * MFU)
+    if m.task == "i2v":  # Wan encodes the first frame padded to the whole clip; HunyuanVideo 1.5 the frame
+        encode += vae_flops(cfg, "encode", m.num_frames if m.family == "wan" else 1) / vae_rate
+    return {"denoise": G * p.seconds["rollout per video"], "encode": encode,
+            "decode": G * vae_flops(cfg, "decode") / vae_rate}
+
+
+def _vae_fp32(cfg) -> bool:
+    return cfg.model.family == "wan" or cfg.model.dtype == "float32"  # Wan's VAE always loads in fp32
+
+
+def payload_bytes(cfg, p: Plan) -> float:
+    """What one publish moves: the trained weights in fp32 (full), or the LoRA adapters."""
+    a = p.arch
+    trained = a.params if cfg.optim.finetune == "full" else a.lora_params
+    return 4.0 * trained * a.trained_experts
+
+
+def weight_sync_seconds(cfg, p: Plan) -> dict[str, float]:
+    """One publish (weight_sync.timeout_s waits for it): the payload over the network, then the
+    receiver's checksum when weight_sync.checksum is on."""
+    n = payload_bytes(cfg, p)
+    out = {"transfer": n / (cfg.plan.network_gb_s * 1e9)}
+    if cfg.weight_sync.checksum:
+        out["checksum"] = n / (HASH_GB_S * 1e9)
+    return out
+
+
+def load_bytes(cfg, p: Plan) -> float:
+    """What one learner rank reads at start: its pipeline in the dtypes it loads in (the trained
+    transformer(s) and every frozen module the learner memory model holds)."""
+    c = 4 if cfg.model.dtype == "float32" else 2
+    return c * p.arch.params * p.arch.trained_experts + p.learner["frozen modules (unsharded)"]
+
+
+def checkpoint_shard_bytes(p: Plan) -> float:
+    """One learner rank's checkpoint shard: fp32 masters, Adam's two moments and the anchors."""
+    masters = p.learner["optimizer"] / 2  # the optimizer holds 8 bytes per trainable parameter
+    return masters + p.learner["optimizer"] + p.learner["anchors"]
+
+
+def micro_batch_seconds(cfg, p: Plan) -> float:
+    """One micro-batch's forward and backward: the most a rank computes between two collectives
+    of the learner's group (every rank runs the same micro-batches, learner/rows.py)."""
+    k = max(p.flops["trained steps per video"], 1.0)
+    return p.seconds["train per video"] / k * cfg.optim.micro_batch
+
+
+def estimates(cfg, p: Plan) -> dict[str, tuple[float, dict[str, float]]]:
+    """Each timeout field → (seconds of the work it waits for, the parts)."""
+    storage = cfg.plan.storage_gb_s * 1e9
+    group, sync = group_seconds(cfg, p), weight_sync_seconds(cfg, p)
+    load, shard = load_bytes(cfg, p), checkpoint_shard_bytes(p)
+    return {
+        "sampler.timeout_s": (sum(group.values()), group),
+        "weight_sync.timeout_s": (sum(sync.values()), sync),
+        "learner.collective_timeout_s": (micro_batch_seconds(cfg, p), {}),
+        "learner.load_timeout_s": (load / storage, {"bytes": load}),
+        "learner.checkpoint_timeout_s": (shard / storage, {"bytes": shard}),
+    }
