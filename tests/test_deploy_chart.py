@@ -117,6 +117,42 @@ def test_default_config_is_a_valid_run_config(chart):
     assert cfg.run.root == "/var/lib/vgrpo/runs"
 
 
+def _rendered_config(chart, values: dict):
+    from common.config import validate
+
+    return validate(yaml.safe_load(one(render(chart, values), "ConfigMap", "-config")["data"]["config.yaml"]))
+
+
+@pytest.mark.parametrize("values", [{}, "multi-pool.yaml"])
+def test_the_config_carries_the_pods_the_chart_makes(chart, values):
+    """plan.pods in the rendered config is what `vgrpo plan --values` reads from the same values
+    (cluster/plan/host.py), so `vgrpo train`'s preflight checks the pods it runs on."""
+    from cluster.plan.host import merge_values, pods_from_values
+    from common.config import PodsConfig
+
+    given = example(values) if isinstance(values, str) else values
+    cfg = _rendered_config(chart, given)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert cfg.plan.pods == PodsConfig.model_validate(pods_from_values(merge_values(defaults, given)))
+    groups = {g["groupName"]: g for g in one(render(chart, given), "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    for name, g in groups.items():  # the memory each pod is given, as the RayJob sets it
+        limits = g["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert cfg.plan.pods.groups[name].memory == limits["memory"]
+
+
+def test_train_preflight_checks_the_charts_pods_for_the_shipped_wan_config(chart):
+    from cluster.driver.preflight import check_plan
+    from common.config import ConfigError
+
+    wan = yaml.safe_load((ROOT / "configs" / "wan22_i2v_tagrpo.yaml").read_text())
+    check_plan(_rendered_config(chart, {"config": wan}))  # the chart's values hold it
+    small = {"config": wan, "workerGroups": {"rollout": {"memory": "64Gi"}}}
+    with pytest.raises(ConfigError, match=r"^workerGroups\.rollout\.memory = 64Gi is below the plan's"):
+        check_plan(_rendered_config(chart, small))
+    with pytest.raises(ConfigError, match=r"^redis\.maxmemory = 8gb is below bank\.max_bytes"):
+        check_plan(_rendered_config(chart, {"config": wan, "redis": {"maxmemory": "8gb"}}))
+
+
 def test_values_reach_the_worker_groups(chart, validators):
     tol = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     values = {"workerGroups": {"reward": {"gpus": 2, "nodeSelector": {"gpu": "l40s"},
