@@ -84,3 +84,18 @@ def test_step_5_install_is_accepted_by_kuberay(flag):
     assert job["spec"]["shutdownAfterJobFinishes"] is False and rayjob_errors(job) == []
     assert f"--set rayJob.{flag}" in DOC
     assert json.dumps(job["metadata"]["name"]) == '"vgrpo"'   # `kubectl get rayjob vgrpo`
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml"])
+def test_the_plan_output_in_the_guide_is_what_vgrpo_plan_prints(config, capsys, monkeypatch):
+    """The pod resources in the guide are the plan's figures: the pasted output is today's."""
+    from cluster.cli import main
+
+    (block,) = re.findall(rf"```text\n\$ vgrpo plan -c {re.escape(config)}\n\.\.\.\n(.*?)\n```", DOC, re.S)
+    monkeypatch.chdir(ROOT)  # the plan names the chart's values relative to the repository
+    assert main(["plan", "-c", config]) == 0
+    out = capsys.readouterr().out
+    assert block.strip() in out, f"docs/deploy.md's plan output for {config} is stale: rerun and paste"
+    for figure in ("per step", "host RAM per process", "sampler.timeout_s", "workerGroups.learner.memory"):
+        assert figure in block

@@ -191,7 +191,7 @@ def test_the_shipped_configs_pass_on_the_gpu_they_name(config, capsys):
     assert cfg.plan.gpu == "H200"
     assert main(["plan", "-c", str(config)]) == 0
     out = capsys.readouterr().out
-    assert f"on {cfg.plan.gpu} " in out.splitlines()[0] and out.strip().endswith(f"plan: ok for {cfg.plan.gpu}")
+    assert f"on {cfg.plan.gpu} " in out.splitlines()[0] and out.strip().endswith(f"plan: bank, timeouts and pods ok for {cfg.plan.gpu} (GPU memory per rank: see above)")
     for line in ("per step", "per group", "stored steps per member", "host RAM per process",
                  "sampler.timeout_s", "workerGroups.rollout.memory", "redis.maxmemory"):
         assert line in out, line

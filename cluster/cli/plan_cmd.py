@@ -100,5 +100,5 @@ def run(args) -> int:
     for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
         print(f"warning: {line}")
     refuse(checks)  # the first failing check, in one line (exit 2)
-    print(f"plan: ok for {p.gpu}")
+    print(f"plan: bank, timeouts and pods ok for {p.gpu} (GPU memory per rank: see above)")
     return 0
