@@ -1,5 +1,11 @@
 """FSDP2 for the learner: process-group setup, `fully_shard` per transformer block, full-state
-gathers for publishing, and a teardown that cannot abort the process.
+gathers for publishing, barriers with their own timeouts, and a teardown that cannot abort the
+process.
+
+Timeouts: the default group's (learner.collective_timeout_s) bounds every collective. A wait
+that is long by nature (the slowest rank's model read, a checkpoint shard on slow storage) is a
+monitored barrier on a gloo control group instead, whose timeout is given per call: NCCL's
+watchdog aborts a rank whose collective outlives its group's timeout.
 
 Teardown: with torch 2.13 and gloo on CPU, `destroy_process_group` now and then aborts the
 process (SIGABRT from gloo's C++ pair teardown while a peer has already closed its socket;
@@ -66,11 +72,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 def barrier(timeout_s: float, field: str, what: str) -> None:
     """Wait up to timeout_s for every rank of the learner's group (gloo's monitored barrier,
     whose timeout is per call); raises LearnerTimeout naming the late rank and `field`."""
+    global _control
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    group = _control if _control is not None else dist.new_group(backend="gloo")
+    if _control is None:  # a group initialised elsewhere: every rank is here, so make it now
+        _control = dist.new_group(backend="gloo")
     try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s))
+        dist.monitored_barrier(group=_control, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise LearnerTimeout(f"learner rank {dist.get_rank()}: not every rank {what} within "
                              f"{timeout_s:g} s ({field}); raise it if the work is that slow "
@@ -161,7 +169,9 @@ def shutdown_process_group(mode: Literal["barrier_only", "destroy"] = "barrier_o
         log.warning("learner rank %d: teardown barrier failed (%s); leaving the group as is", rank, e)
         return False
     if mode == "destroy":
+        global _control
         if rank == 0:
             time.sleep(0.2)  # let the peers close their pairs against a live store first
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the control group too
+        _control = None
     return ok
