@@ -610,7 +610,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path)
+    from common import storage
+
+    p = storage.location(path)  # a local file, or one on an object store (a run's config.yaml)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     try:

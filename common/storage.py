@@ -10,6 +10,14 @@ of which (the marker) marks it complete. An object store has no atomic directory
 the files are written one object each, the marker last: a reader that lists only directories
 holding the marker never sees a half-written checkpoint (a single PUT is atomic). The local
 path keeps its rename-into-place writer (learner/checkpoint.py); this module serves the URIs.
+
+`Uri` is a URI string that joins with `/` and answers the few pathlib questions the run code asks
+(name, parent, exists, is_file, read_text, …), so code written against a Path also runs on a
+`s3://` location. `location()` gives a Path for a local path and a Uri for the rest.
+
+The driver keeps a run's own files (metrics, status, media, tracker logs) in a local staging folder
+and mirrors them to the object store (`push_tree`, each file one PUT: a reader sees the old or the
+new file, never half); `pull_tree` brings them back for `vgrpo resume`/`eval`/`export`.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -48,9 +57,135 @@ def join(uri: str, *parts: str) -> str:
     return posixpath.join(uri.rstrip("/"), *parts)
 
 
-def exists(uri: str) -> bool:
+def _fresh(uri: str):
+    """(filesystem, path) with the filesystem's listing cache dropped: another process (the
+    learner, a second driver) may have written since this one last listed."""
     fs, path = filesystem(uri)
+    fs.invalidate_cache()
+    return fs, path
+
+
+def exists(uri: str) -> bool:
+    fs, path = _fresh(uri)
     return fs.exists(path)
+
+
+class Uri(str):
+    """A URI that joins like a Path (`Uri("s3://b/run") / "checkpoints"`) and answers the pathlib
+    questions run code asks. A str, so it pickles to actors and every function here takes it."""
+
+    def __new__(cls, value: str):
+        return super().__new__(cls, str(value).rstrip("/"))
+
+    def __truediv__(self, part: str | os.PathLike) -> Uri:
+        return Uri(join(self, str(part)))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self)
+
+    @property
+    def parent(self) -> Uri:
+        scheme, _, rest = self.partition("://")
+        return Uri(f"{scheme}://{posixpath.dirname(rest)}")
+
+    def exists(self) -> bool:
+        return exists(self)
+
+    def is_file(self) -> bool:
+        fs, path = _fresh(self)
+        return fs.isfile(path)
+
+    def is_dir(self) -> bool:
+        fs, path = _fresh(self)
+        return fs.isdir(path)
+
+    def iterdir(self) -> Iterator[Uri]:
+        fs, path = _fresh(self)
+        if fs.isdir(path):
+            for entry in fs.ls(path, detail=False):
+                if entry.rstrip("/") != path.rstrip("/"):
+                    yield self / posixpath.basename(entry.rstrip("/"))
+
+    def glob(self, pattern: str) -> Iterator[Uri]:
+        import fnmatch
+
+        return (p for p in self.iterdir() if fnmatch.fnmatch(p.name, pattern))
+
+    def read_bytes(self) -> bytes:
+        return read_bytes(self)
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return read_bytes(self).decode(encoding)
+
+    def write_bytes(self, data: bytes) -> None:
+        write(self, data)
+
+    def write_text(self, text: str, encoding: str = "utf-8") -> None:
+        write(self, text.encode(encoding))
+
+    def open(self, mode: str = "rb"):
+        fs, path = filesystem(self)
+        return fs.open(path, mode)
+
+    def size(self) -> int:
+        fs, path = _fresh(self)
+        return fs.size(path)
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Object stores have no folders: a prefix exists once an object is under it."""
+
+    def resolve(self) -> Uri:
+        return self
+
+
+def location(where: str | os.PathLike) -> Path | Uri:
+    """A Path for a local path, a Uri for an object-store URI."""
+    return Uri(str(where)) if is_uri(where) else Path(where)
+
+
+def remove(uri: str) -> None:
+    """Delete an object or everything under a prefix (nothing there: nothing to do)."""
+    fs, path = _fresh(uri)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def push_tree(local: Path, uri: str, skip: tuple[str, ...] = (),
+              sent: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
+    """Upload the files under `local` that changed since `sent` (relative path → (size, mtime)),
+    each as one object under `uri`; top-level names in `skip` stay local. Returns the new `sent`."""
+    sent = dict(sent or {})
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        rel = f.relative_to(local).as_posix()
+        if rel.split("/", 1)[0] in skip or ".tmp" in f.name:
+            continue
+        st = f.stat()
+        sig = (st.st_size, st.st_mtime_ns)
+        if sent.get(rel) != sig:
+            write(join(uri, rel), f.read_bytes())
+            sent[rel] = sig
+    return sent
+
+
+def pull_tree(uri: str, local: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """Download every object under `uri` into `local` but the top-level names in `skip`; returns
+    what push_tree would take as already sent."""
+    fs, path = _fresh(uri)
+    sent = {}
+    if not fs.isdir(path):
+        return sent
+    for obj in fs.find(path):
+        rel = posixpath.relpath(obj, path)
+        if rel.split("/", 1)[0] in skip:
+            continue
+        dest = local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with fs.open(obj, "rb") as src:
+            dest.write_bytes(src.read())
+        st = dest.stat()
+        sent[rel] = (st.st_size, st.st_mtime_ns)
+    return sent
 
 
 def read_bytes(uri: str) -> bytes:
@@ -76,9 +211,9 @@ def step_name(prefix: str, step: int) -> str:
     return f"{prefix}{step:08d}"
 
 
-def list_steps(root: str, prefix: str, marker: str) -> list[str]:
+def list_steps(root: str, prefix: str, marker: str) -> list[Uri]:
     """Complete step directories under root (holding `marker`), oldest first, as URIs."""
-    fs, path = filesystem(root)
+    fs, path = _fresh(root)
     if not fs.isdir(path):
         return []
     found = []
@@ -86,12 +221,12 @@ def list_steps(root: str, prefix: str, marker: str) -> list[str]:
         name = posixpath.basename(entry.rstrip("/"))
         if (name.startswith(prefix) and name[len(prefix):].isdigit()
                 and fs.isfile(posixpath.join(entry, marker))):
-            found.append((int(name[len(prefix):]), join(root, name)))
+            found.append((int(name[len(prefix):]), Uri(join(root, name))))
     return [uri for _, uri in sorted(found)]
 
 
 def save_step(root: str, name: str, files: dict[str, bytes | Writer], marker: str, keep: int,
-              prefix: str) -> str:
+              prefix: str) -> Uri:
     """Write `<root>/<name>/` file by file with `marker` last, then keep only the newest `keep`
     complete steps. A re-saved step first loses its marker, so it is never read half-new."""
     if marker not in files:
@@ -108,13 +243,13 @@ def save_step(root: str, name: str, files: dict[str, bytes | Writer], marker: st
         sfs, spath = filesystem(stale)
         sfs.rm(posixpath.join(spath, marker))   # unlisted first, then removed
         sfs.rm(spath, recursive=True)
-    return d
+    return Uri(d)
 
 
-def resolve_step(location: str, prefix: str, marker: str) -> str:
+def resolve_step(location: str, prefix: str, marker: str) -> Uri:
     """A step directory, or a root holding several (the newest complete one is taken)."""
     if exists(join(location, marker)):
-        return location.rstrip("/")
+        return Uri(location)
     found = list_steps(location, prefix, marker)
     if not found:
         raise FileNotFoundError(f"{location}: no checkpoint here (expected {marker} or "

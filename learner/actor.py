@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from common import storage
 from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
 from common.actors import kill_and_wait
 from common.config import RunConfig
 from common.dispatch import verb
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights import WeightsRecord
-from learner import dist_checkpoint, fsdp
+from learner import checkpoint, dist_checkpoint, fsdp
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher
 from rollout_worker.models import VideoModel
@@ -198,9 +199,8 @@ class LearnerRank:
         the run keeps one (rank 0; every rank joins the gather)."""
         payload = self.weights_payload(ema=True)
         if payload is not None:
-            from safetensors.torch import save_file
-
-            save_file({k: v.detach().cpu().contiguous() for k, v in payload.items()}, path)
+            checkpoint.write_policy(path, payload, ema=self.trainer.exports_ema,
+                                    version=self.trainer.version, decay=self.cfg.optim.ema_decay)
 
     @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None,
@@ -311,7 +311,8 @@ class LearnerGroup:
     _publish = verb("publish")
 
     def save_checkpoint(self, dir: str | Path, extra: dict | None = None) -> Path:
-        return Path(self._save(str(dir), extra))
+        """The step dir written: a Path, or a storage.Uri for an object-store root."""
+        return storage.location(self._save(str(dir), extra))
 
     _save = verb("save_checkpoint")
 

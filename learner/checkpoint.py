@@ -5,7 +5,8 @@ state dict (torch.save, read back with weights_only=True); `extra.json` holds wh
 driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` survive.
 
 `root` may also be an fsspec URI (s3://, gs://, …): common/storage.py then writes the same
-layout object by object, trainer.pt last, and the functions return URIs (str) instead of Paths.
+layout object by object, trainer.pt last (a step without it is never listed: the object-store
+counterpart of the temp dir), and the functions return `storage.Uri`s instead of Paths.
 
 `verify` reads a checkpoint back before anything is started on it: a damaged file becomes one
 `CheckpointError` line naming the file, what is wrong and what to do, instead of a traceback in
@@ -14,13 +15,16 @@ an actor. torch.load does not check the zip CRCs of a `trainer.pt`, so `verify` 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import shutil
+import tempfile
 import uuid
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ from common.errors import UserError
 
 PREFIX = "step_"
 STATE_FILE, EXTRA_FILE = "trainer.pt", "extra.json"
+META_FILE = "meta.json"  # the marker of the sharded layout (learner/dist_checkpoint.py)
 
 
 class CheckpointError(UserError, ValueError):
@@ -84,7 +89,7 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
 
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint dir, or a root holding several (the newest is taken)."""
-    p = Path(path)
+    p = storage.location(path)
     if (p / STATE_FILE).is_file():
         return p
     found = list_checkpoints(p)
@@ -106,10 +111,31 @@ def load(path: str | os.PathLike, map_location="cpu") -> tuple[dict, dict, Path]
     return state, read_extra(d / EXTRA_FILE), d
 
 
+def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int, decay: float) -> None:
+    """The exported policy, `policy.safetensors` (what `vgrpo eval` and `vgrpo export` read): the
+    weights or, with optim.ema_decay, their moving average; its metadata says which."""
+    from safetensors.torch import save
+
+    meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(version),
+            "vgrpo.ema_decay": repr(float(decay)) if ema else "0.0"}
+    data = save({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)
+    if storage.is_uri(path):
+        storage.write(str(path), data)   # one PUT: whole or absent
+        return
+    tmp = Path(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 # --- verification: one line per damaged file ----------------------------------------------------
 
 def step_dirs(root: str | os.PathLike) -> list[Path]:
-    """Every step_NNNNNNNN dir under root, complete or not, oldest first."""
+    """Every step_NNNNNNNN dir under root, complete or not, oldest first. On an object store only
+    complete ones: a step without its marker is a write still under way (or one a kill cut
+    short), as a local `.tmp-` dir is, and never one to verify or fall back to."""
+    if storage.is_uri(root):
+        found = {d for marker in (STATE_FILE, META_FILE) for d in list_checkpoints(root, marker)}
+        return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
     root = Path(root)
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
              and p.name[len(PREFIX):].isdigit()] if root.is_dir() else []
@@ -129,10 +155,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+@contextlib.contextmanager
+def readable(f: Path) -> Iterator[Path]:
+    """A local path holding f's bytes: f itself, or a temp copy of an object-store file (torch
+    and zipfile read local files; the messages still name f)."""
+    if not storage.is_uri(f):
+        yield f
+        return
+    with tempfile.TemporaryDirectory(prefix="vgrpo-ckpt-") as tmp:
+        local = Path(tmp) / f.name
+        local.write_bytes(storage.read_bytes(f))
+        yield local
+
+
 def check_torch_file(f: Path) -> str | None:
     """What is wrong with a torch.save file, or None: present, a whole zip, every CRC right."""
     if not f.is_file():
         return "missing"
+    with readable(f) as local:
+        return _check_zip(local)
+
+
+def _check_zip(f: Path) -> str | None:
     if f.stat().st_size == 0:
         return "empty (0 bytes)"
     try:
@@ -150,7 +194,8 @@ def check_torch_file(f: Path) -> str | None:
 def load_state_file(f: Path, map_location="cpu", mmap: bool = False) -> dict:
     """torch.load a state file (tensors only), or CheckpointError naming it."""
     try:
-        state = torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
+        with readable(f) as local:
+            state = torch.load(local, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing") from None
     except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError… for a bad file
@@ -192,7 +237,7 @@ def verify_file(f: Path, keys: tuple[str, ...] = ()) -> None:
 
 def verify(d: str | os.PathLike, state_keys: tuple[str, ...] = (), extra_keys: tuple[str, ...] = ()) -> None:
     """Raise CheckpointError (one line: file, fault, fix) unless step dir `d` reads back whole."""
-    d = Path(d)
+    d = storage.location(d)
     verify_file(d / STATE_FILE, state_keys)
     try:
         read_extra(d / EXTRA_FILE, extra_keys)

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from common import storage
 from learner import checkpoint as single_rank
 from learner.checkpoint import (
     EXTRA_FILE,
+    META_FILE,
     PREFIX,
     STATE_FILE,
     CheckpointError,
@@ -36,8 +38,6 @@ from learner.checkpoint import (
     verify_file,
 )
 from learner.fsdp import barrier
-
-META_FILE = "meta.json"
 
 
 def shard_file(rank: int) -> str:
@@ -82,6 +82,8 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
 
     timeout_s (learner.checkpoint_timeout_s) bounds the waits for the slowest rank's shard write
     and for rank 0's rename and clean-up; None waits as long as the group's collective timeout."""
+    if storage.is_uri(root):
+        return _save_objects(storage.Uri(root), step, state, extra, keep, timeout_s)
     root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
     # 1. rank 0 names the temp dir and tells the others
     box = [f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
@@ -115,9 +117,31 @@ def _wait(timeout_s: float | None, what: str) -> None:
         barrier(timeout_s, "learner.checkpoint_timeout_s", what)
 
 
+def _save_objects(root: storage.Uri, step: int, state: dict, extra: dict, keep: int,
+                  timeout_s: float | None = None) -> storage.Uri:
+    """The object-store form of `save`: no rename, so the step dir is written in place and
+    meta.json, written last by rank 0 after every shard is in, is what makes it listed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = step_dir(root, step)
+    if rank == 0:
+        if (final / META_FILE).exists():  # a re-save: unlisted before any file changes
+            storage.remove(final / META_FILE)
+        storage.write(final / EXTRA_FILE, json.dumps(extra, sort_keys=True).encode())
+    dist.barrier()
+    storage.write(final / shard_file(rank), lambda f: torch.save(to_local(state), f))
+    _wait(timeout_s, "the checkpoint's shard writes")
+    if rank == 0:
+        storage.write(final / META_FILE, json.dumps({"world_size": world, "step": step}).encode())
+        for stale in list_sharded(root)[:-keep]:
+            storage.remove(stale / META_FILE)   # unlisted first, then removed
+            storage.remove(stale)
+    _wait(timeout_s, "rank 0's marker and clean-up")
+    return final
+
+
 def load(path: str | os.PathLike, template: dict) -> tuple[dict, dict, Path]:
     """This rank's (state rebuilt on `template`'s DTensors, extra, dir). Not a collective."""
-    p = Path(path)
+    p = storage.location(path)
     if not (p / META_FILE).is_file():
         found = list_sharded(p)
         if not found:

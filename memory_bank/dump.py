@@ -8,6 +8,9 @@ per-entry accounting, the offset of each entry in `entries.bin` and that file's 
 codec's own bytes). Restoring checks the digest and decodes every entry before it writes
 anything: a bank is restored whole or not at all, and the driver says which in one line.
 
+On an object store (a `s3://` run root) the two files are uploaded one object each, index.json
+last and an older index.json removed first, so a reader finds a bank only when it is whole.
+
 Restoring happens only into an empty namespace: a Redis that still holds the run's data
 (AOF, an external server) is the newer copy, and the checkpoint's watermark
 (`MemoryBank.restore`) reconciles it.
@@ -19,11 +22,13 @@ import hashlib
 import json
 import logging
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from common import storage
 from memory_bank import codec
 from memory_bank.bank import MemoryBank, _s
 from memory_bank.errors import BankUnavailable, CorruptEntry
@@ -62,13 +67,26 @@ def _pairs(flat: list) -> dict[str, str]:
 def dump_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str | None:
     """Write the bank's data into `ckpt_dir/bank/` (atomically); None when written, else the
     one line saying why the checkpoint has no bank data."""
+    where = storage.location(ckpt_dir)
     try:
-        out = _dump(bank, Path(ckpt_dir))
+        if storage.is_uri(where):
+            with tempfile.TemporaryDirectory(prefix="vgrpo-bank-") as tmp:
+                out = _dump(bank, Path(tmp))
+                _upload(Path(tmp) / DIR, where / DIR)
+        else:
+            out = _dump(bank, where)
     except BankUnavailable as e:
         return f"checkpoint without the bank's data: {e}"
     log.info("bank: %d queued groups and %d banked entries (%d bytes) written to %s",
-             out["groups"], out["banked"], out["bytes"], Path(ckpt_dir) / DIR)
+             out["groups"], out["banked"], out["bytes"], where / DIR)
     return None
+
+
+def _upload(local: Path, dest: storage.Uri) -> None:
+    """entries.bin, then index.json: the index is the marker, so it goes last (and first)."""
+    storage.remove(dest / INDEX)
+    storage.write(dest / DATA, (local / DATA).read_bytes())
+    storage.write(dest / INDEX, (local / INDEX).read_bytes())
 
 
 def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
@@ -139,13 +157,13 @@ def _write_entries(bank: MemoryBank, eids: list[str], path: Path
 
 def step_dir(ckpt: str | Path, step: int) -> Path:
     """The checkpoint directory of `step` under a checkpoints root (or `ckpt` itself)."""
-    p = Path(ckpt)
+    p = storage.location(ckpt)
     return p if (p / DIR).exists() or (p / "extra.json").is_file() else p / f"step_{step:08d}"
 
 
 def restore_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str:
     """Load a checkpoint's bank data into an empty namespace; one line saying what happened."""
-    src = Path(ckpt_dir) / DIR
+    src = storage.location(ckpt_dir) / DIR
     try:
         held = bank.stats()
         if held["fresh"] or held["pending"] or held["entries"]:

@@ -76,3 +76,55 @@ def bank(redis_server, request):
     yield b
     b.clear()
     client.close()
+
+
+# What points s3fs (in this process and in every process it starts: `vgrpo` subprocesses, gloo
+# ranks, a Ray cluster they start) at the loopback S3 endpoint. moto takes any credentials.
+S3_ENV = {"AWS_ACCESS_KEY_ID": "vgrpo-test", "AWS_SECRET_ACCESS_KEY": "vgrpo-test",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 endpoint on 127.0.0.1 (moto's server mode in a thread, a free port), for the
+    session; the AWS_* variables above plus AWS_ENDPOINT_URL are set while it runs. Yields the URL."""
+    import logging
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update({**S3_ENV, "AWS_ENDPOINT_URL": url})
+    try:
+        yield url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_root(s3_server, tmp_path, monkeypatch):
+    """`s3://<a fresh bucket>/runs` on the loopback endpoint, the bucket deleted afterwards; run
+    staging folders ($VGRPO_CACHE_DIR) go under the test's tmp_path."""
+    import uuid
+
+    from common import storage
+
+    monkeypatch.setenv("VGRPO_CACHE_DIR", str(tmp_path / "cache"))
+    bucket = f"vgrpo-test-{uuid.uuid4().hex[:10]}"
+    fs, _ = storage.filesystem(f"s3://{bucket}")
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}/runs"
+    fs.invalidate_cache()
+    fs.rm(bucket, recursive=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from bank_helpers import make_group
 
+from common import storage
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
 from memory_bank.dump import DATA, DIR, INDEX, dump_bank, restore_bank, step_dir
@@ -38,17 +40,28 @@ def _state(bank: MemoryBank) -> dict:
     }
 
 
-def test_checkpoint_restores_the_bank_into_an_empty_redis(tmp_path):
+@pytest.fixture(params=["local", "s3"])
+def ckpt_dir(request, tmp_path):
+    """A checkpoint dir: local, or on a real S3 endpoint on loopback (moto's server, via s3fs)."""
+    if request.param == "local":
+        return tmp_path
+    return storage.Uri(request.getfixturevalue("s3_root")) / "checkpoints" / "step_00000001"
+
+
+def test_checkpoint_restores_the_bank_into_an_empty_redis(ckpt_dir):
     cfg = BankConfig(namespace="ckpt", capacity=8)
     with EmbeddedRedis() as first:                      # aof off: nothing survives it
         bank = MemoryBank(first.client(), cfg)
         _filled(bank)
         before = _state(bank)
-        assert dump_bank(bank, tmp_path) is None
+        assert dump_bank(bank, ckpt_dir) is None
+        if storage.is_uri(ckpt_dir):  # the index, the marker, is the last object written
+            assert sorted(p.name for p in (ckpt_dir / DIR).iterdir()) == [DATA, INDEX]
+            assert dump_bank(bank, ckpt_dir) is None   # a re-dump replaces it whole
     with EmbeddedRedis() as second:                     # the resumed run's new, empty server
         bank = MemoryBank(second.client(), cfg)
-        note = restore_bank(bank, tmp_path)
-        assert note == f"bank: restored 8 banked entries and 3 queued groups from {tmp_path / DIR}"
+        note = restore_bank(bank, ckpt_dir)
+        assert note == f"bank: restored 8 banked entries and 3 queued groups from {ckpt_dir / DIR}"
         after = _state(bank)
         # the pending group is queued again, first; every other figure is as it was
         assert after["stats"] == {**before["stats"], "fresh": 3, "pending": 0}

@@ -1,5 +1,6 @@
-"""Checkpoint and resume through the storage layer, on a local path and on a non-local fsspec
-filesystem (`memory://`, fsspec's in-process object store: no rename, objects only)."""
+"""Checkpoint and resume through the storage layer, on a local path, on fsspec's in-process
+object store (`memory://`: no rename, objects only) and on a real S3 endpoint on loopback (moto's
+server mode, reached through s3fs)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from learner import checkpoint
 from learner.trainer import Trainer
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def location(request, tmp_path):
     if request.param == "local":
         yield str(tmp_path / "ckpt")
+        return
+    if request.param == "s3":  # a real S3 endpoint on loopback (moto's server), through s3fs
+        yield request.getfixturevalue("s3_root") + "/ckpt"
         return
     import fsspec
 
@@ -62,7 +66,7 @@ def test_checkpoint_and_resume_through_the_storage_layer(location):
     steps = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in checkpoint.list_checkpoints(location)]
     assert steps == ["step_00000002", "step_00000003"]
     if storage.is_uri(location):
-        assert all(isinstance(p, str) and p.startswith("memory://") for p in saved)
+        assert all(isinstance(p, storage.Uri) and p.startswith(location) for p in saved)
 
     b = Trainer(cfg, TinyVideoModel(seed=0)).setup()
     extra = b.load_checkpoint(str(saved[1]))

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from cluster.evaluation.policy import evaluate_policy, load_policy, resolve_target, score
+from common import storage
 
 
 def register(sub) -> None:
@@ -50,19 +51,20 @@ def cmd_eval(args) -> int:
     from cluster.data.manifests import side_by_side
     from cluster.runs.media import grid_image, write_gif
 
+    out, upload = _out_dir(args)
     if args.curve:
         from cluster.evaluation.curve import run_curve
 
-        run = Path(args.target)
+        run = storage.location(args.target)
         if not (run / "config.yaml").is_file():
             from common.config import ConfigError
 
             raise ConfigError(f"{run}: --curve needs a run directory (with config.yaml), not a checkpoint or 'base'")
-        out = Path(args.out) if args.out else run / "eval"
         text, png = run_curve(run, args.seeds, out,
                               lambda cfg, ckpt, seeds: evaluate_policy(cfg, ckpt, seeds, args.prompts)[0])
         print(text)
-        print(f"wrote {out / 'curve.md'}, curve.json and {png}")
+        print(f"wrote {_shown(out / 'curve.md', out, upload)}, curve.json and {_shown(png, out, upload)}")
+        _upload(out, upload)
         return 0
     cfg, ckpt = resolve_target(args.target, args.config)
     result, frames, evals = evaluate_policy(cfg, ckpt, args.seeds, args.prompts)
@@ -84,8 +86,35 @@ def cmd_eval(args) -> int:
     Console().print(t)
     (out / "eval.json").write_text(json.dumps({"target": str(args.target), "checkpoint": str(ckpt),
                                                "pairs": len(pair_conds), **result.to_dict()}, indent=2))
-    print(f"wrote {out / 'grid.png'}, eval.json and {len(prompts)} GIFs")
+    print(f"wrote {_shown(out / 'grid.png', out, upload)}, eval.json and {len(prompts)} GIFs")
+    _upload(out, upload)
     return 0
+
+
+def _out_dir(args) -> tuple[Path, str | None]:
+    """(local folder to write into, object-store prefix to upload it to afterwards or None).
+    The default is TARGET/eval; a target on an object store gets it there too."""
+    import tempfile
+
+    if args.out:
+        return Path(args.out), None
+    if args.target == "base":
+        return Path("eval"), None
+    if storage.is_uri(args.target):
+        return Path(tempfile.mkdtemp(prefix="vgrpo-eval-")), storage.join(args.target, "eval")
+    return Path(args.target) / "eval", None
+
+
+def _shown(f: Path, out: Path, upload: str | None) -> str:
+    return str(f) if upload is None else storage.join(upload, f.relative_to(out).as_posix())
+
+
+def _upload(out: Path, upload: str | None) -> None:
+    import shutil
+
+    if upload is not None:
+        storage.push_tree(out, upload)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def cmd_sample(args) -> int:

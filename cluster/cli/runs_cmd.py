@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import storage
+
 
 def register(sub) -> None:
     p = sub.add_parser("runs", help="list run directories and how each stands",
@@ -44,35 +46,38 @@ def _last_row(metrics: Path) -> dict[str, Any]:
     return last
 
 
-def describe(path: Path) -> dict[str, Any]:
-    """What `vgrpo runs` shows for one run directory."""
+def describe(path) -> dict[str, Any]:
+    """What `vgrpo runs` shows for one run directory (a Path, or a storage.Uri on an object store)."""
     import yaml
 
-    from cluster.runs.run_dir import RunDir
-
-    rd = RunDir(path)
+    path = storage.location(path)
     try:
         cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
         steps = (cfg.get("train") or {}).get("steps")
     except (OSError, ValueError, AttributeError, yaml.YAMLError):  # a hand-edited config: list it anyway
         steps = None
-    last = _last_row(rd.metrics_file)
-    status = rd.read_status()
+    last = _last_row(path / "metrics.jsonl")
+    status = _read_json(path / "status.json")
     state, reason = status.get("state", "unknown"), status.get("reason")
     if state == "running" and status.get("host") == socket.gethostname() and not _alive(int(status.get("pid", 0))):
         state, reason = "stopped", "the process ended without saying why (killed or crashed)"
     sessions = status.get("sessions") or []
     wall = sum((end if end is not None else (time.time() if state == "running" else start)) - start
                for start, end in sessions) if sessions else last.get("time_s")
-    try:
-        summary = json.loads(rd.summary_file.read_text())
-    except (OSError, ValueError):
-        summary = {}
+    summary = _read_json(path / "summary.json")
     return {"run": path.name, "path": str(path), "step": last.get("step", 0), "steps": steps,
             "status": state, "reason": reason, "reward": last.get("reward_mean"),
             "before": (summary.get("before") or {}).get("composite_mean"),
             "after": (summary.get("after") or {}).get("composite_mean"), "wall_s": wall,
             "health": health_status(path, summary)}
+
+
+def _read_json(f) -> dict[str, Any]:
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def health_status(path: Path, summary: dict[str, Any]) -> str | None:
@@ -89,7 +94,7 @@ def health_status(path: Path, summary: dict[str, Any]) -> str | None:
     return status + (f": {', '.join(names)}" if names else "")
 
 
-def find_runs(root: Path) -> list[Path]:
+def find_runs(root) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and (p / "config.yaml").is_file())
 
 
@@ -107,7 +112,7 @@ def _wall(s: float | None) -> str:
 def run(args) -> int:
     from common.config import ConfigError
 
-    root = Path(args.root)
+    root = storage.location(args.root)  # a folder, or a prefix on an object store (s3://…)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such folder; pass the run.root your runs were written to")
     rows = [describe(p) for p in find_runs(root)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from cluster.cli.config_cmd import add_config_args
 
@@ -53,21 +52,20 @@ def resume(args) -> int:
     from common.config import ConfigError, load_config
     from learner import dist_checkpoint
 
-    run = Path(args.run_dir)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"{run}: not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml", args.overrides)
-    root = run / "checkpoints"
+    run_dir = RunDir.open(args.run_dir)  # a folder, or a run on an object store (s3://…) staged here
+    if not (run_dir.path / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir.location}: not a run directory (no config.yaml)")
+    cfg = load_config(run_dir.path / "config.yaml", args.overrides)
+    root = run_dir.checkpoints
     newest = dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
     check_saved_state(newest)  # the driver's fields too, before Ray starts
     preflight(cfg)
-    run_dir = RunDir(run)
     run_dir.video_fps = cfg.log.video_fps
     return _run(cfg, run_dir, resume=root, evaluate=not args.no_eval)
 
 
-def check_saved_state(ckpt: Path) -> None:
-    """The checkpoint's driver state (extra.json) reads as a DriverState, or one line naming the
+def check_saved_state(ckpt) -> None:
+    """The checkpoint's (a step dir: a Path or a storage.Uri) driver state (extra.json) reads as a DriverState, or one line naming the
     file and the field (CheckpointError, exit 2) before anything starts."""
     from cluster.driver.state import DriverState
     from learner.checkpoint import EXTRA_FILE, read_extra
@@ -84,7 +82,8 @@ def _run(cfg, run_dir, resume, evaluate: bool) -> int:
     from cluster.runs.tracking import Tracker
 
     console = Console()
-    console.print(f"[bold]vgrpo[/] run directory: {run_dir.path}")
+    console.print(f"[bold]vgrpo[/] run directory: {run_dir.location}"
+                  + (f" (staged in {run_dir.path})" if run_dir.remote else ""))
     driver = Driver(cfg, run_dir, console=console)
     run_dir.set_status("running")
     state, reason = "stopped", None
@@ -110,11 +109,9 @@ def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> Non
     if run_dir.tracker is not None:
         run_dir.tracker.close("finished" if state == "finished" else
                               "interrupted" if reason and "interrupted" in reason else "failed")
-    if fresh and state != "finished" and not any(run_dir.checkpoints.glob("step_*")):
-        import shutil
-
-        shutil.rmtree(run_dir.path, ignore_errors=True)
-        console.print(f"removed {run_dir.path}: the run failed before its first checkpoint")
+    if fresh and state != "finished" and not run_dir.has_checkpoint():
+        run_dir.remove()
+        console.print(f"removed {run_dir.location}: the run failed before its first checkpoint")
     else:
         run_dir.set_status(state, reason)
 
@@ -134,10 +131,10 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
         health = report_health(driver.health, driver.step, console)
         run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
         console.print(f"error: {driver.stop_reason}")
-        console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+        console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
         return 1, "stopped", driver.stop_reason
     if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
-        console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.path}")
+        console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
         by = driver.stopped_by or "Ctrl-C"
         return (130 if by == "Ctrl-C" else 143), "stopped", f"interrupted ({by}) at step {driver.step}"
     if evaluate:
@@ -156,7 +153,7 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
                                      for k, v in summary[when].items()}, driver.step)
     else:
         report_health(driver.health, driver.step, console)
-    console.print(f"done: {driver.step} steps; run directory {run_dir.path}")
+    console.print(f"done: {driver.step} steps; run directory {run_dir.location}")
     return 0, "finished", None
 
 

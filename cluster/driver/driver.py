@@ -141,7 +141,7 @@ class Driver:
         cfg, s = self.cfg, self.started
         self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
         self.redis = s.redis
-        s.lease = claim_namespace(self.bank, str(self.run_dir.path.resolve()), resume=resume)
+        s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
         self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url())
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
@@ -263,7 +263,7 @@ class Driver:
         except ray.exceptions.RayActorError as e:
             self.learner_lost = True  # its pulled groups stay pending; a resume requeues them
             raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
-                          f"with: vgrpo resume {self.run_dir.path}") from None
+                          f"with: vgrpo resume {self.run_dir.location}") from None
         self.timers["train"] += time.monotonic() - t0
         return _step_values(stats.values, pulled, s.step - 1)
 

@@ -17,9 +17,9 @@ from cluster.evaluation.evaluate import EvalResult, paired
 
 
 def checkpoints(run: Path) -> list[Path]:
-    from cluster.evaluation.policy import POLICY_FILE
+    from cluster.evaluation.policy import policy_checkpoints
 
-    return sorted(d for d in (run / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
+    return policy_checkpoints(run)
 
 
 def step_of(ckpt: Path) -> int:

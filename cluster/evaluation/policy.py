@@ -6,18 +6,39 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common import storage
+
 POLICY_FILE = "policy.safetensors"
 
 
-def resolve_target(target: str, config: str | None):
-    """(config, checkpoint dir or None) for a run dir, a checkpoint dir, or 'base'."""
+def policy_checkpoints(run) -> list:
+    """A run's checkpoint dirs that hold the exported policy, oldest first (Paths, or Uris for a
+    run on an object store)."""
+    from learner.checkpoint import PREFIX
+
+    root = storage.location(run) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [d for d in root.glob(f"{PREFIX}*") if d.name[len(PREFIX):].isdigit() and (d / POLICY_FILE).is_file()]
+    return sorted(found, key=lambda d: int(d.name[len(PREFIX):]))
+
+
+def resolve_target(target: str, config: str | None, step: int | None = None):
+    """(config, checkpoint dir or None) for a run dir (its newest checkpoint, or `step`'s), a
+    checkpoint dir, or 'base'. A run may live on an object store (s3://…)."""
     from common.config import ConfigError, load_config
 
     if target == "base":
         return load_config(config), None
-    p = Path(target)
+    p = storage.location(target)
     if (p / "config.yaml").is_file():
-        ckpts = sorted(d for d in (p / "checkpoints").glob("step_*") if (d / POLICY_FILE).is_file())
+        ckpts = policy_checkpoints(p)
+        if step is not None:
+            ckpts = [d for d in ckpts if d.name == f"step_{step:08d}"]
+            if not ckpts:
+                have = ", ".join(str(int(d.name[5:])) for d in policy_checkpoints(p)) or "none"
+                raise ConfigError(f"--step {step}: {p} has no checkpoint of that step with {POLICY_FILE} "
+                                  f"(kept: {have})")
         if not ckpts:
             raise ConfigError(f"{p}: no checkpoint with {POLICY_FILE} under {p / 'checkpoints'}")
         return load_config(p / "config.yaml"), ckpts[-1]
@@ -28,15 +49,27 @@ def resolve_target(target: str, config: str | None):
 
 def read_policy(f: Path) -> dict:
     """A checkpoint's policy.safetensors, or CheckpointError: one line naming the file and the fault."""
+    return read_policy_file(f)[0]
+
+
+def read_policy_file(f: Path) -> tuple[dict, dict[str, str]]:
+    """(tensors, metadata) of a policy.safetensors, local or on an object store; CheckpointError
+    (one line naming the file and the fault) when it is missing or damaged."""
     import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load, load_file
 
     from learner.checkpoint import CheckpointError
 
     fix = "restore it, or evaluate an older checkpoint dir (TARGET/checkpoints/step_NNNNNNNN)"
     try:
-        payload = load_file(str(f))
+        if storage.is_uri(f):
+            data = storage.read_bytes(f)
+            payload, meta = load(data), _metadata(data)
+        else:  # memory-mapped: a full fine-tune's policy is the size of the transformer
+            payload = load_file(str(f))
+            with safe_open(str(f), "pt") as sf:
+                meta = dict(sf.metadata() or {})
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing; {fix}") from None
     except (SafetensorError, OSError) as e:
@@ -47,7 +80,15 @@ def read_policy(f: Path) -> dict:
     bad = next((k for k, v in payload.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if bad is not None:
         raise CheckpointError(f"{f}: tensor {bad!r} holds NaN/inf (a damaged file); {fix}")
-    return payload
+    return payload, meta
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors file's __metadata__ (its header: 8-byte little-endian length, then JSON)."""
+    import json
+
+    n = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8:8 + n]).get("__metadata__") or {})
 
 
 def load_policy(cfg, ckpt: Path | None):

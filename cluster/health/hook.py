@@ -16,6 +16,7 @@ from typing import Any
 
 from cluster.evaluation.eval_set import EvalSet
 from cluster.health.checks import CHECKS, Finding, HealthMonitor
+from common import storage
 from common.config import RunConfig
 from learner.advantages import SPREAD_PREFIX
 
@@ -179,7 +180,7 @@ def report_health(h: DriverHealth, step: int, console, before=None, after=None) 
 def read_health(run_path: Path) -> dict[str, Any] | None:
     """A run directory's health section (health.json), or None when it has none or it is damaged."""
     try:
-        data = json.loads((Path(run_path) / HEALTH_FILE).read_text(encoding="utf-8"))
+        data = json.loads((storage.location(run_path) / HEALTH_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -1,11 +1,21 @@
 """The run directory: resolved config, metrics.jsonl, the reward-curve PNG, samples, checkpoints,
-and status.json (running, finished or stopped and why, with the wall time of each session)."""
+and status.json (running, finished or stopped and why, with the wall time of each session).
+
+A run lives at a local path or at an object-store URI (`run.root: s3://bucket/prefix`). For a URI
+the driver writes its own files into a local staging folder (`path`, under $VGRPO_CACHE_DIR or
+~/.cache/vgrpo) and `sync()` mirrors them to `location` (each file one PUT), at every logged step
+and status change; the learner writes checkpoints straight to `location/checkpoints`, where a step
+is listed only once complete (learner/checkpoint.py). Trackers, the embedded Redis and the media
+writers keep working on local files.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -13,13 +23,28 @@ from typing import Any
 
 import numpy as np
 
+from common import storage
 from common.config import RunConfig, save_config
+
+LOCAL_ONLY = ("redis", "checkpoints")   # never mirrored: Redis' own files; the learner writes the other
+
+
+def staging_dir(uri: str) -> Path:
+    """The local folder that mirrors run `uri`: the same for the same URI (a resume on this
+    machine finds its files), under $VGRPO_CACHE_DIR (default ~/.cache/vgrpo)."""
+    root = Path(os.environ.get("VGRPO_CACHE_DIR") or Path.home() / ".cache" / "vgrpo")
+    scheme, _, rest = uri.rstrip("/").partition("://")
+    tag = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:8]  # two URIs never share one
+    return root / "runs" / scheme / f"{rest.replace('/', '_')[-120:]}-{tag}"
 
 
 class RunDir:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, location: str | os.PathLike | None = None):
+        """`path`: the local folder; `location`: where the run lives when that is a URI."""
         self.path = Path(path)
-        self.checkpoints = self.path / "checkpoints"
+        self.location = storage.location(location) if location is not None else self.path
+        self.remote = storage.is_uri(self.location)
+        self.checkpoints = self.location / "checkpoints"
         self.samples = self.path / "samples"
         self.metrics_file = self.path / "metrics.jsonl"
         self.curve_file = self.path / "reward_curve.png"
@@ -27,22 +52,55 @@ class RunDir:
         self.summary_file = self.path / "summary.json"
         self.tracker = None  # cluster.runs.tracking.Tracker, attached by `vgrpo train` in the driver
         self.video_fps = 4.0
+        self._sent: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def create(cls, cfg: RunConfig) -> RunDir:
         name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
-        path = Path(cfg.run.root) / name
+        root = storage.location(cfg.run.root)
+        where = root / name
         n = 1
-        while path.exists() and any(path.iterdir()):  # never mix two runs: quickstart-2, -3, …
+        while _in_use(where):  # never mix two runs: quickstart-2, -3, …
             n += 1
-            path = Path(cfg.run.root) / f"{name}-{n}"
-        path.mkdir(parents=True, exist_ok=True)
-        rd = cls(path)
-        rd.checkpoints.mkdir(exist_ok=True)
+            where = root / f"{name}-{n}"
+        if storage.is_uri(where):
+            local = staging_dir(where)
+            shutil.rmtree(local, ignore_errors=True)  # a staging copy of a run no longer there
+            rd = cls(local, where)
+        else:
+            rd = cls(where)
+        rd.path.mkdir(parents=True, exist_ok=True)
+        if not rd.remote:
+            rd.checkpoints.mkdir(exist_ok=True)
         rd.samples.mkdir(exist_ok=True)
         rd.video_fps = cfg.log.video_fps
         save_config(cfg, rd.path / "config.yaml")
+        rd.sync()
         return rd
+
+    @classmethod
+    def open(cls, where: str | os.PathLike) -> RunDir:
+        """An existing run: a local folder, or a URI whose files are brought into staging."""
+        if not storage.is_uri(where):
+            return cls(Path(where))
+        rd = cls(staging_dir(str(where)), where)
+        shutil.rmtree(rd.path, ignore_errors=True)  # the object store's copy is the run
+        rd._sent = storage.pull_tree(rd.location, rd.path, skip=LOCAL_ONLY)
+        return rd
+
+    def sync(self) -> None:
+        """Mirror the staging folder's changed files to the object store (local runs: nothing)."""
+        if self.remote:
+            self._sent = storage.push_tree(self.path, self.location, LOCAL_ONLY, self._sent)
+
+    def remove(self) -> None:
+        """Delete the run (a new run that failed before its first checkpoint)."""
+        if self.remote:
+            storage.remove(self.location)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def has_checkpoint(self) -> bool:
+        return any(self.checkpoints.glob("step_*")) if self.checkpoints.is_dir() else False
 
     def attach(self, tracker) -> None:
         """Send what is logged here to experiment trackers as well (driver process only)."""
@@ -56,6 +114,7 @@ class RunDir:
             f.write(json.dumps(clean) + "\n")
         if self.tracker is not None:
             self.tracker.metrics(record)
+        self.sync()
 
     def log_video(self, tag: str, frames, step: int) -> Path:
         """uint8 [F, H, W, 3] → samples/videos/<tag>_step<step>.gif, and a video in each tracker."""
@@ -97,6 +156,7 @@ class RunDir:
         tmp = self.status_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(status, indent=2))
         tmp.replace(self.status_file)
+        self.sync()
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_file.exists():
@@ -140,3 +200,10 @@ class RunDir:
         if self.tracker is not None and rows:
             self.tracker.image("reward_curve", self.curve_file, rows[-1]["step"])
         return self.curve_file
+
+
+def _in_use(where) -> bool:
+    """Whether a run (or anything) is already at `where`."""
+    if storage.is_uri(where):
+        return where.is_dir() and any(True for _ in where.iterdir())
+    return where.exists() and any(where.iterdir())
