@@ -19,6 +19,7 @@ COMMANDS = [
     "cluster.cli.train_cmd",
     "cluster.cli.eval_cmd",
     "cluster.cli.runs_cmd",
+    "cluster.cli.export_cmd",
     "cluster.cli.compare_cmd",
     "cluster.cli.bench_cmd",
     "cluster.cli.plan_cmd",
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed (model cards quote it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

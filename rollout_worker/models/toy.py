@@ -35,6 +35,7 @@ from rollout_worker.models.base import Cond, ModelLoadError, VideoModel
 ASSETS = Path(__file__).parent / "assets"
 BASE_CHECKPOINT = ASSETS / "toy_base.safetensors"
 DIR_WEIGHTS, DIR_META = "toy.safetensors", "toy.json"
+DIFFUSERS_DIR = "transformer"   # an exported toy pipeline: WanTransformer3DModel.from_pretrained reads it
 IN_CHANNELS = 10   # noisy video 3 + first frame 3 + first-frame mask 1 + coordinates 3
 BASE_I2V_CHECKPOINT = ASSETS / "toy_i2v_base.safetensors"
 I2V_LAYOUTS = ("broadcast", "first_frame")
@@ -80,9 +81,13 @@ def _build_transformer(cfg: dict[str, Any]) -> nn.Module:
 
 
 def _resolve(path: str | Path | None) -> tuple[Path, Path]:
-    """(weights file, sidecar) for a file path, a directory or None (the committed checkpoint)."""
+    """(weights file, sidecar) for a file path, a directory or None (the committed checkpoint).
+    A directory holds toy.safetensors + toy.json, or (as `vgrpo export --pipeline` writes it) a
+    diffusers `transformer/` folder + toy.json."""
     p = BASE_CHECKPOINT if path is None else Path(path).expanduser()
-    if p.is_dir():
+    if p.is_dir() and (p / DIFFUSERS_DIR / "config.json").is_file():
+        weights, meta = p / DIFFUSERS_DIR / "diffusion_pytorch_model.safetensors", p / DIR_META
+    elif p.is_dir():
         weights, meta = p / DIR_WEIGHTS, p / DIR_META
     else:
         weights, meta = p, p.with_suffix(".json")
@@ -151,14 +156,29 @@ class ToyVideoModel(VideoModel):
     def from_config(cls, cfg) -> ToyVideoModel:
         """From a common.config.RunConfig: its model.path, dtype and guidance_scale."""
         m = cfg.model
-        # no path: the committed base of the task (the I2V one conditions on a first frame as Wan I2V does)
-        path = m.path if m.path is not None or m.task == "t2v" else BASE_I2V_CHECKPOINT
+        path = cls.checkpoint_path(cfg)
         model = cls.from_pretrained(path, getattr(torch, m.dtype), m.guidance_scale)
         want = {"num_frames": m.num_frames, "height": m.height, "width": m.width}
         if want != {k: model.world[k] for k in want}:
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
                                  f"checkpoint's {model.world} (path {str(path or BASE_CHECKPOINT)!r})")
         return model
+
+    @staticmethod
+    def checkpoint_path(cfg) -> str | Path | None:
+        """The checkpoint a config loads: model.path, else the committed base of the task (None
+        for T2V; the I2V one conditions on a first frame as Wan I2V does)."""
+        m = cfg.model
+        return m.path if m.path is not None or m.task == "t2v" else BASE_I2V_CHECKPOINT
+
+    @staticmethod
+    def sidecar(path: str | Path | None) -> dict[str, Any]:
+        """A checkpoint's NAME.json: the transformer's config, the text encoder, the world."""
+        _, meta = _resolve(path)
+        try:
+            return json.loads(meta.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"toy model: sidecar {str(meta)!r} is malformed ({e})") from None
 
     @classmethod
     def check(cls, cfg) -> None:
