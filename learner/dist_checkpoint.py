@@ -176,7 +176,7 @@ def verify(d: str | os.PathLike, world_size: int, state_keys: tuple[str, ...] = 
            extra_keys: tuple[str, ...] = ()) -> None:
     """Raise CheckpointError (one line: file, fault, fix) unless sharded step dir `d` reads back
     whole for `world_size` ranks: meta.json, every rank's shard, extra.json."""
-    d = Path(d)
+    d = storage.location(d)
     read_meta(d, world_size)
     for r in range(world_size):
         verify_file(d / shard_file(r), state_keys)
