@@ -1,10 +1,10 @@
-"""The before/after PNG: rows alternate the base's and the trained policy's videos of the same pairs."""
+"""The before/after PNG: rows alternate the base's and the trained policy's videos of the same pairs;
+a video's frames stand apart; in the toy world the square's path is drawn after its frames."""
 
 import numpy as np
 import pytest
 
-from cluster.evaluation.before_after import before_after_grid
-from cluster.runs.media import grid_image
+from cluster.evaluation.before_after import FRAME_GAP, FRAME_GREY, GAP, SCALE, before_after_grid
 
 
 def _videos(n: int, value_of, size: int = 3) -> np.ndarray:
@@ -14,18 +14,75 @@ def _videos(n: int, value_of, size: int = 3) -> np.ndarray:
     return v
 
 
+S, G, FG = SCALE, GAP * SCALE, FRAME_GAP     # screen pixels: per video pixel, between cells, between frames
+
+
+def _cell(grid, row: int, video: int, frame: int, shape, trails: bool = False) -> np.ndarray:
+    """The screen pixels of one frame, found from the layout alone: rows of H·S pixels and videos
+    of F frames (plus the path cell with trails), G apart; frames FG apart."""
+    f, h, w = shape[1:4]
+    cells = f + int(trails)
+    video_w = cells * w * S + (cells - 1) * FG
+    y, x = row * (h * S + G), video * (video_w + G) + frame * (w * S + FG)
+    return grid[y:y + h * S, x:x + w * S]
+
+
 def test_rows_alternate_before_and_after_on_the_same_pairs():
     per = 5                                      # seeds per prompt; 3 prompts → 15 pairs
-    before = _videos(15, lambda i: i)            # each video a flat colour = its pair index
+    before = _videos(15, lambda i: i)            # each video a flat colour = its pair index …
+    before[:, 1] += 50                           # … and its second frame 50 brighter (frame order shows)
     after = _videos(15, lambda i: 100 + i)
     grid = before_after_grid(before, after, per, prompts=2, seeds=3)
-    # independent reference: the rows built by hand from pair indices
-    idx = [[0, 1, 2], [5, 6, 7]]
-    ref = np.concatenate([before[idx[0]], after[idx[0]], before[idx[1]], after[idx[1]]])
-    assert np.array_equal(grid, grid_image(ref, per_row=3))
-    # the second row of the picture (after, prompt 0, seed 0) shows pair 0 after training
-    cell = 3 * 8                                 # H·scale
-    assert grid[cell + 2 * 8 + 1, 0, 0] == 100
+    # independent reference: which pair each picture row shows, by hand
+    rows = [(before, [0, 1, 2]), (after, [0, 1, 2]), (before, [5, 6, 7]), (after, [5, 6, 7])]
+    for r, (videos, pairs) in enumerate(rows):
+        for j, pair in enumerate(pairs):
+            for f in range(2):
+                want = videos[pair, f].repeat(S, axis=0).repeat(S, axis=1)
+                assert np.array_equal(_cell(grid, r, j, f, before.shape), want), (r, j, f)
+    assert grid.shape == (4 * 3 * S + 3 * G, 3 * (2 * 3 * S + FG) + 2 * G, 3)
+
+
+def test_frames_stand_apart_and_videos_further():
+    before, after = _videos(4, lambda i: 200), _videos(4, lambda i: 200)   # bright frames: gaps show as grey
+    grid = before_after_grid(before, after, 4, prompts=1, seeds=2)
+    h, w = 3 * S, 3 * S
+    band = grid[:h]                                                      # the first picture row
+    frame_gap = band[:, w:w + FG]                                        # between frame 0 and frame 1
+    assert frame_gap.shape[1] == FG and (frame_gap == FRAME_GREY).all()
+    video_gap = band[:, 2 * w + FG:2 * w + FG + G]                      # between video 0 and video 1
+    assert (video_gap == 128).all() and FRAME_GREY != 128
+    assert (grid[h:h + G] == 128).all()                                  # between the before and after rows
+
+
+def test_the_toy_squares_path_is_drawn_after_its_frames():
+    from common import toyworld as tw
+    from common.toyscore import centroids, foreground
+
+    prompts = ["a red square moving right", "a blue square moving up"]
+    videos = np.stack([tw.render(p) for p in prompts])                  # [2, 6, 16, 16, 3]: ground-truth motion
+    empty = np.zeros_like(videos)                                       # no square: nothing to draw
+    grid = before_after_grid(np.concatenate([videos, videos]), np.concatenate([empty, empty]), 2,
+                             prompts=2, seeds=2, trails=True)
+    f = videos.shape[1]
+    for j, frames in enumerate(videos):
+        cell = _cell(grid, 0, j, f, videos.shape, trails=True)          # the cell after the last frame
+        white = cell.min(axis=-1) > 100                                 # the path's grey-to-white ink
+        c, _ = centroids(foreground(frames))                            # (y, x) per frame, video pixels
+        ys, xs = np.nonzero(white)
+        assert white.sum() > 20, "the path is drawn"
+        start, end = c[0] * S, c[-1] * S                                # screen pixels
+        assert np.hypot(ys - start[0], xs - start[1]).min() < 3        # it begins at frame 0's centroid
+        assert np.hypot(ys - end[0], xs - end[1]).min() < 3            # and ends at the last frame's
+        spread_y, spread_x = np.ptp(ys), np.ptp(xs)
+        if "right" in prompts[j]:
+            assert spread_x > 3 * spread_y and xs.mean() > start[1]    # along the motion, not across
+        else:
+            assert spread_y > 3 * spread_x and ys.mean() < start[0]
+        assert np.array_equal(_cell(grid, 0, j, 0, videos.shape, trails=True),
+                              frames[0].repeat(S, axis=0).repeat(S, axis=1))   # the frames themselves unchanged
+    for j in range(2):                                                  # the empty videos' cells: no path
+        assert not (_cell(grid, 1, j, f, videos.shape, trails=True).min(axis=-1) > 100).any()
 
 
 def test_different_pairs_are_refused():

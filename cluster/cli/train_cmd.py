@@ -162,5 +162,6 @@ def _write_before_after(driver, run_dir, console) -> None:
     from cluster.evaluation.before_after import write_before_after
 
     (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
-    path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None))
+    path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None),
+                              trails=driver.cfg.model.family == "toy")  # the square's path: what MQ and TA score
     console.print(f"before/after grid: {path}")
