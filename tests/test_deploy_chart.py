@@ -376,6 +376,39 @@ def test_every_writer_mounts_the_run_volume(chart, values):
         assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
+def test_an_s3_run_root_needs_no_volume_and_every_pod_gets_the_s3_settings(chart, validators):
+    values = {"config": {"run": {"root": "s3://team-bucket/vgrpo/runs"}},
+              "objectStorage": {"existingSecret": "vgrpo-s3", "endpoint": "https://minio.storage.svc:9000",
+                                "region": "eu-west-1"}}
+    docs = render(chart, values)
+    validate_ray_objects(docs, validators)
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]   # no run-storage claim
+    job = one(docs, "RayJob")
+    cluster = job["spec"]["rayClusterSpec"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]
+    for pod in pods:
+        assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        for name, key in (("AWS_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"), ("AWS_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY")):
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "vgrpo-s3", "key": key}  # never a literal
+        assert env["AWS_ENDPOINT_URL"]["value"] == "https://minio.storage.svc:9000"
+        assert env["AWS_DEFAULT_REGION"]["value"] == "eu-west-1"
+        assert env["VGRPO_CACHE_DIR"]["value"].startswith("/tmp/")             # the writable emptyDir
+        assert {"name": "tmp", "mountPath": "/tmp"} in pod["containers"][0]["volumeMounts"]
+    from common.config import validate
+
+    cfg = validate(yaml.safe_load(one(docs, "ConfigMap", "-config")["data"]["config.yaml"]))
+    assert cfg.run.root == "s3://team-bucket/vgrpo/runs"
+    # no Secret named: the pods' own identity (IRSA, workload identity) signs the requests
+    env = one(render(chart, {"config": {"run": {"root": "s3://b/runs"}}}), "RayJob")[
+        "spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL"} & {e["name"] for e in env}
+    import helm_python
+
+    with pytest.raises(helm_python.HelmError, match=r"config\.run\.root: .*gs://"):
+        render(chart, {"config": {"run": {"root": "gs://b/runs"}}})
+
+
 def test_run_root_must_be_absolute(chart):
     import helm_python
 

@@ -36,7 +36,7 @@ def test_every_value_the_guide_sets_or_names_exists():
     ours = [c for c in commands.splitlines() if "helm install" in c and "deploy/helm/vgrpo" in c]
     keys = {k for c in ours for k in re.findall(r"--set\s+([A-Za-z0-9_.]+)=", c)}
     assert {"image.repository", "image.tag", "rayJob.shutdownAfterJobFinishes"} <= keys
-    named = set(re.findall(r"`((?:runStorage|redis|ray|rayJob|monitoring|workerGroups|config)"
+    named = set(re.findall(r"`((?:runStorage|objectStorage|redis|ray|rayJob|monitoring|workerGroups|config)"
                            r"\.[A-Za-z0-9_.]+?)(?:\.\*)?(?:=[^`]*)?`", DOC))
     named = {k.replace("workerGroups.<group>", "workerGroups.rollout") for k in named}
     assert "runStorage.existingClaim" in named
@@ -99,3 +99,20 @@ def test_the_plan_output_in_the_guide_is_what_vgrpo_plan_prints(config, capsys, 
     assert block.strip() in out, f"docs/deploy.md's plan output for {config} is stale: rerun and paste"
     for figure in ("per step", "host RAM per process", "sampler.timeout_s", "workerGroups.learner.memory"):
         assert figure in block
+
+
+def test_the_s3_values_in_step_3_render_without_a_run_volume():
+    """The guide's object-storage values: the chart takes them, makes no run-storage claim, and
+    hands every Ray pod the credentials from the Secret the guide creates."""
+    import helm_python
+
+    values = yaml.safe_load(heredoc("S3"))
+    assert values["config"]["run"]["root"].startswith("s3://")
+    assert f"create secret generic {values['objectStorage']['existingSecret']}" in DOC
+    out = helm_python.Chart.load(str(CHART)).render(values, name="vgrpo", namespace="vgrpo", is_install=True)
+    docs = [d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    env = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    keys = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in env}
+    assert keys["AWS_ACCESS_KEY_ID"] == keys["AWS_SECRET_ACCESS_KEY"] == "vgrpo-s3"

@@ -72,9 +72,44 @@ app.kubernetes.io/component: redis
 - name: VGRPO_REDIS_URL
   value: {{ printf "redis://:$(VGRPO_REDIS_PASSWORD)@%s-redis.%s.svc:6379/0" (include "vgrpo.fullname" $root) $root.Release.Namespace | quote }}
 {{- end }}
+{{- if include "vgrpo.objectStore" $root }}
+{{- $o := $root.Values.objectStorage }}
+- name: VGRPO_CACHE_DIR
+  value: /tmp/vgrpo-cache
+{{- with $o.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $o.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $o.secretAccessKeyKey }}
+{{- end }}
+{{- with $o.endpoint }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with $o.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- with $root.Values.ray.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* "true" when config.run.root is an object-store URI (s3://…): no run-storage PVC then. */}}
+{{- define "vgrpo.objectStore" -}}
+{{- if regexMatch "^[a-zA-Z][a-zA-Z0-9+.-]*://" (.Values.config.run.root | default "") -}}
+{{- if not (hasPrefix "s3://" .Values.config.run.root) -}}
+{{- fail (printf "config.run.root: %q: the chart wires s3:// object storage (objectStorage.*); for another store set its credentials through ray.env" .Values.config.run.root) -}}
+{{- end -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/* The run-directory PVC: the user's, or the one this chart creates. */}}
@@ -86,20 +121,23 @@ app.kubernetes.io/component: redis
 {{- define "vgrpo.runRoot" -}}
 {{- $root := .Values.config.run.root | default "/var/lib/vgrpo/runs" -}}
 {{- if not (hasPrefix "/" $root) -}}
-{{- fail (printf "config.run.root: %q must be an absolute path; the runStorage PVC is mounted there" $root) -}}
+{{- fail (printf "config.run.root: %q must be an absolute path (the runStorage PVC is mounted there) or an s3:// URI (objectStorage.*)" $root) -}}
 {{- end -}}
 {{- $root -}}
 {{- end -}}
 
 {{/* Volumes and mounts shared by head and workers. Every Ray pod mounts the run storage:
-     the driver (head) and the learner ranks (any group) all write run directories. */}}
+     the driver (head) and the learner ranks (any group) all write run directories; with an
+     s3:// run.root they write to the object store instead (staging under /tmp). */}}
 {{- define "vgrpo.rayVolumes" -}}
 - name: config
   configMap:
     name: {{ include "vgrpo.fullname" . }}-config
+{{- if not (include "vgrpo.objectStore" .) }}
 - name: runs
   persistentVolumeClaim:
     claimName: {{ include "vgrpo.runsClaim" . }}
+{{- end }}
 - name: dshm
   emptyDir:
     medium: Memory
@@ -115,8 +153,10 @@ app.kubernetes.io/component: redis
 - name: config
   mountPath: /etc/vgrpo
   readOnly: true
+{{- if not (include "vgrpo.objectStore" .) }}
 - name: runs
   mountPath: {{ include "vgrpo.runRoot" . }}
+{{- end }}
 - name: dshm
   mountPath: /dev/shm
 - name: tmp
