@@ -292,3 +292,23 @@ def test_bad_export_requests_are_one_line(tmp_path, capsys):
     # an earlier export is replaced whole
     assert main(["export", str(run.path), "--out", str(tmp_path / "new")]) == 0
     assert main(["export", str(run.path), "--out", str(tmp_path / "new")]) == 0
+
+
+def test_the_readme_lines_load_an_export_and_sample(tmp_path, monkeypatch):
+    """README.md's three lines after `vgrpo export runs/quickstart --out exported/`, run as written
+    in a folder holding such an export (a toy LoRA run's), sample what vgrpo samples."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "vgrpo export runs/quickstart --out exported/" in readme
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if 'load_lora_adapter("exported/"' in b]
+    assert len(code.strip().splitlines()) == 3
+    cfg = _toy_cfg(tmp_path, "schedule.steps=10")
+    run, ckpt, _ = _toy_run(tmp_path, cfg, steps=1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(run.path), "--out", "exported/"]) == 0
+    ns: dict = {}
+    exec(code, ns)
+    want = sample_videos(load_policy(cfg, ckpt), ["a red square moving right"], [0], Schedule.linear(10, 3.0))
+    assert ns["frames"].shape == (1, 6, 16, 16, 3) and torch.equal(ns["frames"], want)
