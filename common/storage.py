@@ -194,11 +194,17 @@ def read_bytes(uri: str) -> bytes:
         return f.read()
 
 
+# Object stores have no folders, and their drivers' makedirs creates a *bucket* that is not there:
+# a mistyped run.root must fail, not make one.
+OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
+
+
 def write(uri: str, data: bytes | Writer) -> None:
     """One object: bytes, or a writer called with the open file."""
     fs, path = filesystem(uri)
     parent = posixpath.dirname(path)
-    if parent:
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if parent and not protocols & OBJECT_STORES:
         fs.makedirs(parent, exist_ok=True)
     with fs.open(path, "wb") as f:
         if callable(data):

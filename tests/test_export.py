@@ -292,6 +292,17 @@ def test_bad_export_requests_are_one_line(tmp_path, capsys):
     # an earlier export is replaced whole
     assert main(["export", str(run.path), "--out", str(tmp_path / "new")]) == 0
     assert main(["export", str(run.path), "--out", str(tmp_path / "new")]) == 0
+    # an object-store --out (fsspec's in-process one here) gets the same files, one object each
+    import uuid
+
+    from common import storage
+
+    out = f"memory://vgrpo-export-{uuid.uuid4().hex[:8]}/exported"
+    assert main(["export", str(run.path), "--out", out]) == 0
+    got = sorted(p.name for p in storage.Uri(out).iterdir())
+    assert got == sorted(p.name for p in (tmp_path / "new").iterdir()) == sorted([LORA_FILE, "README.md", EXPORT_JSON])
+    assert storage.read_bytes(storage.join(out, LORA_FILE)) == (tmp_path / "new" / LORA_FILE).read_bytes()
+    storage.remove(out)
 
 
 def test_the_readme_lines_load_an_export_and_sample(tmp_path, monkeypatch):

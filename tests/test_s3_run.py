@@ -188,3 +188,13 @@ def test_sharded_checkpoints_on_s3_are_listed_only_when_whole(s3_root, tmp_path)
     assert dist_checkpoint.verify_newest(root, WORLD) == newest
     with pytest.raises(checkpoint.CheckpointError, match="written by 2 learner ranks"):
         dist_checkpoint.verify_newest(root, 1)
+
+
+def test_a_bucket_that_is_not_there_is_one_line(s3_server, capsys):
+    args = ["train", "--no-eval", "-c", "configs/quickstart.yaml", "train.steps=1",
+            "run.root=s3://vgrpo-no-such-bucket/runs"]
+    assert main(args) == 2
+    assert not storage.exists("s3://vgrpo-no-such-bucket")            # and no bucket was made
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: run.root s3://vgrpo-no-such-bucket/runs: cannot write"), err
+    assert "bucket exists" in err[0]

@@ -75,7 +75,15 @@ class RunDir:
         rd.samples.mkdir(exist_ok=True)
         rd.video_fps = cfg.log.video_fps
         save_config(cfg, rd.path / "config.yaml")
-        rd.sync()
+        try:
+            rd.sync()
+        except Exception as e:  # the first write to the store: no bucket, no credentials, no access
+            from common.config import ConfigError
+
+            shutil.rmtree(rd.path, ignore_errors=True)
+            raise ConfigError(f"run.root {cfg.run.root}: cannot write {rd.location} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); check that the bucket exists and "
+                              "the credentials (AWS_* variables, or the pod's identity) may write to it") from None
         return rd
 
     @classmethod
