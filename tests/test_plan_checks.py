@@ -68,11 +68,13 @@ def test_member_bytes_are_what_the_codec_writes_for_the_stored_steps(config):
     k, shape = b.steps_per_member, b.latent
     dtype = torch.bfloat16 if cfg.sampler.latent_dtype == "bfloat16" else torch.float32
     image = torch.zeros(cfg.model.height, cfg.model.width, 3, dtype=torch.uint8) if cfg.model.task == "i2v" else None
-    sigmas = [1.0 - i / cfg.schedule.steps for i in range(cfg.schedule.steps + 1)]
+    from common.sde import Schedule, scheme_from_config
+
+    schedule = Schedule.from_config(cfg.schedule)
     traj = Trajectory(
         condition=Condition(id="c0", prompt="a prompt of ordinary length " * 4, image=image),
-        group_id="g0", member=0, seed=1, scheme=cfg.sde.scheme, eta=cfg.sde.resolved_eta,
-        guidance_scale=cfg.model.guidance_scale, policy_version=0, sigmas=sigmas,
+        group_id="g0", member=0, seed=1, spec=scheme_from_config(cfg, schedule).spec(schedule),
+        guidance_scale=cfg.model.guidance_scale, policy_version=0,
         step_indices=list(range(k)), trained_steps=list(range(k)),
         x=torch.zeros(k, *shape, dtype=dtype), x_next=torch.zeros(k, *shape, dtype=dtype),
         logp_old=torch.zeros(k), final_latents=torch.zeros(*shape, dtype=dtype),
@@ -96,9 +98,12 @@ def test_one_hunyuan_group_of_real_shapes_fits_the_configs_bank(redis_server):
     shape, k, G = latent_shape(cfg), cfg.schedule.steps, cfg.sampler.group_size
     x = torch.zeros(k, *shape, dtype=torch.bfloat16)  # one tensor shared by every member: less RAM here
     cond = Condition(id="c0", prompt="a cat")
-    sigmas = [1.0 - i / k for i in range(k + 1)]
-    members = [Trajectory(condition=cond, group_id="g0", member=i, seed=1, scheme="sage", eta=0.5,
-                          guidance_scale=6.0, policy_version=0, sigmas=sigmas, step_indices=list(range(k)),
+    from common.sde import Schedule, make_scheme
+
+    schedule = Schedule.explicit([1.0 - i / k for i in range(k + 1)])
+    spec = make_scheme("sage", 0.5, schedule).spec(schedule)
+    members = [Trajectory(condition=cond, group_id="g0", member=i, seed=1, spec=spec,
+                          guidance_scale=6.0, policy_version=0, step_indices=list(range(k)),
                           trained_steps=list(range(12)), x=x, x_next=x, logp_old=torch.zeros(k),
                           final_latents=x[0], frames=None) for i in range(G)]
     group = Group(condition=cond, group_id="g0", policy_version=0, members=members,
