@@ -19,6 +19,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -311,11 +312,24 @@ class PoolsConfig(Section):
     """learner.num_actors is the number of FSDP2 ranks."""
 
 
+ChecksumMode = Literal["fast", "strong", "off"]
+
+
 class WeightSyncConfig(Section):
     transport: Literal["object_store", "collective"] = "object_store"
-    checksum: bool = False
+    checksum: ChecksumMode = "fast"
+    """What a receiver verifies before it loads each bucket. `fast`: every byte, by xxh3-128 where
+    the bucket is in host memory and by position-weighted sums on the GPU (any changed or swapped
+    byte is caught; not a defence against tampering); `strong`: blake2b-128 of every byte on the
+    CPU (≈ 1 GiB/s); `off`. `true` / `false` are read as `fast` / `off`."""
     timeout_s: float = Field(120.0, gt=0.0)
     bucket_mb: int = Field(64, ge=1)
+    """Weights travel and load in buckets of at most this size: the receiver holds two at most."""
+
+    @field_validator("checksum", mode="before")
+    @classmethod
+    def _checksum_bool(cls, v: Any) -> Any:
+        return ("fast" if v else "off") if isinstance(v, bool) else v  # the older boolean form
 
 
 class LearnerConfig(Section):
