@@ -168,31 +168,46 @@ class LearnerRank:
         dist.all_reduce(out)
         return out.cpu()
 
+    def _stream(self, version: int):
+        """This rank's part of a publish: the payload's tensors (references, no copy) in their
+        wire dtypes, gathered one at a time as the stream is walked. Call inside `exported`."""
+        from learner.weight_sync import stream_tensors
+
+        policy = self.trainer.policy
+        tensors = policy.payload_tensors()
+        wire = {k: policy.wire_dtype(k, v) for k, v in tensors.items()}
+        return stream_tensors(tensors, wire, self.cfg.weight_sync.bucket_mb << 20, version)
+
     @exports_weights_payload
     def weights_payload(self, ema: bool = False) -> dict[str, Tensor] | None:
-        """Full tensors on rank 0 (adapter only with LoRA), None elsewhere. Collective.
-        ema: the weights' moving average (the exported policy) when the run keeps one."""
+        """Full tensors in the wire dtype on rank 0 (adapter only with LoRA), None elsewhere.
+        Collective. ema: the weights' moving average (the exported policy) when the run keeps one."""
         if self.world_size == 1:
             return self.trainer.weights_payload(ema)
-        names = self.trainer.weights_payload().keys()  # local view: only the names are used
         with self.trainer.exported(ema):
-            full = fsdp.full_state_dict(self.trainer.policy.module, names)
-        return full if self.rank == 0 else None
+            stream = self._stream(0)
+            if self.rank != 0:
+                stream.drain()
+                return None
+            return {e.name: t.cpu() for e, t in zip(stream.manifest.entries, stream.tensors, strict=True)}
 
-    def weights_record(self, version: int, with_checksum: bool, ema: bool = False) -> WeightsRecord | None:
-        """Rank 0: the payload packed into the object store (one put, numpy buffers), as a
-        WeightsRecord holding its ref; None elsewhere. Collective."""
-        from rollout_worker.weight_receiver import pack
+    def weights_record(self, version: int, checksum: str | bool | None = None,
+                       ema: bool = False) -> WeightsRecord | None:
+        """Rank 0: the payload put into the object store bucket by bucket (learner.weight_sync.
+        put_stream), as a WeightsRecord of the refs; None elsewhere. Collective.
+        checksum: weight_sync.checksum's mode (None: this run's)."""
+        from learner.weight_sync import put_stream
 
-        payload = self.weights_payload(ema)
-        if payload is None:
-            return None
-        digest = None
-        if with_checksum:
-            from common.weights import checksum
-
-            digest = checksum(payload)
-        return WeightsRecord(version, ray.put(pack(payload)), digest)
+        mode = self.cfg.weight_sync.checksum if checksum is None else checksum
+        with self.trainer.exported(ema):
+            stream = self._stream(version)
+            if self.rank != 0:
+                stream.drain()
+                return None
+            try:
+                return put_stream(stream, mode)
+            finally:
+                stream.drain()
 
     def save_policy(self, path: str) -> None:
         """Write the exported policy as safetensors: the live weights, or their moving average when
@@ -205,15 +220,18 @@ class LearnerRank:
     @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None,
                 ema: bool = False) -> PublishReport | None:
-        """Gather the payload (all ranks) and push it from rank 0 to `actors` (ema: the moving average)."""
-        payload = self.weights_payload(ema)
-        if self.rank != 0:
-            return None
-        if self.publisher is None or self.publisher.actors != list(actors):
-            if self.publisher is not None:
-                self.publisher.close()
-            self.publisher = WeightPublisher(self.cfg.weight_sync, actors, names, self.device)
-        return self.publisher.publish(payload, self.trainer.version + int(ema and self.trainer.exports_ema))
+        """Stream the payload (all ranks gather) from rank 0 to `actors` (ema: the moving average)."""
+        version = self.trainer.version + int(ema and self.trainer.exports_ema)
+        with self.trainer.exported(ema):
+            stream = self._stream(version)
+            if self.rank != 0:
+                stream.drain()
+                return None
+            if self.publisher is None or self.publisher.actors != list(actors):
+                if self.publisher is not None:
+                    self.publisher.close()
+                self.publisher = WeightPublisher(self.cfg.weight_sync, actors, names, self.device)
+            return self.publisher.publish(stream, version)
 
     def save_checkpoint(self, dir: str, extra: dict | None = None) -> str:
         if self.world_size == 1:

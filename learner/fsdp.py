@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -128,23 +123,26 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
     return module
 
 
-def full_state_dict(module: nn.Module, names: Iterable[str] | None = None) -> dict[str, Tensor]:
-    """Gather full, unsharded CPU tensors. A collective: every rank must call it.
+def reshard(module: nn.Module) -> None:
+    """Free every gathered (unsharded) copy of `module`'s FSDP2 units: the next forward gathers
+    from the shards. Needed after the shards change outside an optimizer step (anchor swaps)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    Rank 0 gets the tensors (only `names`, when given); the other ranks get {} (cpu_offload
-    keeps the full copy on rank 0 only, so no rank but the publisher pays its memory).
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def full_tensors(tensors: Iterable[tuple[Tensor, torch.dtype]]) -> Iterator[Tensor]:
+    """Each tensor's full value in the given dtype, one at a time, in order. A collective per
+    sharded tensor: every rank must walk the same list.
+
+    The cast runs on each rank's shard before the all-gather, so the wire carries the compute
+    dtype (half the bytes of fp32 masters, and the same rounding as casting the whole tensor);
+    only the tensor asked for is ever gathered, and it lives until the caller moves on.
     """
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(module, options=opts)
-    if names is not None:
-        keep = set(names)
-        sd = {k: v for k, v in sd.items() if k in keep}
-    return sd
-
-
-def load_full_state_dict(module: nn.Module, state: dict[str, Tensor], strict: bool = True) -> None:
-    """Load full tensors into a sharded module (every rank passes the same full state)."""
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    for t, dtype in tensors:
+        yield full_value(t.detach().to(dtype))
 
 
 def full_value(t: Tensor) -> Tensor:

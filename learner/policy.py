@@ -64,6 +64,7 @@ class Policy:
         if not self.params:
             raise ValueError(f"the {model.family!r} trainable module has no trainable parameters")
         self.master = self._make_master()
+        self.compute_dtype: torch.dtype | None = None  # FSDP2's param_dtype, once sharded
         self.anchors: dict[str, dict[str, Tensor]] = {a: self._snapshot_for(a) for a in anchors}
         self.device = next(iter(self.params.values())).device
 
@@ -113,6 +114,7 @@ class Policy:
             compute = self.params[n].dtype
             self.params[n].data = m.data
         self.master = {}
+        self.compute_dtype = compute
         return compute
 
     def rebind(self) -> None:
@@ -151,6 +153,11 @@ class Policy:
             tmp = p.detach().clone()
             p.copy_(snap[n])
             snap[n].copy_(tmp)
+        self.after_swap()
+
+    def after_swap(self) -> None:
+        """Called after weights are swapped in or out. Under FSDP2 (Trainer.shard) it drops the
+        gathered copies, so the next forward gathers the weights the shards now hold."""
 
     @contextmanager
     def swapped(self, name: str) -> Iterator[None]:
@@ -173,21 +180,23 @@ class Policy:
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(snap[n])
+        self.after_swap()
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(live[n])
+            self.after_swap()
 
     # --- weights -----------------------------------------------------------------------
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())
 
-    @torch.no_grad()
-    def weights_payload(self) -> dict[str, Tensor]:
-        """What the rollout side loads with VideoModel.load_weights.
+    def payload_tensors(self) -> dict[str, Tensor]:
+        """What the rollout side loads with VideoModel.load_weights, as references (no copy;
+        under FSDP2 the local shards, as DTensors).
 
         LoRA: only the adapter, keyed as the injected module's state dict
         (`blocks.0.attn1.to_q.lora_A.default.weight`); the receiver injects the same adapter
@@ -196,7 +205,23 @@ class Policy:
         sd = self.module.state_dict()
         if self.finetune == "lora":
             sd = {k: v for k, v in sd.items() if is_lora_key(k)}
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+        return sd
+
+    def wire_dtype(self, name: str, t: Tensor) -> torch.dtype:
+        """The dtype the rollout side holds `name` in, which is the one it travels in: sharded fp32
+        masters go as the compute copy FSDP2 makes (model.dtype; rounding is the same elementwise
+        on a shard as on the whole tensor), everything else as it is here."""
+        if self.compute_dtype is not None and t.is_floating_point():
+            if not hasattr(self, "_param_names"):  # buffers keep their dtype, as FSDP2 leaves them
+                self._param_names = {n for n, _ in self.module.named_parameters()}
+            if name in self._param_names:
+                return self.compute_dtype
+        return t.dtype
+
+    @torch.no_grad()
+    def weights_payload(self) -> dict[str, Tensor]:
+        """`payload_tensors` copied to the CPU (the single-process path)."""
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.payload_tensors().items()}
 
     def state_dict(self) -> dict:
         """The fp32 master values (so a resume loses no precision) and the anchors."""

@@ -175,6 +175,9 @@ class Trainer:
             dist.broadcast(t.data, src=0)
         fsdp.shard_model(policy.module, mesh, param_dtype=param_dtype)
         policy.rebind()
+        # the root stays gathered after a forward (reshard_after_forward=False): after an anchor's
+        # weights are swapped into the shards, that copy would be the anchor's in the next forward
+        policy.after_swap = lambda: fsdp.reshard(policy.module)
         opt.param_groups[0]["params"] = policy.optim_parameters()
 
     # --- weights and checkpoints -------------------------------------------------------

@@ -1,16 +1,23 @@
-"""Publishing a new policy version to the rollout actors.
+"""Publishing a new policy version to the rollout actors, bucket by bucket.
+
+A publish is a `WeightStream`: the manifest (planned from names, shapes and the wire dtypes,
+no data) and the buckets, filled one at a time as they are sent, each tensor gathered (FSDP2)
+only when its bucket is being filled. Neither side holds more than two buckets.
 
 Two transports (cfg.weight_sync.transport):
-- `object_store`: one `ray.put` of the payload; each actor gets the ref and calls
-  `set_weights(payload, version, checksum)`. The default on one node.
-- `collective`: a bucketed broadcast (common.weights) over a process group of this process
+- `object_store`: each bucket is one `ray.put` of a numpy buffer (`put_stream`); the record
+  (manifest with each tensor's digest, the refs, the checksum) goes to the actors'
+  `set_weights`, which map and load one bucket at a time. The default on one node.
+- `collective`: a broadcast per bucket (and of its digests) over a process group of this process
   (rank 0) and the actors (ranks 1..n): gloo on CPU, NCCL on GPU. Each actor is told the
   manifest with `receive_weights(version, manifest)` and then takes part in the broadcasts.
+  The group is built on the first publish and rebuilt after a failure (`close`); a stream
+  only starts once the group is up, so a rebuild never meets a half-sent version.
 
 Every step is bounded: the group's own timeout on each collective and a bounded `ray.get` on
 the actors' answers. A peer that does not answer is named in a WeightSyncTimeout. The
 receiving side ignores a version older than the one it holds (but still drains the
-broadcast, so the group stays in step).
+broadcast, so the group stays in step), and refuses a bucket whose digest differs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +38,68 @@ from torch import Tensor
 from common import weights as W
 from common.config import WeightSyncConfig
 from common.weight_group import WeightSyncTimeout, backend_for, join_key, make_process_group
+
+
+class WeightStream:
+    """One version on its way out: `manifest` and `buckets`, filled from `tensors` (the full
+    tensors in manifest order, each produced when asked: a gather under FSDP2)."""
+
+    def __init__(self, manifest: W.Manifest, tensors: Iterator[Tensor]):
+        self.manifest, self.tensors = manifest, iter(tensors)
+        self.buckets = W.fill(manifest, self.tensors)
+
+    def drain(self) -> None:
+        """Produce every tensor not yet produced (the learner's other ranks gather them all)."""
+        for _ in self.tensors:
+            pass
+
+
+def stream_tensors(tensors: dict[str, Tensor], wire: dict[str, torch.dtype], bucket_bytes: int,
+                   version: int) -> WeightStream:
+    """A stream of `tensors` (plain or DTensor shards) in their wire dtypes: each is cast on its
+    shard and gathered only when its bucket is filled (learner.fsdp.full_tensors)."""
+    from learner.fsdp import full_tensors
+
+    m = W.plan([W.TensorSpec(k, tuple(v.shape), wire[k]) for k, v in tensors.items()], bucket_bytes, version)
+    return WeightStream(m, full_tensors((tensors[e.name], wire[e.name]) for e in m.entries))
+
+
+def stream_state(state: dict[str, Tensor], bucket_bytes: int, version: int) -> WeightStream:
+    """A stream of a plain state dict, as it is (its dtypes are the wire's)."""
+    m = W.plan(state, bucket_bytes, version)
+    return WeightStream(m, (state[e.name] for e in m.entries))
+
+
+def host_array(bucket: Tensor):
+    """A CPU bucket as numpy (dtypes numpy lacks, such as bf16, as same-size ints): Ray stores
+    numpy buffers out of band, one copy in and none out."""
+    b = bucket.detach().cpu()
+    try:
+        return b.numpy()
+    except TypeError:
+        return b.view(_SAME_SIZE[b.element_size()]).numpy()
+
+
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def put_stream(stream: WeightStream, mode: str | bool | None) -> W.WeightsRecord:
+    """Put each bucket into the object store as it is filled: the record of the refs, with each
+    tensor's digest in the manifest and the combined checksum (`weight_sync.checksum` = mode)."""
+    m, refs, words, alg = stream.manifest, [], [], None
+    for i, bucket in enumerate(stream.buckets):
+        if i == 0:
+            alg = W.alg_for(mode, bucket.device)  # on the device the bytes are on (GPU: sums)
+        if alg is not None:
+            words += W.digests(W.bucket_views(m, i, bucket).values(), alg).tolist()
+        refs.append(ray.put(host_array(bucket)))
+        del bucket  # the next bucket is filled after this one is in the object store
+    if not m.buckets:
+        alg = W.alg_for(mode)
+    if alg is not None:
+        m.digest, m.digests = alg, words
+        m.checksum = W.combine(alg, [(e.name, e.dtype, e.shape) for e in m.entries], words)
+    return W.WeightsRecord(m.version, W.StreamedWeights(m.to_dict(), refs), m.checksum)
 
 
 @dataclass
@@ -63,14 +133,21 @@ class WeightPublisher:
 
     # --- the one verb ------------------------------------------------------------------
 
-    def publish(self, payload: dict[str, Tensor], version: int) -> PublishReport:
+    def publish(self, payload: dict[str, Tensor] | WeightStream, version: int) -> PublishReport:
+        """Send `payload` (a state dict, or a stream from the learner) as `version`. The stream is
+        walked to its end even when sending fails: the learner's other ranks gather every tensor."""
         t0 = time.perf_counter()
-        if self.cfg.transport == "object_store":
-            answers = self._publish_object_store(payload, version)
-        else:
-            answers = self._publish_collective(payload, version)
+        stream = payload if isinstance(payload, WeightStream) else \
+            stream_state(payload, self.cfg.bucket_mb << 20, version)
+        try:
+            if self.cfg.transport == "object_store":
+                answers = self._publish_object_store(stream, version)
+            else:
+                answers = self._publish_collective(stream, version)
+        finally:
+            stream.drain()
         return PublishReport(version, self.cfg.transport, time.perf_counter() - t0,
-                             W.nbytes(payload), answers)
+                             stream.manifest.nbytes, answers)
 
     def close(self) -> None:
         """Forget the weight group; a later collective publish builds a fresh one."""
@@ -78,31 +155,41 @@ class WeightPublisher:
 
     # --- object store ------------------------------------------------------------------
 
-    def _publish_object_store(self, payload: dict[str, Tensor], version: int) -> list[Any]:
-        cpu = {k: v.detach().cpu() for k, v in payload.items()}
-        from rollout_worker.weight_receiver import pack
-
-        ref = ray.put(pack(cpu))  # numpy buffers: one copy in, every actor maps them without a copy
-        digest = W.checksum(cpu) if self.cfg.checksum else None
-        calls = [a.set_weights.remote(ref, version, digest) for a in self.actors]
+    def _publish_object_store(self, stream: WeightStream, version: int) -> list[Any]:
+        record = put_stream(stream, self.cfg.checksum)
+        calls = [a.set_weights.remote(record.weights, version, record.checksum) for a in self.actors]
         return self._answers(calls, "set_weights")
 
     # --- collective --------------------------------------------------------------------
 
-    def _publish_collective(self, payload: dict[str, Tensor], version: int) -> list[Any]:
+    def _publish_collective(self, stream: WeightStream, version: int) -> list[Any]:
         if self._pg is None:
             self._connect()
-        manifest, buckets = W.flatten(payload, self.cfg.bucket_mb << 20, version,
-                                      with_checksum=self.cfg.checksum)
-        calls = [a.receive_weights.remote(version, manifest.to_dict()) for a in self.actors]
+        m = stream.manifest
+        m.digest = W.alg_for(self.cfg.checksum, self.device)
+        calls = [a.receive_weights.remote(version, m.to_dict()) for a in self.actors]
         try:
-            for b in buckets:
-                self._pg.broadcast(b.to(self.device), 0).wait()  # the group's timeout bounds it
+            pending: tuple[list, list] = ([], [])  # the previous bucket's (works, tensors): two buckets live
+            for i, bucket in enumerate(stream.buckets):
+                data = bucket.to(self.device)
+                sent, works = [data], [self._broadcast(data)]
+                if m.digest is not None:  # each tensor's digest, right after its bucket
+                    d = W.digests(W.bucket_views(m, i, data).values(), m.digest).to(self.device)
+                    sent.append(d)
+                    works.append(self._broadcast(d))
+                for w in pending[0]:
+                    w.wait()  # the group's timeout bounds it
+                pending = (works, sent)
+            for w in pending[0]:
+                w.wait()
         except RuntimeError as e:
             self.close()  # a broken group is rebuilt on the next publish
             late = self._who_failed(calls)
             raise WeightSyncTimeout(f"weight broadcast of version {version} failed: {late} ({e})") from None
         return self._answers(calls, "receive_weights")
+
+    def _broadcast(self, t: Tensor):
+        return self._pg.broadcast(t, 0)
 
     def _connect(self) -> None:
         # 1. A store served here, on a free port, with a fresh prefix for this group's keys.

@@ -37,11 +37,11 @@ from common.config import RunConfig, validate
 from common.retry import retry_outage
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt, Scores
-from common.weights import WeightsRecord, verify
+from common.weights import StreamedWeights, WeightsRecord, verify
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos
-from rollout_worker.weight_receiver import PackedWeights, WeightReceiver, unpack
+from rollout_worker.weight_receiver import BucketGauge, WeightReceiver, load_streamed
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class RolloutWorker:
             # the learner publishes only the adapter: hold the same (zero-effect) adapter to load it
             inject_lora(self.model.trainable_module(), self.cfg.model.family, self.cfg.optim)
         self._version = 0
+        self._torn: int | None = None  # a version whose load stopped part-way (see _load)
+        self._gauge = BucketGauge()    # the receive buckets alive (both transports)
         self._reward_actors, self._bank_ref = rewards, bank   # the data plane (see deliver)
         self._rewards = self._bank = None                     # connected on first use
         self._staged: dict[str, tuple[Group, int, float]] = {}
@@ -71,6 +73,9 @@ class RolloutWorker:
 
     @exports_generate
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
+        if self._torn is not None:
+            raise RuntimeError(f"rollout actor {self.actor_index}: the load of weights v{self._torn} stopped "
+                               f"part-way, so it holds no whole version; it generates after a full load")
         return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                             group_id=group_id)
 
@@ -188,17 +193,42 @@ class RolloutWorker:
         return self._bank
 
     @exports_weight_load
-    def set_weights(self, payload: dict[str, Tensor] | PackedWeights, version: int,
+    def set_weights(self, payload: dict[str, Tensor] | StreamedWeights, version: int,
                     checksum: str | None = None) -> bool:
-        """Load a payload if its version is newer than ours; a stale push is ignored (returns False)."""
-        if isinstance(payload, PackedWeights):
-            payload = unpack(payload)  # views of the object store's buffers; loading copies them
-        if version <= self._version:
+        """Load a payload if its version is newer than ours; a stale push is ignored (returns False).
+        A streamed payload is checked and loaded bucket by bucket (weight_receiver.load_streamed)."""
+        if version <= self._version and self._torn is None:
             log.info("rollout %d: ignoring weights v%d (holding v%d)", self.actor_index, version, self._version)
             return False
-        verify(payload, checksum, who=f"rollout actor {self.actor_index} weights v{version}")
-        self.model.load_weights(payload)
-        self._version = int(version)
+        who = f"rollout actor {self.actor_index} weights v{version}"
+        if isinstance(payload, StreamedWeights):
+            names = [e["name"] for e in payload.manifest["entries"]]
+            timeout = self.cfg.weight_sync.timeout_s
+            return self._load(version, names, lambda sink: load_streamed(
+                payload, checksum, sink, self.model.device, who, self._gauge, timeout))
+        verify(payload, checksum, who=who)
+        return self._load(version, list(payload), lambda sink: sink(payload))
+
+    def _load(self, version: int, names: list[str], run: Callable) -> bool:
+        """Run `run(sink)`, which feeds every bucket to `sink`; the version changes once all are in.
+        A failure after the first bucket leaves a partial load: the actor refuses to generate
+        until a whole version is loaded (`_torn`)."""
+        targets = self.model.weight_targets(names)  # unknown keys: refused before any bucket loads
+        loaded = []
+
+        def sink(views: dict[str, Tensor]) -> None:
+            from rollout_worker.models.base import copy_weights
+
+            loaded.append(len(views))
+            copy_weights(targets, views)
+
+        try:
+            run(sink)
+        except BaseException:
+            if loaded:
+                self._torn = int(version)
+            raise
+        self._version, self._torn = int(version), None
         return True
 
     def version(self) -> int:
@@ -236,14 +266,34 @@ class RolloutWorker:
         return rank
 
     def receive_weights(self, version: int, manifest: dict) -> bool:
-        """Take part in the broadcast of `version`, then load it like set_weights (stale: ignored)."""
+        """Take part in the broadcast of `version` and load it bucket by bucket, as set_weights
+        does (stale: drained, not loaded; a bucket whose digest differs: refused)."""
         receiver = getattr(self, "_receiver", None)
         if receiver is None:
             raise RuntimeError(f"rollout actor {self.actor_index}: receive_weights before join_weight_group")
-        m, state = receiver.receive(manifest, self.model.device)  # checksum verified there
-        if m.version != version:
-            raise ValueError(f"rollout actor {self.actor_index}: manifest says v{m.version}, call says v{version}")
-        return self.set_weights(state, m.version)
+        receiver.gauge = self._gauge
+        if int(manifest.get("version", -1)) != version:
+            receiver.receive(manifest, None, self.model.device)  # drained: the group stays in step
+            raise ValueError(f"rollout actor {self.actor_index}: manifest says v{manifest.get('version')}, "
+                             f"call says v{version}")
+        if version <= self._version and self._torn is None:
+            receiver.receive(manifest, None, self.model.device)
+            return False
+        names = [e["name"] for e in manifest["entries"]]
+        try:
+            self.model.weight_targets(names)
+        except KeyError:
+            receiver.receive(manifest, None, self.model.device)
+            raise
+        return self._load(version, names, lambda sink: receiver.receive(manifest, sink, self.model.device))
+
+    def weight_buckets(self, reset: bool = False) -> dict:
+        """The receive buckets' bytes and count: alive now and at most at once (since `reset`)."""
+        g = self._gauge
+        out = {"live_bytes": g.live, "peak_bytes": g.peak, "live": g.count, "peak": g.peak_count}
+        if reset:
+            g.reset()
+        return out
 
     def ping(self) -> dict:
         return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family}

@@ -1,12 +1,21 @@
-"""The rollout side of the `collective` weight transport.
+"""The rollout side of weight sync: buckets in, one at a time, checked, then loaded.
 
-A RolloutActor owns one WeightReceiver: `join` connects to the publisher's group as rank
-1..n, `receive` takes a manifest, joins the publisher's broadcast of each bucket, rebuilds
-the state dict and verifies the checksum. Loading it (and ignoring a stale version) stays
-with the actor's `set_weights`, so both transports end in the same place.
+Both transports end in a `sink(views)` that copies one bucket's tensors into the model
+(`RolloutWorker` builds it from `VideoModel.weight_targets`), after `check_bucket` compared
+each tensor's digest with the published one:
+- `load_streamed`: the object store's `StreamedWeights`, each bucket's ref mapped (no copy) in
+  turn, the next one fetched while this one loads;
+- `WeightReceiver`: the `collective` transport. `join` connects to the publisher's group as
+  rank 1..n; `receive` posts the broadcast of bucket i + 1 before it checks and loads bucket i.
+
+So a receiver holds two buckets at most; `BucketGauge` counts the bytes of the live ones (each
+tracked until its memory can be freed: a view keeps its base alive) for tests and benchmarks.
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -14,11 +23,96 @@ from torch import Tensor
 from common import weights as W
 from common.weight_group import Backend, WeightSyncTimeout, join_as_peer
 
+Sink = Callable[[dict[str, Tensor]], None]
+
+
+class BucketGauge:
+    """Bytes of the receive buckets alive now, and the most alive at once since `reset`."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.count = self.peak_count = 0
+
+    def track(self, obj, nbytes: int) -> None:
+        self.live += nbytes
+        self.count += 1
+        self.peak, self.peak_count = max(self.peak, self.live), max(self.peak_count, self.count)
+        weakref.finalize(obj, self._freed, nbytes)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+        self.count -= 1
+
+    def reset(self) -> None:
+        self.peak, self.peak_count = self.live, self.count
+
+
+def _rows(m: W.Manifest) -> list[int]:
+    """Index of each bucket's first entry (entries are in bucket order)."""
+    first, seen = [], -1
+    for j, e in enumerate(m.entries):
+        if e.bucket != seen:
+            first.append(j)
+            seen = e.bucket
+    return [*first, len(m.entries)]
+
+
+def check_manifest(m: W.Manifest, checksum: str | None, who: str) -> None:
+    """The manifest's per-tensor digests combine to the published checksum (the record's own,
+    which the registry keeps apart from the payload), or there is nothing to check."""
+    if checksum is None:
+        m.digest = None
+        return
+    if m.digests is None or m.digest is None:
+        raise W.ChecksumMismatch(f"{who}: the payload carries no digests for the published checksum")
+    got = W.combine(m.digest, [(e.name, e.dtype, e.shape) for e in m.entries], m.digests)
+    if got != checksum:
+        raise W.ChecksumMismatch(f"{who}: the manifest's digests give checksum {got}, "
+                                 f"not the published {checksum}")
+
+
+def _from_host(arr, dtype: str) -> Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
+        t = torch.from_numpy(arr)
+    want = W.DTYPES[dtype]
+    return t if t.dtype == want else t.view(want)
+
+
+def load_streamed(sw: W.StreamedWeights, checksum: str | None, sink: Sink, device: torch.device,
+                  who: str, gauge: BucketGauge | None = None, timeout_s: float = 120.0) -> W.Manifest:
+    """Check and load an object-store payload bucket by bucket (two mapped at most)."""
+    import ray
+
+    m = W.Manifest.from_dict(sw.manifest)
+    if len(sw.refs) != len(m.buckets):
+        raise W.WeightFormatError(f"{who}: {len(sw.refs)} bucket refs for {len(m.buckets)} buckets")
+    check_manifest(m, checksum, who)
+    rows = _rows(m)
+    for i, ref in enumerate(sw.refs):
+        if i + 1 < len(sw.refs):  # start pulling the next bucket to this node while this one loads
+            ray.wait([sw.refs[i + 1]], timeout=0, fetch_local=True)
+        arr = ray.get(ref, timeout=timeout_s)
+        if gauge is not None:
+            gauge.track(arr, arr.nbytes)
+        bucket = _from_host(arr, m.buckets[i].dtype)
+        del arr
+        if m.digest == "sums" and device.type == "cuda":  # checked where it is cheap: on the GPU
+            bucket = bucket.to(device)
+        views = W.bucket_views(m, i, bucket)
+        if m.digest is not None:
+            W.check_bucket(m, i, views, m.digests[rows[i]:rows[i + 1]], who)
+        sink(views)
+        del views, bucket
+    return m
+
 
 class WeightReceiver:
     def __init__(self) -> None:
         self._pg = None
         self.rank: int | None = None
+        self.gauge = BucketGauge()
 
     @property
     def joined(self) -> bool:
@@ -31,64 +125,43 @@ class WeightReceiver:
         self._pg = join_as_peer(host, port, prefix, rank, world_size, backend, timeout_s)
         self.rank = rank
 
-    def receive(self, manifest: dict, device: torch.device | str = "cpu") -> tuple[W.Manifest, dict[str, Tensor]]:
-        """Receive one version's buckets; returns (manifest, verified state dict on `device`)."""
+    def receive(self, manifest: dict, sink: Sink | None, device: torch.device | str = "cpu") -> W.Manifest:
+        """Take part in every broadcast of one version. Each bucket is checked against the digests
+        broadcast after it, then given to `sink` (None: drained, e.g. a stale version). A failed
+        check or load is raised after the last bucket: the group stays in step."""
         if self._pg is None:
             raise RuntimeError("receive_weights called before join_weight_group")
         m = W.Manifest.from_dict(manifest)
-        buckets = W.empty_buckets(m, device)
-        try:
-            for b in buckets:
-                self._pg.broadcast(b, 0).wait()  # bounded by the group's timeout
-        except RuntimeError as e:
-            self._pg = None  # the publisher rebuilds the group after a failure
-            raise WeightSyncTimeout(f"weight group rank {self.rank}: broadcast of version "
-                                    f"{m.version} from the publisher failed ({e})") from None
-        state = W.unflatten(m, buckets)
-        W.verify(state, m.checksum, who=f"weight group rank {self.rank}, version {m.version}")
-        return m, state
+        who, failure = f"weight group rank {self.rank}, version {m.version}", None
+        n = len(m.buckets)
+        nxt = self._post(m, 0, device) if n else None
+        for i in range(n):
+            bucket, digest, works = nxt
+            try:
+                for w in works:
+                    w.wait()  # bounded by the group's timeout
+            except RuntimeError as e:
+                self._pg = None  # the publisher rebuilds the group after a failure
+                raise WeightSyncTimeout(f"{who}: broadcast from the publisher failed ({e})") from None
+            nxt = self._post(m, i + 1, device) if i + 1 < n else None
+            if failure is None and sink is not None:
+                try:
+                    views = W.bucket_views(m, i, bucket)
+                    W.check_bucket(m, i, views, digest, who)
+                    sink(views)
+                except Exception as e:  # noqa: BLE001 - raised below, once the stream is drained
+                    failure = e
+            views = bucket = digest = None
+        if failure is not None:
+            raise failure
+        return m
 
-
-# --- the object-store transport's payload --------------------------------------------------
-
-class PackedWeights:
-    """A weights payload as numpy arrays: Ray stores numpy buffers out of band, so one
-    `ray.put` writes each tensor's bytes once and every reader maps them without a copy
-    (torch tensors are pickled instead: a copy on put and another on every get)."""
-
-    def __init__(self, arrays: dict, dtypes: dict[str, str]):
-        self.arrays, self.dtypes = arrays, dtypes
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def pack(payload: dict[str, Tensor]) -> PackedWeights:
-    """Zero-copy numpy views of CPU tensors (dtypes numpy lacks, such as bf16, as same-size ints)."""
-    arrays, dtypes = {}, {}
-    for name, t in payload.items():
-        t = t.detach().cpu().contiguous()
-        dtypes[name] = str(t.dtype).removeprefix("torch.")
-        try:
-            arrays[name] = t.numpy()
-        except TypeError:
-            arrays[name] = t.view(_SAME_SIZE[t.element_size()]).numpy()
-    return PackedWeights(arrays, dtypes)
-
-
-def unpack(packed: PackedWeights) -> dict[str, Tensor]:
-    """Tensors viewing the packed arrays (read-only when they come from the object store:
-    load them with a copy, as load_state_dict does)."""
-    import warnings
-
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
-        for name, a in packed.arrays.items():
-            t = torch.from_numpy(a)
-            want = getattr(torch, packed.dtypes[name])
-            out[name] = t if t.dtype == want else t.view(want)
-    return out
+    def _post(self, m: W.Manifest, i: int, device) -> tuple[Tensor, Tensor | None, list]:
+        bucket = W.empty_bucket(m.buckets[i], device)
+        self.gauge.track(bucket, m.buckets[i].nbytes)
+        works = [self._pg.broadcast(bucket, 0)]
+        digest = None
+        if m.digest is not None:
+            digest = torch.empty(len(m.members(i)), 2, dtype=torch.int64, device=device)
+            works.append(self._pg.broadcast(digest, 0))
+        return bucket, digest, works

@@ -95,19 +95,39 @@ class VideoModel(ABC):
                            dtype=torch.float32).to(self.device)
 
     def load_weights(self, payload: dict[str, Tensor], strict: bool = True) -> None:
-        """Load a state dict (full, or only the adapter weights) into the trainable module.
+        """Load a state dict (full, or only the adapter weights, or one bucket of either) into
+        the trainable module, each tensor copied into place (rounded to the weight's dtype)."""
+        copy_weights(self.weight_targets(payload, strict), payload)
+
+    def weight_targets(self, names, strict: bool = True) -> dict[str, Tensor]:
+        """The trainable module's tensors that payload keys `names` load into.
 
         A full payload also loads into a module that holds a LoRA adapter: peft keeps the
-        base weights under `….base_layer.…`, so plain keys are mapped there.
-        """
-        module = self.trainable_module()
-        own = module.state_dict().keys()
-        payload = {_peft_base_key(k, own): v for k, v in payload.items()}
-        missing, unexpected = module.load_state_dict(payload, strict=False)
-        if strict and unexpected:
-            raise KeyError(f"weights payload has keys the model lacks: {unexpected[:5]}")
-        if strict and len(payload) == len(own) and missing:
-            raise KeyError(f"weights payload misses keys: {missing[:5]}")
+        base weights under `….base_layer.…`, so plain keys are mapped there. strict: a key the
+        module lacks is refused (before anything is loaded); otherwise it is skipped."""
+        own = self.trainable_module().state_dict(keep_vars=True)
+        out, unknown = {}, []
+        for k in names:
+            target = own.get(_peft_base_key(k, own))
+            if target is None:
+                unknown.append(k)
+            else:
+                out[k] = target
+        if strict and unknown:
+            raise KeyError(f"weights payload has keys the model lacks: {unknown[:5]}")
+        return out
+
+
+@torch.no_grad()
+def copy_weights(targets: dict[str, Tensor], payload: dict[str, Tensor]) -> None:
+    """Copy each payload tensor into its target (a shape mismatch is refused, never broadcast)."""
+    for k, v in payload.items():
+        t = targets.get(k)
+        if t is None:
+            continue
+        if t.shape != v.shape:
+            raise ValueError(f"weights payload {k!r}: shape {tuple(v.shape)}, the model's is {tuple(t.shape)}")
+        t.copy_(v)
 
 
 def _peft_base_key(key: str, own) -> str:
