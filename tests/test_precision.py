@@ -110,9 +110,73 @@ def test_fsdp2_two_ranks_replay_bf16_exactly(ray_session, finetune):
         payload = group.weights_payload()
     finally:
         group.shutdown()
-    # the published weights are the fp32 masters (full) or fp32 adapters; the rollout side
-    # rounds masters into its bf16 weights and keeps adapters in fp32
-    assert {v.dtype for v in payload.values()} == {torch.float32}
+    # the published weights travel in the dtype the rollout side holds them in: the fp32 masters
+    # as their bf16 compute copy (full), the adapters in fp32 (LoRA)
+    assert {v.dtype for v in payload.values()} == {torch.bfloat16 if finetune == "full" else torch.float32}
+
+
+def _rollout_model(cfg: RunConfig, load) -> torch.nn.Module:
+    model = tiny_wan_model(MODEL)
+    if cfg.optim.finetune == "lora":
+        inject_lora(model.trainable_module(), "wan", cfg.optim)
+    load(model)
+    return model
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_fsdp2_bf16_wire_gives_todays_rollout_and_replays_exactly(ray_session, finetune):
+    """A publish cast to the wire dtype on each shard loads the same rollout weights, bit for bit,
+    as the fp32 masters did, and a group the published weights sample replays with log r ≈ 0."""
+    from common.weights import Manifest
+    from rollout_worker.models.base import copy_weights
+    from rollout_worker.weight_receiver import load_streamed
+
+    def fp32_masters(rank) -> dict:  # torch's own full-state gather: what publishes sent before
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(rank.trainer.policy.module,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    cfg = _cfg(finetune, optim={"finetune": finetune, "micro_batch": 4, "lora_rank": 4, "lr": 3e-3},
+               weight_sync={"bucket_mb": 1})
+    batch = _batch(cfg)
+    group = LearnerGroup(cfg, model_factory=functools.partial(tiny_wan_model, MODEL), num_ranks=2)
+    try:
+        group.train_step(batch)  # the learner's weights move away from the batch's sampler
+        record = group.weights_record(1)  # bf16 buckets in the object store, checksum on (fast)
+        masters = ray_session.get([r.__ray_call__.remote(fp32_masters) for r in group.ranks])[0]
+        manifest = Manifest.from_dict(record.weights.manifest)
+        names = [e.name for e in manifest.entries]
+        assert {e.dtype for e in manifest.entries} == {"bfloat16" if finetune == "full" else "float32"}
+        assert record.checksum.startswith("xxh3:")  # on by default, checked below on loading
+
+        def streamed(model) -> None:
+            targets = model.weight_targets(names)
+            load_streamed(record.weights, record.checksum, lambda v: copy_weights(targets, v),
+                          model.device, "test rollout")
+
+        wire = _rollout_model(cfg, streamed)
+        today = _rollout_model(cfg, lambda m: m.load_weights({k: masters[k] for k in names}))
+        before = _rollout_model(cfg, lambda m: None)
+        a, b = wire.trainable_module().state_dict(), today.trainable_module().state_dict()
+        assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+        old = before.trainable_module().state_dict()
+        assert any(not torch.equal(a[k], old[k]) for k in a)  # the comparison is not of unchanged weights
+        # the rollout sampled by the published weights is the one the fp32 masters gave
+        cond = Condition(id="c9", prompt="prompt 9")
+        g_wire, g_today = (sample_group(m, cond, cfg, seed=9, policy_version=1) for m in (wire, today))
+        assert all(torch.equal(x.logp_old, y.logp_old) and torch.equal(x.final_latents, y.final_latents)
+                   for x, y in zip(g_wire.members, g_today.members, strict=True))
+        # and the learner replays it on-policy: log r is exactly 0 (dual KL: the moving anchor's
+        # forward runs first, and the root's gathered copy must not keep the anchor's weights)
+        g_wire.composite = torch.randn(g_wire.size, generator=torch.Generator().manual_seed(9))
+        assert group.train_step(TrainBatch(fresh=[g_wire]))["logratio_first_absmax"] == 0.0
+        # control: the weights before the publish replay visibly off-policy
+        g_old = sample_group(before, cond, cfg, seed=9, policy_version=1)
+        g_old.composite = g_wire.composite
+        assert group.train_step(TrainBatch(fresh=[g_old]))["logratio_first_absmax"] > 1e-4
+    finally:
+        group.shutdown()
 
 
 def test_checkpoint_keeps_the_fp32_masters(tmp_path):
