@@ -323,8 +323,12 @@ class WeightSyncConfig(Section):
     byte is caught; not a defence against tampering); `strong`: blake2b-128 of every byte on the
     CPU (≈ 1 GiB/s); `off`. `true` / `false` are read as `fast` / `off`."""
     timeout_s: float = Field(120.0, gt=0.0)
-    bucket_mb: int = Field(64, ge=1)
+    bucket_mb: float = Field(64, gt=0)
     """Weights travel and load in buckets of at most this size: the receiver holds two at most."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
 
     @field_validator("checksum", mode="before")
     @classmethod

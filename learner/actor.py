@@ -176,7 +176,7 @@ class LearnerRank:
         policy = self.trainer.policy
         tensors = policy.payload_tensors()
         wire = {k: policy.wire_dtype(k, v) for k, v in tensors.items()}
-        return stream_tensors(tensors, wire, self.cfg.weight_sync.bucket_mb << 20, version)
+        return stream_tensors(tensors, wire, self.cfg.weight_sync.bucket_bytes, version)
 
     @exports_weights_payload
     def weights_payload(self, ema: bool = False) -> dict[str, Tensor] | None:

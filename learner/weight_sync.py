@@ -138,7 +138,7 @@ class WeightPublisher:
         walked to its end even when sending fails: the learner's other ranks gather every tensor."""
         t0 = time.perf_counter()
         stream = payload if isinstance(payload, WeightStream) else \
-            stream_state(payload, self.cfg.bucket_mb << 20, version)
+            stream_state(payload, self.cfg.bucket_bytes, version)
         try:
             if self.cfg.transport == "object_store":
                 answers = self._publish_object_store(stream, version)
@@ -172,11 +172,10 @@ class WeightPublisher:
             pending: tuple[list, list] = ([], [])  # the previous bucket's (works, tensors): two buckets live
             for i, bucket in enumerate(stream.buckets):
                 data = bucket.to(self.device)
-                sent, works = [data], [self._broadcast(data)]
-                if m.digest is not None:  # each tensor's digest, right after its bucket
-                    d = W.digests(W.bucket_views(m, i, data).values(), m.digest).to(self.device)
-                    sent.append(d)
-                    works.append(self._broadcast(d))
+                sent = [data]
+                if m.digest is not None:  # taken before the bytes leave; sent right after them
+                    sent.append(W.digests(W.bucket_views(m, i, data).values(), m.digest).to(self.device))
+                works = [self._broadcast(t) for t in sent]
                 for w in pending[0]:
                     w.wait()  # the group's timeout bounds it
                 pending = (works, sent)

@@ -6,7 +6,8 @@ each tensor's digest with the published one:
 - `load_streamed`: the object store's `StreamedWeights`, each bucket's ref mapped (no copy) in
   turn, the next one fetched while this one loads;
 - `WeightReceiver`: the `collective` transport. `join` connects to the publisher's group as
-  rank 1..n; `receive` posts the broadcast of bucket i + 1 before it checks and loads bucket i.
+  rank 1..n; `receive` posts the broadcast of bucket i + 1 (into the other of two
+  buffers) before it checks and loads bucket i.
 
 So a receiver holds two buckets at most; `BucketGauge` counts the bytes of the live ones (each
 tracked until its memory can be freed: a view keeps its base alive) for tests and benchmarks.
@@ -134,7 +135,13 @@ class WeightReceiver:
         m = W.Manifest.from_dict(manifest)
         who, failure = f"weight group rank {self.rank}, version {m.version}", None
         n = len(m.buckets)
-        nxt = self._post(m, 0, device) if n else None
+        # two receive buffers, used in turn: bucket i + 1 arrives in one while bucket i loads from
+        # the other (the broadcast that reuses a buffer is posted after its last bucket was loaded)
+        size = max((b.nbytes for b in m.buckets), default=0)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(n, 2))]
+        for b in buffers:
+            self.gauge.track(b, size)
+        nxt = self._post(m, 0, buffers[0]) if n else None
         for i in range(n):
             bucket, digest, works = nxt
             try:
@@ -143,7 +150,7 @@ class WeightReceiver:
             except RuntimeError as e:
                 self._pg = None  # the publisher rebuilds the group after a failure
                 raise WeightSyncTimeout(f"{who}: broadcast from the publisher failed ({e})") from None
-            nxt = self._post(m, i + 1, device) if i + 1 < n else None
+            nxt = self._post(m, i + 1, buffers[(i + 1) % 2]) if i + 1 < n else None
             if failure is None and sink is not None:
                 try:
                     views = W.bucket_views(m, i, bucket)
@@ -151,17 +158,18 @@ class WeightReceiver:
                     sink(views)
                 except Exception as e:  # noqa: BLE001 - raised below, once the stream is drained
                     failure = e
-            views = bucket = digest = None
+            views = bucket = digest = works = None
+        nxt = buffers = None
         if failure is not None:
             raise failure
         return m
 
-    def _post(self, m: W.Manifest, i: int, device) -> tuple[Tensor, Tensor | None, list]:
-        bucket = W.empty_bucket(m.buckets[i], device)
-        self.gauge.track(bucket, m.buckets[i].nbytes)
+    def _post(self, m: W.Manifest, i: int, buffer: Tensor) -> tuple[Tensor, Tensor | None, list]:
+        spec = m.buckets[i]
+        bucket = buffer[:spec.nbytes].view(W.DTYPES[spec.dtype])
         works = [self._pg.broadcast(bucket, 0)]
         digest = None
         if m.digest is not None:
-            digest = torch.empty(len(m.members(i)), 2, dtype=torch.int64, device=device)
+            digest = torch.empty(len(m.members(i)), 2, dtype=torch.int64, device=buffer.device)
             works.append(self._pg.broadcast(digest, 0))
         return bucket, digest, works

@@ -105,3 +105,63 @@ def test_two_fsdp_ranks_match_one_rank(ray_session, tmp_path):
         with pytest.raises(ray_session.exceptions.RayActorError):
             ray_session.get(r.version.remote(), timeout=30)
     assert time.time() - t0 < 150
+
+
+def test_lora_publish_gathers_the_adapters_only(ray_session):
+    """A LoRA publish all-gathers the adapter weights and never a base weight: a spy on DTensor's
+    redistribute (what every full-tensor gather goes through) records each gather on each rank;
+    torch's own full-state gather, under the same spy, gathers every weight (the spy sees gathers)."""
+    from common.weights import Manifest
+
+    def spy(rank):
+        from torch.distributed.tensor import DTensor
+
+        seen, orig = [], DTensor.redistribute
+        rank._gathered = seen
+
+        def redistribute(self, *args, **kwargs):
+            seen.append((tuple(self.shape), str(self.dtype)))
+            return orig(self, *args, **kwargs)
+
+        DTensor.redistribute = redistribute
+        mod = rank.trainer.policy.module
+        return {"adapters": sorted((tuple(v.shape), str(v.dtype)) for k, v in mod.state_dict().items()
+                                   if ".lora_" in k),
+                "all": len(mod.state_dict())}
+
+    def take(rank):
+        out = list(rank._gathered)
+        rank._gathered.clear()
+        return out
+
+    def torch_gather(rank):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        get_model_state_dict(rank.trainer.policy.module, options=StateDictOptions(full_state_dict=True))
+
+    ray = ray_session
+    group = LearnerGroup(_cfg("lora"), model_factory=functools.partial(TinyVideoModel, seed=0, layers=LAYERS),
+                         num_ranks=2)
+    try:
+        info = ray.get([r.__ray_call__.remote(spy) for r in group.ranks])[0]
+        record = group.weights_record(1)
+        gathered = ray.get([r.__ray_call__.remote(take) for r in group.ranks])
+        names = [e["name"] for e in record.weights.manifest["entries"]]
+        assert names and all(".lora_" in n for n in names)
+        assert sorted(gathered[0]) == sorted(gathered[1]) == info["adapters"]  # each adapter once
+        assert group.weights_payload().keys() == set(names)
+        ray.get([r.__ray_call__.remote(take) for r in group.ranks])
+        ray.get([r.__ray_call__.remote(torch_gather) for r in group.ranks])
+        everything = ray.get([r.__ray_call__.remote(take) for r in group.ranks])[0]
+        assert len(everything) > 2 * len(info["adapters"])  # base weights too: the spy sees them
+        assert Manifest.from_dict(record.weights.manifest).nbytes < 0.2 * sum(
+            4 * _numel(s) for s, _ in everything)
+    finally:
+        group.shutdown()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

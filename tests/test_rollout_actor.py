@@ -119,3 +119,30 @@ def test_restarted_worker_verifies_the_registry_checksum(wan_dir):
         RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest)
     registry.set(WeightsRecord(3, state, checksum(state)))
     assert RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest).version() == 3
+
+
+def test_restarted_worker_checks_a_streamed_record_bucket_by_bucket(ray_session, wan_dir):
+    """The object-store record a restarted actor reads from the registry is checked too: a bucket
+    altered in the store is refused, and the intact record loads."""
+    import numpy as np
+
+    from cluster.driver.weight_registry import WeightRegistry
+    from common.weights import StreamedWeights, nbytes
+    from learner.weight_sync import put_stream, stream_state
+
+    ray = ray_session
+    path, state = wan_dir
+    new = perturbed(state)
+    record = put_stream(stream_state(new, nbytes(new) // 6, 4), "fast")
+    refs = list(record.weights.refs)
+    arr = np.array(ray.get(refs[2]))
+    arr.view(np.uint8).reshape(-1)[-1] ^= 0x80
+    refs[2] = ray.put(arr)
+    registry = WeightRegistry()
+    registry.set(WeightsRecord(4, StreamedWeights(record.weights.manifest, refs), record.checksum))
+    with pytest.raises(ChecksumMismatch, match="bucket 2"):
+        RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest)
+    registry.set(record)
+    w = RolloutWorker(make_cfg(path).model_dump(), 0, latest_weights=registry.latest)
+    held = w.model.weight_targets(new)  # (the config's LoRA wrapper keeps them as base_layer)
+    assert w.version() == 4 and all(torch.equal(held[k], v) for k, v in new.items())

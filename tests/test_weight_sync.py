@@ -10,8 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from common.config import RunConfig, WeightSyncConfig
 from common.weight_group import WeightSyncTimeout
-from common.weights import checksum
-from learner.weight_sync import WeightPublisher
+from common.weights import ChecksumMismatch, StreamedWeights, checksum, nbytes, plan
+from learner.weight_sync import WeightPublisher, put_stream, stream_state
 from rollout_worker.actor import create_rollout_actors
 from rollout_worker.models.tiny import tiny_wan_components
 
@@ -93,3 +93,93 @@ def test_collective_peer_that_never_joins_times_out_naming_it(ray_session, rollo
     assert pub.publish(new, version=1001).answers == [True]
     assert _held(ray, actors[:1]) == [(1001, checksum(new))]
     pub.close()
+
+
+def _two_buckets(state: dict, bucket_bytes: int) -> int:
+    """Two of the plan's largest bucket (a tensor larger than bucket_mb travels alone)."""
+    return 2 * max(b.nbytes for b in plan(state, bucket_bytes, 0).buckets)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_receivers_load_bucket_by_bucket_holding_two_at_most(ray_session, rollout, transport):
+    ray, (actors, state) = ray_session, rollout
+    cfg = WeightSyncConfig(transport=transport, timeout_s=30, bucket_mb=nbytes(state) / 16 / 2**20)
+    assert len(plan(state, cfg.bucket_bytes, 0).buckets) >= 10  # many buckets, so two is a bound
+    assert _two_buckets(state, cfg.bucket_bytes) < nbytes(state) / 2
+    base = max(ray.get([a.version.remote() for a in actors]))
+    ray.get([a.weight_buckets.remote(reset=True) for a in actors])
+    pub = WeightPublisher(cfg, actors)
+    new = _perturbed(state, seed=base + 7)
+    assert pub.publish(new, version=base + 7).answers == [True, True]
+    pub.close()
+    assert _held(ray, actors) == [(base + 7, checksum(new))] * 2
+    for g in ray.get([a.weight_buckets.remote() for a in actors]):
+        # the receive buckets alive at once (a bucket counts until its memory can be freed)
+        assert 1 <= g["peak"] <= 2 and g["peak_bytes"] <= _two_buckets(state, cfg.bucket_bytes), g
+        assert g["live"] == 0 and g["live_bytes"] == 0
+
+
+class AlteredInFlight(WeightPublisher):
+    """Flips one bit of the third bucket's bytes on the wire, after the sender took its digests."""
+
+    def _broadcast(self, t):
+        self.count = getattr(self, "count", 0) + 1
+        if self.count == 5:  # data and digests alternate: the third bucket's data
+            t = t.clone()
+            t.view(torch.uint8).view(-1)[t.numel() * t.element_size() // 2] ^= 4
+            self.kept = t  # alive until its broadcast completes
+        return super()._broadcast(t)
+
+
+def _generates(ray, actor) -> bool:
+    from common.types import Condition
+
+    try:
+        ray.get(actor.generate.remote(Condition(id="c", prompt="a cat"), 0), timeout=60)
+        return True
+    except ray.exceptions.RayTaskError as e:
+        assert "stopped part-way" in str(e)
+        return False
+
+
+def test_collective_bytes_altered_in_flight_are_refused(ray_session, rollout):
+    ray, (actors, state) = ray_session, rollout
+    cfg = WeightSyncConfig(transport="collective", timeout_s=30, bucket_mb=nbytes(state) / 8 / 2**20)
+    base = max(ray.get([a.version.remote() for a in actors]))
+    pub = AlteredInFlight(cfg, actors)
+    with pytest.raises(ChecksumMismatch, match="bytes changed on the way"):
+        pub.publish(_perturbed(state, seed=base + 1), version=base + 1)
+    # both actors kept their version; two buckets were loaded, so they refuse to generate
+    assert [v for v, _ in _held(ray, actors)] == [base, base]
+    assert not _generates(ray, actors[0])
+    # the group stayed in step: the next (intact) publish loads, and generation resumes
+    good = _perturbed(state, seed=base + 2)
+    assert WeightPublisher.publish(pub, good, version=base + 2).answers == [True, True]  # count past 5
+    assert _held(ray, actors) == [(base + 2, checksum(good))] * 2
+    assert _generates(ray, actors[1])
+    pub.close()
+
+
+def test_object_store_bytes_altered_in_store_are_refused(ray_session, rollout):
+    import numpy as np
+
+    ray, (actors, state) = ray_session, rollout
+    base = max(ray.get([a.version.remote() for a in actors]))
+    new = _perturbed(state, seed=base + 1)
+    record = put_stream(stream_state(new, nbytes(state) // 8, base + 1), "fast")
+    assert record.checksum.startswith("xxh3:") and len(record.weights.refs) >= 6
+    refs = list(record.weights.refs)
+    arr = np.array(ray.get(refs[-1]))  # a writable copy of the last bucket, one bit flipped
+    arr.view(np.uint8).reshape(-1)[arr.nbytes // 3] ^= 1
+    refs[-1] = ray.put(arr)
+    altered = StreamedWeights(record.weights.manifest, refs)
+    with pytest.raises(ChecksumMismatch, match="bytes changed on the way"):
+        ray.get(actors[0].set_weights.remote(altered, base + 1, record.checksum), timeout=60)
+    assert not _generates(ray, actors[0])  # the buckets before the last one were loaded
+    # a manifest whose digests were rewritten to match the altered bytes does not give the checksum
+    forged = dict(record.weights.manifest, digests=[[0, 0]] * len(record.weights.manifest["entries"]))
+    with pytest.raises(ChecksumMismatch, match="not the published"):
+        ray.get(actors[1].set_weights.remote(StreamedWeights(forged, refs), base + 1, record.checksum))
+    assert _generates(ray, actors[1])  # refused before any bucket loaded: it still holds v{base}
+    assert ray.get([a.set_weights.remote(record.weights, base + 1, record.checksum) for a in actors]) == [True, True]
+    assert _held(ray, actors) == [(base + 1, checksum(new))] * 2
