@@ -1,16 +1,20 @@
-"""Learner benchmark (not a test): `python -m benchmarks.bench_learner [--quick] [--gpu]`.
+"""Learner benchmark (not a test):
+`python -m benchmarks.bench_learner [--quick] [--smoke] [--gpu] [--sizes-mb 76 1024] [--bucket-mb 16]`.
 
 1. Step time per sample: Trainer.train_step (losses, anchors, clipping, AdamW) against a bare
-   forward+backward of the same transformer on the same rows plus the anchor forward the KL
-   strategy needs, in one run (ratio; goal ≤ 1.15).
+   forward+backward of the same transformer on the same rows plus the anchor forwards the
+   Trainer runs (the KL anchor, and π_0 when health measures it), in one run (ratio; goal ≤ 1.15).
 2. Weight sync: WeightPublisher seconds (object_store and collective, to two rollout actors on a
-   local Ray) against a memcpy of the same bytes, for the full weights and for the LoRA adapter.
+   local Ray, checksum on as by default) against one memcpy of the same bytes, for the full
+   weights and the LoRA adapter of a 76 MB and a 1 GB model (`--sizes-mb`; goal ≤ 3× for the
+   full payloads), and each receiver's peak of live receive buckets against the bucket size
+   (goal ≤ 2 buckets).
 
-Both use a mid-size Wan transformer (4 layers, 8 heads × 64: 67 MB in fp32, LoRA r16 2 MB)
-loaded through the real Wan adapter from a temp dir, with the tiny text encoder and VAE: the
-step runs 9×64×64 videos (48 tokens), so the transformer's compute dominates as it does at
-real sizes and the ratio measures the learner's overhead; the sync measures bandwidth rather
-than Ray's fixed cost per call.
+The step uses a mid-size Wan transformer (4 layers, 8 heads × 64: 76 MB in fp32) loaded through
+the real Wan adapter from a temp dir, with the tiny text encoder and VAE: it runs 9×64×64
+videos (48 tokens), so the transformer's compute dominates as it does at real sizes and the
+ratio measures the learner's overhead. The sync uses the same transformer with as many blocks
+as make each size (LoRA r16). `--smoke`: a 25 MB sync only, seconds (tests run it).
 `--gpu`: the small Wan 2.2 of benchmarks/gpu.py in bf16 on CUDA, 33 frames at 240×416, and
 the two rollout actors on the same GPU (0.4 GPU each).
 """
@@ -24,9 +28,9 @@ import time
 
 import torch
 
-from common.config import RunConfig
+from common.config import RunConfig, WeightSyncConfig
 from common.types import Condition, TrainBatch
-from common.weights import nbytes
+from common.weights import nbytes, plan
 
 
 def _cfg(path: str, finetune: str, quick: bool, gpu: bool = False) -> RunConfig:
@@ -80,16 +84,16 @@ def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
     rows = build_rows(batch, cfg)
     cond_all = trainer.encode(rows)
 
-    lc = trainer.loss_cfg
+    lc, pi0 = trainer.loss_cfg, trainer.measures_pi0()
 
     def bare() -> None:  # forward+backward of the same rows in the same micro-batches, and the anchor forwards
         for mb in micro_batches(rows, cfg.optim.micro_batch):
-            cond = cond_all.index(mb.cond_idx)
+            cond, x, nxt = cond_all.index(mb.cond_idx), mb.x.float(), mb.sigma_next
             if lc.anchor is not None:
-                trainer.policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond)
-            if lc.needs_prev:
-                trainer.policy.anchor_velocity("prev", mb.x.float(), mb.sigma, cond)
-            v = trainer.policy.velocity(mb.x.float(), mb.sigma, cond)  # [b, C, F, H, W]
+                trainer.policy.anchor_velocity(lc.anchor, x, mb.sigma, cond, nxt)
+            if pi0:  # the health check's KL to π_0 (Trainer.measures_pi0)
+                trainer.policy.anchor_velocity("pi0", x, mb.sigma, cond, nxt)
+            v = trainer.policy.velocity(x, mb.sigma, cond, nxt)  # [b, C, F, H, W]
             v.float().pow(2).mean().backward()
         trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -102,9 +106,10 @@ def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
 
 # the weight-sync benchmark's transformer on CPU: big enough that bytes, not calls, dominate
 MID_WAN = {"num_layers": 4, "num_attention_heads": 8, "attention_head_dim": 64, "ffn_dim": 2048}
+LAYER_MB, ROOT_MB = 16.8, 8.6  # MID_WAN's fp32 MB per block and outside the blocks
 
 
-def save_mid_wan(path: str) -> str:
+def save_mid_wan(path: str, layers: int = MID_WAN["num_layers"]) -> str:
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
     from rollout_worker.models.tiny import tiny_wan_components
@@ -113,7 +118,7 @@ def save_mid_wan(path: str) -> str:
     torch.manual_seed(0)
     comps["transformer"] = WanTransformer3DModel(
         patch_size=(1, 2, 2), in_channels=4, out_channels=4, text_dim=16, freq_dim=64, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **MID_WAN).eval()
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **{**MID_WAN, "num_layers": layers}).eval()
     WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **comps).save_pretrained(path)
     return path
 
@@ -142,45 +147,97 @@ def _memcpy_s(state: dict, repeats: int) -> float:
     return _timed(lambda: [dst[k].copy_(v) for k, v in state.items()], repeats)
 
 
-def bench_sync(path: str, payloads: dict, quick: bool, gpu: bool = False) -> list[dict]:
+def _sync_rows(path: str, quick: bool, gpu: bool, device: str, bucket_mb: float, version: list) -> list[dict]:
+    """Each payload (full, LoRA) by each transport to two rollout actors, against a memcpy."""
     import ray
 
-    from common.config import WeightSyncConfig
     from learner.weight_sync import WeightPublisher
     from rollout_worker.actor import create_rollout_actors
 
     cfg = _sync_cfg(path, quick, gpu)  # the actors hold the adapter the payload fills
-    ray.init(num_cpus=2, num_gpus=1 if gpu else 0, resources={"rollout": 2}, include_dashboard=False,
-             log_to_driver=False)
+    payloads = sync_payloads(path, quick, gpu, device)
+    actors = create_rollout_actors(cfg, count=2)
+    repeats, out = (2 if quick else 5), []
     try:
-        actors = create_rollout_actors(cfg, count=2)
-        # with optim.finetune=lora the rollout actors inject the same adapter themselves
-        repeats, out, version = (2 if quick else 5), [], 0
         for kind in ("full", "lora"):
             state = payloads[kind]
+            t_copy = _memcpy_s(state, repeats)
             for transport in ("object_store", "collective"):
-                pub = WeightPublisher(WeightSyncConfig(transport=transport, timeout_s=60), actors)
+                ws = WeightSyncConfig(transport=transport, timeout_s=300, bucket_mb=bucket_mb)  # checksum: default
+                pub = WeightPublisher(ws, actors, device=device)
 
                 def push(pub=pub, state=state) -> None:
-                    nonlocal version
-                    version += 1
-                    pub.publish(state, version)
+                    version[0] += 1
+                    pub.publish(state, version[0])
 
+                push()  # the collective group forms on the first publish
+                ray.get([a.weight_buckets.remote(reset=True) for a in actors])
                 t = _timed(push, repeats)
+                gauges = ray.get([a.weight_buckets.remote() for a in actors])
+                largest = max(b.nbytes for b in plan(state, ws.bucket_bytes, 0).buckets)
                 pub.close()
                 out.append({"payload": kind, "transport": transport, "bytes": nbytes(state),
-                            "sync_s": t, "memcpy_s": _memcpy_s(state, repeats)})
-        return out
+                            "checksum": ws.checksum, "sync_s": t, "memcpy_s": t_copy,
+                            "ratio": t / max(t_copy, 1e-9), "bucket_mb": bucket_mb,
+                            "largest_bucket_mb": largest / 2**20,
+                            "receiver_peak_mb": max(g["peak_bytes"] for g in gauges) / 2**20,
+                            "peak_buckets": max(g["peak"] for g in gauges)})
+    finally:
+        for a in actors:
+            ray.kill(a)
+    return out
+
+
+def bench_sync(sizes_mb: list[float], quick: bool, gpu: bool, device: str, bucket_mb: float) -> list[dict]:
+    """bench_sync for each payload size: MID_WAN with as many blocks as make it that size (fp32)."""
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=1 if gpu else 0, resources={"rollout": 2}, include_dashboard=False,
+             log_to_driver=False)
+    rows, version = [], [0]
+    try:
+        for size in sizes_mb:
+            with tempfile.TemporaryDirectory() as path:
+                if gpu:
+                    from benchmarks.gpu import save_wan22_small
+
+                    save_wan22_small(path)
+                else:
+                    save_mid_wan(path, max(1, round((size - ROOT_MB) / LAYER_MB)))
+                rows += _sync_rows(path, quick, gpu, device, bucket_mb, version)
+            if gpu:
+                break  # one size: the small Wan 2.2
     finally:
         ray.shutdown()
+    return rows
+
+
+def print_sync(rows: list[dict]) -> None:
+    """Side by side: sync over memcpy, and each receiver's most live receive buckets (count, MB)
+    against the largest bucket (bucket_mb, or a tensor larger than it, which travels alone)."""
+    print(f"{'payload':<8}{'transport':<14}{'MB':>8}{'sync s':>9}{'memcpy s':>10}{'ratio':>7}"
+          f"{'MB/s':>8}{'bucket MB':>10}{'largest':>9}{'recv peak':>10}{'MB':>8}")
+    for r in rows:
+        print(f"{r['payload']:<8}{r['transport']:<14}{r['bytes'] / 2**20:8.1f}{r['sync_s']:9.3f}"
+              f"{r['memcpy_s']:10.4f}{r['ratio']:7.1f}{r['bytes'] / 2**20 / r['sync_s']:8.0f}"
+              f"{r['bucket_mb']:10g}{r['largest_bucket_mb']:9.1f}{r['peak_buckets']:10d}"
+              f"{r['receiver_peak_mb']:8.1f}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    ap.add_argument("--smoke", action="store_true", help="the quickest run: a 25 MB sync payload, no step")
     ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 in bf16 on CUDA")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[76.0, 1024.0],
+                    help="full-payload sizes for the weight sync (fp32 MB; default 76 and 1024)")
+    ap.add_argument("--bucket-mb", type=float, default=WeightSyncConfig().bucket_mb,
+                    help="weight_sync.bucket_mb for the sync (default: the config's)")
+    ap.add_argument("--no-step", action="store_true", help="only the weight sync")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.smoke:
+        args.quick, args.no_step, args.sizes_mb, args.bucket_mb = True, True, [25.0], 4.0
     from benchmarks.gpu import save_wan22_small
 
     device = "cpu"
@@ -188,30 +245,29 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.gpu import require_cuda
 
         device = str(require_cuda())
-    with tempfile.TemporaryDirectory() as path:
-        if args.gpu:
-            save_wan22_small(path)
-        else:
-            save_mid_wan(path)
-        cfg = _cfg(path, "lora", args.quick, args.gpu)
-        m = cfg.model
-        print(f"config: {'small Wan 2.2 (2 experts, 4 layers, 12x128 heads)' if args.gpu else f'mid-size Wan {MID_WAN}'} "
-              f"{m.dtype} on {device}, {m.num_frames}x{m.height}x{m.width}, T={cfg.schedule.steps} all trained, "
-              f"2 groups x G={cfg.sampler.group_size}, LoRA r={cfg.optim.lora_rank}, micro-batch {cfg.optim.micro_batch}, "
-              f"KL {cfg.kl.strategy}; weight sync to 2 rollout actors on a local Ray")
-        step = bench_step(path, args.quick, device)
-        print(json.dumps({"step": step}, indent=2))
-    with tempfile.TemporaryDirectory() as path:
-        if not args.gpu:
-            save_mid_wan(path)
-            print(f"weight sync: Wan transformer {MID_WAN} in float32 on cpu; LoRA r=16")
-        else:
-            save_wan22_small(path)
-        payloads = sync_payloads(path, args.quick, args.gpu, device)
-        for row in bench_sync(path, payloads, args.quick, args.gpu):
-            row["ratio"] = row["sync_s"] / max(row["memcpy_s"], 1e-9)
-            row["sync_mb_s"] = row["bytes"] / 2**20 / row["sync_s"]
-            print(json.dumps(row))
+    if not args.no_step:
+        with tempfile.TemporaryDirectory() as path:
+            if args.gpu:
+                save_wan22_small(path)
+            else:
+                save_mid_wan(path)
+            cfg = _cfg(path, "lora", args.quick, args.gpu)
+            m = cfg.model
+            print(f"config: {'small Wan 2.2 (2 experts, 4 layers, 12x128 heads)' if args.gpu else f'mid-size Wan {MID_WAN}'} "
+                  f"{m.dtype} on {device}, {m.num_frames}x{m.height}x{m.width}, T={cfg.schedule.steps} all trained, "
+                  f"2 groups x G={cfg.sampler.group_size}, LoRA r={cfg.optim.lora_rank}, micro-batch {cfg.optim.micro_batch}, "
+                  f"KL {cfg.kl.strategy}; weight sync to 2 rollout actors on a local Ray")
+            step = bench_step(path, args.quick, device)
+            print(json.dumps({"step": step}, indent=2))
+    what = "small Wan 2.2 in bf16 on CUDA" if args.gpu else \
+        f"Wan transformers {MID_WAN | {'num_layers': 'sized'}} in float32 on cpu, LoRA r=16"
+    print(f"weight sync: {what}; payload sizes {args.sizes_mb} MB; to 2 rollout actors, buckets of "
+          f"{args.bucket_mb:g} MB, checksum {WeightSyncConfig().checksum} (the default); "
+          "ratio = sync / one memcpy of the payload")
+    rows = bench_sync(args.sizes_mb, args.quick, args.gpu, device, args.bucket_mb)
+    for row in rows:
+        print(json.dumps(row))
+    print_sync(rows)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ class WeightsRecord:
 @dataclass
 class StreamedWeights:
     """The object-store payload: the manifest (with each tensor's digest) and one ref per
-    bucket, each a numpy buffer (Ray maps it without a copy). The receiver gets the refs one
-    at a time, so it never holds more than two buckets."""
+    bucket, each a list of the bucket's tensors as numpy buffers (Ray maps them without a copy,
+    and the sender copies nothing into a bucket). The receiver gets the refs one at a time, so
+    it never holds more than two buckets."""
 
     manifest: dict[str, Any]
     refs: list[Any]
@@ -215,28 +216,35 @@ def empty_bucket(spec: BucketSpec, device: torch.device | str = "cpu") -> Tensor
     return torch.empty(spec.numel, dtype=DTYPES[spec.dtype], device=device)
 
 
+def take(m: Manifest, i: int, tensors: Iterator[Tensor]) -> list[Tensor]:
+    """Bucket i's tensors from `tensors` (the stream in manifest entry order), each checked
+    against its entry."""
+    out = []
+    for e in m.members(i):
+        t = next(tensors, None)
+        if t is None:
+            raise WeightFormatError(f"the weight stream ended before tensor {e.name!r}")
+        if tuple(t.shape) != e.shape or t.dtype != DTYPES[e.dtype]:
+            raise WeightFormatError(f"tensor {e.name!r}: got {t.dtype} {tuple(t.shape)}, "
+                                    f"manifest says {e.dtype} {e.shape}")
+        out.append(t.detach())
+    return out
+
+
 def fill(m: Manifest, tensors: Iterable[Tensor]) -> Iterator[Tensor]:
     """The buckets in order, from `tensors` in the manifest's entry order, each taken only when
     its bucket is being filled (so a gather per tensor runs just in time). A tensor alone in its
     bucket travels as itself (a flat view, no copy)."""
     it = iter(tensors)
     for i, spec in enumerate(m.buckets):
-        members, bucket = m.members(i), None
-        for e in members:
-            t = next(it, None)
-            if t is None:
-                raise WeightFormatError(f"the weight stream ended before tensor {e.name!r}")
-            if tuple(t.shape) != e.shape or t.dtype != DTYPES[e.dtype]:
-                raise WeightFormatError(f"tensor {e.name!r}: got {t.dtype} {tuple(t.shape)}, "
-                                        f"manifest says {e.dtype} {e.shape}")
-            flat = t.detach().reshape(-1)
-            if len(members) == 1:
-                bucket = flat
-                break
-            if bucket is None:
-                bucket = empty_bucket(spec, t.device)
-            bucket[e.offset:e.offset + e.numel].copy_(flat)
-        yield bucket if bucket is not None else empty_bucket(spec)
+        ts = take(m, i, it)
+        if len(ts) == 1:
+            yield ts[0].reshape(-1)
+            continue
+        bucket = empty_bucket(spec, ts[0].device)
+        for e, t in zip(m.members(i), ts, strict=True):
+            bucket[e.offset:e.offset + e.numel].copy_(t.reshape(-1))
+        yield bucket
 
 
 def flatten(state: dict[str, Tensor], bucket_bytes: int, version: int,

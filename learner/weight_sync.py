@@ -5,7 +5,7 @@ no data) and the buckets, filled one at a time as they are sent, each tensor gat
 only when its bucket is being filled. Neither side holds more than two buckets.
 
 Two transports (cfg.weight_sync.transport):
-- `object_store`: each bucket is one `ray.put` of a numpy buffer (`put_stream`); the record
+- `object_store`: each bucket is one `ray.put` of its tensors' numpy buffers (`put_stream`); the record
   (manifest with each tensor's digest, the refs, the checksum) goes to the actors'
   `set_weights`, which map and load one bucket at a time. The default on one node.
 - `collective`: a broadcast per bucket (and of its digests) over a process group of this process
@@ -73,7 +73,7 @@ def stream_state(state: dict[str, Tensor], bucket_bytes: int, version: int) -> W
 def host_array(bucket: Tensor):
     """A CPU bucket as numpy (dtypes numpy lacks, such as bf16, as same-size ints): Ray stores
     numpy buffers out of band, one copy in and none out."""
-    b = bucket.detach().cpu()
+    b = bucket.detach().cpu().contiguous()
     try:
         return b.numpy()
     except TypeError:
@@ -84,18 +84,18 @@ _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def put_stream(stream: WeightStream, mode: str | bool | None) -> W.WeightsRecord:
-    """Put each bucket into the object store as it is filled: the record of the refs, with each
+    """Put each bucket into the object store as its tensors arrive (one `ray.put` of the list of
+    their numpy buffers: no copy into a bucket), and return the record of the refs, with each
     tensor's digest in the manifest and the combined checksum (`weight_sync.checksum` = mode)."""
-    m, refs, words, alg = stream.manifest, [], [], None
-    for i, bucket in enumerate(stream.buckets):
+    m, refs, words, alg = stream.manifest, [], [], W.alg_for(mode)
+    for i in range(len(m.buckets)):
+        ts = W.take(m, i, stream.tensors)
         if i == 0:
-            alg = W.alg_for(mode, bucket.device)  # on the device the bytes are on (GPU: sums)
+            alg = W.alg_for(mode, ts[0].device)  # on the device the bytes are on (GPU: sums)
         if alg is not None:
-            words += W.digests(W.bucket_views(m, i, bucket).values(), alg).tolist()
-        refs.append(ray.put(host_array(bucket)))
-        del bucket  # the next bucket is filled after this one is in the object store
-    if not m.buckets:
-        alg = W.alg_for(mode)
+            words += W.digests(ts, alg).tolist()
+        refs.append(ray.put([host_array(t) for t in ts]))
+        del ts  # the next bucket is gathered after this one is in the object store
     if alg is not None:
         m.digest, m.digests = alg, words
         m.checksum = W.combine(alg, [(e.name, e.dtype, e.shape) for e in m.entries], words)

@@ -3,8 +3,8 @@
 Both transports end in a `sink(views)` that copies one bucket's tensors into the model
 (`RolloutWorker` builds it from `VideoModel.weight_targets`), after `check_bucket` compared
 each tensor's digest with the published one:
-- `load_streamed`: the object store's `StreamedWeights`, each bucket's ref mapped (no copy) in
-  turn, the next one fetched while this one loads;
+- `load_streamed`: the object store's `StreamedWeights`, each bucket's ref (its tensors' numpy
+  buffers) mapped in turn, no copy, the next one fetched to this node while this one loads;
 - `WeightReceiver`: the `collective` transport. `join` connects to the publisher's group as
   rank 1..n; `receive` posts the broadcast of bucket i + 1 (into the other of two
   buffers) before it checks and loads bucket i.
@@ -33,11 +33,20 @@ class BucketGauge:
     def __init__(self) -> None:
         self.live = self.peak = self.count = self.peak_count = 0
 
-    def track(self, obj, nbytes: int) -> None:
+    def track(self, objs: list, nbytes: int) -> None:
+        """One bucket of `nbytes`, alive until every object in `objs` (its buffers) is freed."""
         self.live += nbytes
         self.count += 1
         self.peak, self.peak_count = max(self.peak, self.live), max(self.peak_count, self.count)
-        weakref.finalize(obj, self._freed, nbytes)
+        left = [len(objs)]
+
+        def freed_one() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._freed(nbytes)
+
+        for o in objs:
+            weakref.finalize(o, freed_one)
 
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
@@ -94,18 +103,20 @@ def load_streamed(sw: W.StreamedWeights, checksum: str | None, sink: Sink, devic
     for i, ref in enumerate(sw.refs):
         if i + 1 < len(sw.refs):  # start pulling the next bucket to this node while this one loads
             ray.wait([sw.refs[i + 1]], timeout=0, fetch_local=True)
-        arr = ray.get(ref, timeout=timeout_s)
+        arrays = ray.get(ref, timeout=timeout_s)  # the bucket's tensors, mapped (no copy)
+        if len(arrays) != len(m.members(i)):
+            raise W.WeightFormatError(f"{who}: bucket {i} holds {len(arrays)} tensors, "
+                                      f"the manifest says {len(m.members(i))}")
         if gauge is not None:
-            gauge.track(arr, arr.nbytes)
-        bucket = _from_host(arr, m.buckets[i].dtype)
-        del arr
+            gauge.track(arrays, sum(a.nbytes for a in arrays))
+        views = {e.name: _from_host(a, e.dtype).view(e.shape) for e, a in zip(m.members(i), arrays, strict=True)}
+        del arrays
         if m.digest == "sums" and device.type == "cuda":  # checked where it is cheap: on the GPU
-            bucket = bucket.to(device)
-        views = W.bucket_views(m, i, bucket)
+            views = {k: v.to(device) for k, v in views.items()}
         if m.digest is not None:
             W.check_bucket(m, i, views, m.digests[rows[i]:rows[i + 1]], who)
         sink(views)
-        del views, bucket
+        del views
     return m
 
 
@@ -140,7 +151,7 @@ class WeightReceiver:
         size = max((b.nbytes for b in m.buckets), default=0)
         buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(n, 2))]
         for b in buffers:
-            self.gauge.track(b, size)
+            self.gauge.track([b], size)
         nxt = self._post(m, 0, buffers[0]) if n else None
         for i in range(n):
             bucket, digest, works = nxt

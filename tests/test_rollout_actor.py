@@ -135,9 +135,9 @@ def test_restarted_worker_checks_a_streamed_record_bucket_by_bucket(ray_session,
     new = perturbed(state)
     record = put_stream(stream_state(new, nbytes(new) // 6, 4), "fast")
     refs = list(record.weights.refs)
-    arr = np.array(ray.get(refs[2]))
-    arr.view(np.uint8).reshape(-1)[-1] ^= 0x80
-    refs[2] = ray.put(arr)
+    arrays = [np.array(a) for a in ray.get(refs[2])]
+    arrays[0].view(np.uint8).reshape(-1)[-1] ^= 0x80
+    refs[2] = ray.put(arrays)
     registry = WeightRegistry()
     registry.set(WeightsRecord(4, StreamedWeights(record.weights.manifest, refs), record.checksum))
     with pytest.raises(ChecksumMismatch, match="bucket 2"):

@@ -169,9 +169,9 @@ def test_object_store_bytes_altered_in_store_are_refused(ray_session, rollout):
     record = put_stream(stream_state(new, nbytes(state) // 8, base + 1), "fast")
     assert record.checksum.startswith("xxh3:") and len(record.weights.refs) >= 6
     refs = list(record.weights.refs)
-    arr = np.array(ray.get(refs[-1]))  # a writable copy of the last bucket, one bit flipped
-    arr.view(np.uint8).reshape(-1)[arr.nbytes // 3] ^= 1
-    refs[-1] = ray.put(arr)
+    arrays = [np.array(a) for a in ray.get(refs[-1])]  # writable copies of the last bucket's tensors
+    arrays[-1].view(np.uint8).reshape(-1)[arrays[-1].nbytes // 3] ^= 1  # one bit flipped
+    refs[-1] = ray.put(arrays)
     altered = StreamedWeights(record.weights.manifest, refs)
     with pytest.raises(ChecksumMismatch, match="bytes changed on the way"):
         ray.get(actors[0].set_weights.remote(altered, base + 1, record.checksum), timeout=60)
