@@ -82,3 +82,20 @@ def test_plan_rejects_a_family_it_cannot_size(capsys):
     assert main(["plan", "model.family=toy"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model.family = 'toy'" in err
+
+
+@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml"])
+def test_plan_shows_the_rollout_peak_while_receiving_below_the_one_while_generating(config, capsys):
+    from cluster.plan.sizing import plan, rollout_peaks
+
+    cfg = load_config(ROOT / config)
+    p = plan(cfg, "H200")
+    peaks = rollout_peaks(cfg, p)
+    resident = p.rollout["weights"] + p.rollout["frozen modules"]
+    # two buckets of weight_sync.bucket_mb (the payload in model.dtype: no fp32 bytes travel)
+    assert 0 < peaks["receiving weights"] - resident <= 2 * max(cfg.weight_sync.bucket_bytes, 200 * 2**20)
+    assert peaks["receiving weights"] < peaks["generating"]
+    assert main(["plan", "-c", str(ROOT / config), "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "peak while generating" in out and "peak while receiving weights" in out
+    assert "2 receive buckets of" in out.split("peak while receiving weights")[1].splitlines()[0]

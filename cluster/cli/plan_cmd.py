@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.plan.sizing import GB, GPUS, MFU, Plan, learner_peak, plan
+from cluster.plan.sizing import GB, GPUS, MFU, Plan, learner_peak, plan, rollout_peaks
 
 
 def render(cfg, p: Plan, source: str) -> str:
@@ -25,8 +25,12 @@ def render(cfg, p: Plan, source: str) -> str:
     lines.append(f"rollout rank (G = {cfg.sampler.group_size} per batch):")
     for k, v in p.rollout.items():
         lines.append(f"  {k:<32}{v / GB:9.1f} GiB")
-    total = sum(p.rollout.values())
-    lines.append(f"  {'peak':<32}{total / GB:9.1f} GiB{'  (fits)' if total < cap * GB else '  (does NOT fit)'}")
+    peaks = rollout_peaks(cfg, p)
+    for what, total in peaks.items():
+        lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB"
+                     f"{'  (fits)' if total < cap * GB else '  (does NOT fit)'}")
+    lines[-1] += (f"  (weights and frozen modules + 2 receive buckets of "
+                  f"{p.rollout_receive / 2 / 2**20:.0f} MiB, weight_sync.bucket_mb {cfg.weight_sync.bucket_mb:g})")
     lines += ["compute:",
               f"  rollout per video       {p.flops['rollout per video'] / 1e15:9.1f} PFLOP  "
               f"{p.seconds['rollout per video']:8.1f} s",

@@ -69,6 +69,7 @@ class Plan:
     flops: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     split: dict[str, float] = field(default_factory=dict)
+    rollout_receive: float = 0.0                               # bytes: two receive buckets
 
 
 # --- architecture --------------------------------------------------------------------
@@ -229,6 +230,24 @@ def rollout_memory(cfg, a: Arch) -> dict[str, float]:
             "vae decode": vae_decode_bytes(cfg)}
 
 
+def rollout_receive_bytes(cfg, a: Arch) -> float:
+    """What a rollout rank holds on top of its weights while it loads a publish: two receive
+    buckets (rollout_worker/weight_receiver.py), each weight_sync.bucket_mb or the largest
+    tensor when one is bigger (it travels alone), and never more than the payload itself."""
+    c = 4 if cfg.model.dtype == "float32" else 2
+    if cfg.optim.finetune == "lora":
+        payload, largest = 4 * a.lora_params * a.trained_experts, 0
+    else:  # the wire carries model.dtype; the largest tensor is a block's FFN matrix
+        payload, largest = c * a.params * a.trained_experts, c * a.width * a.ffn
+    return min(payload, 2 * max(cfg.weight_sync.bucket_bytes, largest))
+
+
+def rollout_peaks(cfg, p: Plan) -> dict[str, float]:
+    """The rollout rank's peak while generating and while receiving weights (it does one at a time)."""
+    resident = p.rollout["weights"] + p.rollout["frozen modules"]
+    return {"generating": sum(p.rollout.values()), "receiving weights": resident + p.rollout_receive}
+
+
 # --- compute -------------------------------------------------------------------------
 
 
@@ -249,6 +268,7 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     a = arch(cfg)
     p = Plan(gpu, a)
     p.learner, p.rollout = learner_memory(cfg, a), rollout_memory(cfg, a)
+    p.rollout_receive = rollout_receive_bytes(cfg, a)
     from common.sde import Schedule
 
     steps = Schedule.from_config(cfg.schedule).steps
