@@ -220,9 +220,12 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller latents and fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="the quickest run: one sync and one async "
+                    "run of one step, rows only (tests run it)")
     ap.add_argument("--gpu", action="store_true", help="accepted for run_all; the stubs run on the CPU either way")
     ap.add_argument("--out", default=None, help="append the figures to this markdown file")
     args = ap.parse_args(argv)
+    args.quick = args.quick or args.smoke
     root = tempfile.mkdtemp(prefix="vgrpo-bench-dp-")
     os.environ[STUB_ENV] = os.path.join(root, "stub.json")
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), STUB_ENV: os.environ[STUB_ENV]}
@@ -234,24 +237,28 @@ def main(argv: list[str] | None = None) -> None:
         big = {"latent": [16, 21, 30, 53], "frames": [81, 480, 848], "step_sleep_s": 0.0}
         if args.quick:
             big = {"latent": [16, 11, 30, 53], "frames": [41, 480, 848], "step_sleep_s": 0.0}
-        for name, steps in (("realistic", 2), ("realistic_long", 4)):
+        for name, steps in ((("realistic", 1),) if args.smoke else (("realistic", 2), ("realistic_long", 4))):
             rows[name] = _run(root, name, big, 0.0, [
                 "train.mode=sync", f"train.steps={steps}", "train.groups_per_step=1", "sampler.group_size=2",
                 "schedule.steps=20", "sampler.latent_dtype=bfloat16", "bank.capacity=1"])
         small = {"latent": [4, 2, 8, 8], "frames": [4, 16, 16], "step_sleep_s": 0.2}
-        steps = 2 if args.quick else 3
-        for n in (1, 2, 4):
+        steps = 1 if args.smoke else 2 if args.quick else 3
+        for n in ((1,) if args.smoke else (1, 2, 4)):
             rows[f"rollout{n}"] = _run(root, f"rollout{n}", small, 0.0, [
                 "train.mode=async", f"train.steps={steps}", "train.groups_per_step=4", "train.max_staleness=2",
                 "sampler.group_size=2", "schedule.steps=8", f"pools.rollout.num_actors={n}"])
         fast = {**small, "step_sleep_s": 0.0}
-        for n in (1, 3):
+        for n in (() if args.smoke else (1, 3)):
             rows[f"reward{n}"] = _run(root, f"reward{n}", fast, 0.5, [
                 "train.mode=async", f"train.steps={steps + 2}", "train.groups_per_step=3", "train.max_staleness=2",
                 "sampler.group_size=2", "schedule.steps=4", "pools.rollout.num_actors=3",
                 f"pools.reward.num_actors={n}"])
     finally:
         ray.shutdown()
+    if args.smoke:
+        for r in rows.values():
+            print(json.dumps(r))
+        return
     real, long = rows["realistic"], rows["realistic_long"]
     per_video = (real["latent_bytes"] + real["frame_bytes"]) / real["videos"]
     figures = {

@@ -1,6 +1,6 @@
 """Sampler overhead: time per group of `sample_group` vs a plain ODE loop over the same model.
 
-    python -m benchmarks.bench_sampler [--quick] [--gpu]
+    python -m benchmarks.bench_sampler [--quick] [--smoke] [--gpu]
 
 Both paths encode once, draw the noise, run T batched velocity calls over G members and
 decode; the sampler adds the SDE noise, the log-probs and the recording. The goal is a
@@ -119,17 +119,18 @@ def gpu_cases(device) -> list[tuple[VideoModel, RunConfig]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--smoke", action="store_true", help="the quickest run: the toy model, one repeat")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--gpu", action="store_true", help="small Wan 2.2 / HunyuanVideo 1.5 transformers on CUDA")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    repeats = 5 if args.quick else 15
+    repeats = 1 if args.smoke else 5 if args.quick else 15
     if args.gpu:
         from benchmarks.gpu import require_cuda
 
         cases = gpu_cases(require_cuda())
     else:
-        cases = [toy_case(), wan_case()]
+        cases = [toy_case()] if args.smoke else [toy_case(), wan_case()]
     print(f"config: one group per call, shared initial noise, every step stochastic and recorded "
           f"(train_steps=all); {repeats} alternating repeats after a warm-up, median times and "
           f"median per-repeat ratio")

@@ -18,6 +18,11 @@ import time
 from pathlib import Path
 
 BENCHES = ["bench_sampler", "bench_learner", "bench_bank", "bench_async", "bench_dataplane"]
+# Each benchmark's quickest form (`--smoke`; tests/test_bench_smoke.py runs every one, results not
+# judged, so that a benchmark cannot break unnoticed).
+SMOKE = {"bench_sampler": ["--smoke"], "bench_learner": ["--smoke"], "bench_bank": ["--quick"],
+         "bench_async": ["--steps", "1", "train.groups_per_step=1", "sampler.group_size=2"],
+         "bench_dataplane": ["--smoke"]}
 OUT = Path(__file__).with_name("results.md")
 OUT_GPU = Path(__file__).with_name("results_gpu.md")
 
@@ -34,7 +39,9 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help=f"which benchmarks (default: all of {', '.join(BENCHES)})")
-    ap.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--smoke", action="store_true", help="each benchmark's quickest form (SMOKE): "
+                    "checks that they run; writes no report unless --out")
     ap.add_argument("--gpu", action="store_true", help="size the benchmarks for one CUDA GPU")
     ap.add_argument("--out", default=None, help=f"markdown report to write (default {OUT.name}, "
                     f"or {OUT_GPU.name} with --gpu)")
@@ -43,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gpu import require_cuda
 
         require_cuda()
-    args.out = args.out or str(OUT_GPU if args.gpu else OUT)
+    if not args.smoke:
+        args.out = args.out or str(OUT_GPU if args.gpu else OUT)
     names = args.names or BENCHES
     unknown = sorted(set(names) - set(BENCHES))
     if unknown:
@@ -54,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"`python -m benchmarks.run_all{''.join(' ' + f for f in flags)}`\n"]
     failed = 0
     for name in names:
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", *flags]
+        cmd = [sys.executable, "-m", f"benchmarks.{name}", *(SMOKE[name] if args.smoke else flags)]
         print(f"== {name}", flush=True)
         t0 = time.monotonic()
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
@@ -64,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             print(res.stderr[-3000:], file=sys.stderr)
         status = "ok" if res.returncode == 0 else f"failed (exit {res.returncode})"
         sections.append(f"## {name} — {status}, {time.monotonic() - t0:.0f} s\n\n```\n{res.stdout.strip()}\n```\n")
-    Path(args.out).write_text("\n".join(sections), encoding="utf-8")
-    print(f"wrote {args.out}")
+    if args.out:
+        Path(args.out).write_text("\n".join(sections), encoding="utf-8")
+        print(f"wrote {args.out}")
     return 1 if failed else 0
 
 
