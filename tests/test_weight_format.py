@@ -85,3 +85,58 @@ def test_unflatten_rejects_buckets_that_do_not_match():
         W.unflatten(m, [buckets[0][:-1], *buckets[1:]])
     with pytest.raises(W.WeightFormatError, match="expected"):
         W.unflatten(m, buckets[:-1])
+
+
+def test_fill_takes_each_tensor_only_when_its_bucket_is_filled():
+    state = {f"p{i}": torch.full((4,), float(i)) for i in range(6)}  # 16 B each, 2 per 40 B bucket
+    m = W.plan(state, bucket_bytes=40, version=0)
+    produced = []
+
+    def gathered():  # what a per-tensor gather looks like to fill
+        for e in m.entries:
+            produced.append(e.name)
+            yield state[e.name]
+
+    for i, bucket in enumerate(W.fill(m, gathered())):
+        assert len(produced) == 2 * (i + 1)  # nothing of the next bucket was gathered yet
+        assert set(W.bucket_views(m, i, bucket)) == set(produced[-2:])
+    with pytest.raises(W.WeightFormatError, match="ended before"):
+        list(W.fill(m, iter(list(state.values())[:3])))
+
+
+@pytest.mark.parametrize("alg", ["xxh3", "sums", "blake2b"])
+def test_checksum_is_per_tensor_so_bucketing_does_not_change_it(alg):
+    state = _state()
+    ref = W.checksum(state, alg)
+    assert ref.startswith(f"{alg}:")
+    for size in (16, 64, 1 << 20):
+        m, buckets = W.flatten(state, size, 0)
+        views = W.unflatten(m, buckets)
+        words = torch.cat([W.digests(W.bucket_views(m, i, b).values(), alg) for i, b in enumerate(buckets)])
+        assert W.combine(alg, [(e.name, e.dtype, e.shape) for e in m.entries], words.tolist()) == ref
+        W.verify(views, ref)
+
+
+def test_sums_digest_sees_a_changed_byte_and_a_swap_of_two():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (3 * W.SUMS_WIDTH + 17,), dtype=torch.uint8, generator=g)
+    ref = W.digests([x], "sums")
+    for i, j in [(5, 5 + W.SUMS_WIDTH), (7, 9), (3 * W.SUMS_WIDTH + 1, 3 * W.SUMS_WIDTH + 16), (0, x.numel() - 1)]:
+        y = x.clone()
+        y[i], y[j] = x[j], x[i]
+        if x[i] != x[j]:
+            assert not torch.equal(W.digests([y], "sums"), ref), (i, j)  # a swap of two bytes
+        y = x.clone()
+        y[i] ^= 1 << (i % 8)
+        assert not torch.equal(W.digests([y], "sums"), ref), i  # one flipped bit
+
+
+def test_checksum_mode_reads_the_older_boolean_form():
+    from common.config import WeightSyncConfig
+
+    assert WeightSyncConfig().checksum == "fast"
+    assert (WeightSyncConfig(checksum=True).checksum, WeightSyncConfig(checksum=False).checksum) == ("fast", "off")
+    assert W.alg_for("fast", "cpu") == "xxh3" and W.alg_for("fast", "cuda") == "sums"
+    assert W.alg_for("strong") == "blake2b" and W.alg_for("off") is None
+    with pytest.raises(W.ChecksumMismatch, match="does not name its algorithm"):
+        W.verify(_state(), "0" * 32)
