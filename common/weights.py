@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -130,9 +130,12 @@ class Manifest:
         return self._members[i]
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
-        d["entries"] = [{**e, "shape": list(e["shape"])} for e in d["entries"]]
-        return d
+        """Plain data (built by hand: dataclasses.asdict deep-copies, 50 ms for 1k tensors)."""
+        return {"version": self.version,
+                "entries": [{"name": e.name, "shape": list(e.shape), "dtype": e.dtype, "bucket": e.bucket,
+                             "offset": e.offset} for e in self.entries],
+                "buckets": [{"dtype": b.dtype, "numel": b.numel} for b in self.buckets],
+                "checksum": self.checksum, "digest": self.digest, "digests": self.digests}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Manifest:
