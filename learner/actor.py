@@ -67,6 +67,7 @@ class LearnerRank:
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
         self.trainer: Trainer | None = None
         self.publisher: WeightPublisher | None = None
+        self._generation = 0  # of the weight group `publisher` formed (see publish)
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address: this node's IP and a free port."""
@@ -219,15 +220,18 @@ class LearnerRank:
 
     @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None,
-                ema: bool = False) -> PublishReport | None:
-        """Stream the payload (all ranks gather) from rank 0 to `actors` (ema: the moving average)."""
+                ema: bool = False, generation: int = 0) -> PublishReport | None:
+        """Stream the payload (all ranks gather) from rank 0 to `actors` (ema: the moving average).
+        generation: the weight group's, as the driver numbers it; a new one (a member restarted,
+        joined or left) forms a new group, whose members all join it afresh."""
         version = self.trainer.version + int(ema and self.trainer.exports_ema)
         with self.trainer.exported(ema):
             stream = self._stream(version)
             if self.rank != 0:
                 stream.drain()
                 return None
-            if self.publisher is None or self.publisher.actors != list(actors):
+            if self.publisher is None or self.publisher.actors != list(actors) or generation != self._generation:
+                self._generation = generation
                 if self.publisher is not None:
                     self.publisher.close()
                 self.publisher = WeightPublisher(self.cfg.weight_sync, actors, names, self.device)
@@ -322,9 +326,11 @@ class LearnerGroup:
 
     _train_pulled = verb("train_pulled", post=_stepped)
 
-    def publish(self, actors: list, names: list[str] | None = None, ema: bool = False) -> PublishReport:
-        """Push the current version to rollout actors (cfg.weight_sync.transport) from rank 0."""
-        return self._publish(list(actors), names, ema)
+    def publish(self, actors: list, names: list[str] | None = None, ema: bool = False,
+                generation: int = 0) -> PublishReport:
+        """Push the current version to rollout actors (cfg.weight_sync.transport) from rank 0;
+        a new `generation` forms the collective group afresh (LearnerRank.publish)."""
+        return self._publish(list(actors), names, ema, generation)
 
     _publish = verb("publish")
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,6 +65,7 @@ class RolloutWorker:
         self._version = 0
         self._torn: int | None = None  # a version whose load stopped part-way (see _load)
         self._gauge = BucketGauge()    # the receive buckets alive (both transports)
+        self._incarnation = uuid.uuid4().hex  # this process: a restart is a new one (see ping)
         self._reward_actors, self._bank_ref = rewards, bank   # the data plane (see deliver)
         self._rewards = self._bank = None                     # connected on first use
         self._staged: dict[str, tuple[Group, int, float]] = {}
@@ -296,7 +298,10 @@ class RolloutWorker:
         return out
 
     def ping(self) -> dict:
-        return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family}
+        """Who answers: the index, the version held, and the process's incarnation (a restarted
+        actor answers with a new one, so a caller can tell it is not the process it knew)."""
+        return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family,
+                "incarnation": self._incarnation}
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -171,7 +171,8 @@ class Driver:
         s.actors += [*rollouts, registry]
         self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, latest=lambda: self.publisher.latest,
                                   on_sync_error=self._learner_check, timers=self.timers, metrics=self.metrics,
-                                  note=self.note)
+                                  note=self.note, current=lambda: self.publisher.version,
+                                  serve_record=lambda: self.publisher.serve_record())
         self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options)
         self.publisher = Publisher(cfg, self.learner, self.fleet, registry, on_learner_error=self._learner_check,
                                    timers=self.timers, metrics=self.metrics)
@@ -216,6 +217,7 @@ class Driver:
         """sync: n groups stored at the current version, each actor fed as soon as it is free."""
         stored, fleet = 0, self.fleet
         while stored < n and not self.stop_requested.is_set():
+            self.publisher.serve_record()  # collective: a restarted actor's weights, when it asked
             for i in range(len(fleet.actors)):
                 if i not in fleet.busy and stored + len(fleet.busy) < n:
                     if not self._has_space():
@@ -374,7 +376,8 @@ class Driver:
         with Producer(self.fleet, lambda: self._may_dispatch(max(1, self.cfg.train.max_staleness)),
                       self.stop_requested, POLL_S) as producer:
             while self.state.step < self.cfg.train.steps and not self.stop_requested.is_set():
-                producer.wait_until(lambda: c["groups_produced"] - c["groups_pulled"] >= gps)
+                producer.wait_until(lambda: c["groups_produced"] - c["groups_pulled"] >= gps,
+                                    tick=self.publisher.serve_record)
                 if self.stop_requested.is_set():
                     break
                 if self._step(progress, published=producer.wake):

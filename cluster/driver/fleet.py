@@ -6,6 +6,11 @@ deadline: weight_sync.timeout_s, sampler.timeout_s, then every reward try plus a
 A group that fails (actor death, a deadline, a reward failure, an invalid reward) is drawn again
 from the same cursor; `MAX_FAILED_IN_ROW` failures one after another stop the run. An actor past
 its deadline is killed and restarted by Ray; it reloads the newest weights before its next group.
+
+An actor behind the newest version is given its record (`latest()`) before its next group. With
+the collective transport the driver keeps no record between restarts, so an actor that is
+behind and finds none is not dispatched: it sets `wants_record`, and the training thread (the
+only one that calls the learner) makes one (`serve_record`, cluster/driver/publish.py).
 """
 
 from __future__ import annotations
@@ -45,11 +50,18 @@ class Flight:
 class RolloutFleet:
     def __init__(self, cfg, actors: list, state: DriverState, stream: PromptStream, *,
                  latest: Callable[[], WeightsRecord | None], on_sync_error: Callable[[], None],
-                 timers: dict[str, float], metrics, note: Callable[[str], None]):
+                 timers: dict[str, float], metrics, note: Callable[[str], None],
+                 current: Callable[[], int] | None = None,
+                 serve_record: Callable[[], WeightsRecord | None] | None = None):
         self.cfg, self.actors, self.state, self.stream = cfg, actors, state, stream
         self.latest, self.on_sync_error = latest, on_sync_error
+        # the newest version published (default: the record's), and who makes a record on request
+        self.current = current or (lambda: getattr(self.latest(), "version", 0))
+        self.serve_record = serve_record or self.latest
         self.timers, self.metrics, self.note = timers, metrics, note
         self.actor_version = [0] * len(actors)  # the version each actor holds (-1: restarting)
+        self.wants_record = False               # an actor is behind and there is no record to give it
+        self.failed_since_group: set[int] = set()  # failures seen since the weight group last formed
         self.busy: dict[int, Flight] = {}       # actor index -> its group in flight
         self.group_bytes = 0                    # the largest group stored (bank space per group)
         self.receipts: deque[GroupReceipt] = deque(maxlen=100_000)  # what the actors reported
@@ -58,12 +70,20 @@ class RolloutFleet:
 
     # --- dispatch -------------------------------------------------------------------------------
 
-    def dispatch(self, i: int) -> None:
-        """Give rollout actor i its next group (its weights first when it is behind)."""
+    def behind(self, i: int) -> bool:
+        """Actor i holds an older version than the newest published (a restarted one holds v0 at least)."""
+        return max(self.actor_version[i], 0) < self.current()
+
+    def dispatch(self, i: int) -> bool:
+        """Give rollout actor i its next group (its weights first when it is behind). False when
+        it is behind and no record of the newest version exists yet (`wants_record` is set)."""
         actor, cfg = self.actors[i], self.cfg
         sync, sync_version = None, -1
         latest = self.latest()
-        if latest is not None and self.actor_version[i] < latest.version:
+        if self.behind(i):
+            if latest is None or latest.version < self.current():
+                self.wants_record = True  # never a group from older weights than the newest published
+                return False
             # by reference: the actor maps the packed payload from the object store
             sync = actor.set_weights.remote(latest.weights, latest.version, latest.checksum)
             sync_version = latest.version
@@ -73,6 +93,7 @@ class RolloutFleet:
         deadline = time.monotonic() + (cfg.weight_sync.timeout_s if sync is not None else cfg.sampler.timeout_s)
         self.busy[i] = Flight(cursor, gid, actor.stage.remote(cond, seed, gid, cursor), actor.deliver.remote(gid),
                               sync, sync_version, deadline)
+        return True
 
     def abandon(self, n: int) -> None:
         """A drawn group that failed before it was stored: its cursor is drawn again next."""
@@ -222,6 +243,7 @@ class RolloutFleet:
         else:  # calls to an actor that is still restarting fail at once (ActorUnavailableError)
             log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
         self.actor_version[i] = -1  # forces the weights to it before its next group
+        self.failed_since_group.add(i)  # and the collective weight group is formed again
         # while Ray restarts it, calls fail at once: back off instead of burning refills
         time.sleep(min(0.25 * (self.failed_in_row + self.restarting_in_row + 1), 5.0))
 
@@ -232,11 +254,16 @@ class RolloutFleet:
         import ray
 
         self.wait_idle(poll_s)
+        behind = [i for i in range(len(self.actors)) if self.behind(i)]
+        if not behind:
+            return
         latest = self.latest()
+        if latest is None or latest.version < self.current():
+            latest = self.serve_record()  # collective: made now (this is the training thread)
         if latest is None:
             return
         calls = {i: self.actors[i].set_weights.remote(latest.weights, latest.version, latest.checksum)
-                 for i, v in enumerate(self.actor_version) if v < latest.version}
+                 for i in behind}
         timeout = self.cfg.weight_sync.timeout_s
         _, late = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout)
         if late:

@@ -40,11 +40,14 @@ class Producer:
         with self.produced:
             self.produced.notify_all()
 
-    def wait_until(self, ready: Callable[[], bool]) -> None:
-        """Block the training loop until `ready()` or a stop."""
+    def wait_until(self, ready: Callable[[], bool], tick: Callable[[], object] | None = None) -> None:
+        """Block the training loop until `ready()` or a stop, calling `tick()` on each wake-up
+        (work only the training thread may do, such as making a weights record)."""
         with self.produced:
             while not ready() and not self.stop.is_set():
                 self.produced.wait(timeout=self.poll_s)
+                if tick is not None:
+                    tick()
 
     def _loop(self) -> None:
         fleet = self.fleet

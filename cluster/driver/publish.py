@@ -3,7 +3,16 @@
 Object store: rank 0 packs the payload into one object; the driver keeps its `WeightsRecord`
 (the ref, never the bytes) and gives it to each actor before its next group, and to the weight
 registry, where a restarted actor finds it. Collective: rank 0 broadcasts to every rollout actor
-at once, so a publish waits until no actor is mid-group.
+in the weight group at once, so a publish waits until no member is mid-group.
+
+Collective and restarts. The group is formed again whenever its members change
+(cluster/driver/members.py). An actor that is not in it (restarted, or late to answer) stays
+behind the new version; before it generates it gets the version's record, as in the object
+store transport. The driver keeps such a record only while somebody needs one: a publish that
+leaves an actor out makes it at once; an actor that restarts after the publish asks for it
+(`RolloutFleet.wants_record`), and the training thread makes it (`serve_record`). Either way it
+goes to the weight registry too, where a restarted actor's constructor finds it. A publish that
+every actor took drops the record (its bytes leave the object store).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from collections.abc import Callable
 
 from cluster.driver.errors import StopRun
 from cluster.driver.fleet import RolloutFleet
+from cluster.driver.members import GroupMembers
 from common.weights import WeightsRecord
 
 
@@ -21,29 +31,65 @@ class Publisher:
                  timers: dict[str, float], metrics):
         self.cfg, self.learner, self.fleet, self.registry = cfg, learner, fleet, registry
         self.on_learner_error, self.timers, self.metrics = on_learner_error, timers, metrics
-        self.latest: WeightsRecord | None = None  # object store: the newest published version
-        self.published = 0                        # newest version the rollout actors may load
+        self.latest: WeightsRecord | None = None  # the newest version's record (collective: on request)
+        self.published = 0                        # newest step whose weights the rollout actors may load
+        self.version = 0                          # newest version published (step, or step + 1: EMA)
+        self.ema = False                          # whether that version is the moving average
+        self.group = GroupMembers(fleet, cfg.weight_sync.timeout_s)
 
     def publish(self, step: int, ema: bool = False) -> None:
         """Publish the weights after `step` (ema: their moving average, as version step + 1)."""
-        import ray
-
         t0 = time.monotonic()
         version = step + int(ema)
         if self.cfg.weight_sync.transport == "object_store":
-            record = self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
-            self.registry.set.remote(record)  # a restarted actor's source
-            self.latest = record
+            self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema))
         else:
-            try:
-                self.learner.publish(self.fleet.actors, ema=ema)
-            except ray.exceptions.RayError as e:
-                cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
-                self.on_learner_error()
-                raise StopRun(f"weight sync of version {step} failed: {type(cause).__name__}: "
-                              f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
-            self.fleet.actor_version = [version] * len(self.fleet.actors)
-        self.published = step
+            self._broadcast(version, ema)
+        self.version, self.ema, self.published = version, ema, step
         seconds = time.monotonic() - t0
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
+
+    def serve_record(self) -> WeightsRecord | None:
+        """Collective: the newest version's record, made now if an actor asked for one and none is
+        kept. Call only from the training thread: the learner's ranks must see their calls in one
+        order."""
+        fleet = self.fleet
+        if fleet.wants_record and (self.latest is None or self.latest.version < self.version):
+            self._keep(self.learner.weights_record(self.version, self.cfg.weight_sync.checksum, self.ema))
+        fleet.wants_record = False
+        return self.latest
+
+    def _keep(self, record: WeightsRecord | None) -> None:
+        self.registry.set.remote(record)  # a restarted actor's source (None: nothing kept)
+        self.latest = record
+
+    def _broadcast(self, version: int, ema: bool) -> None:
+        """One broadcast to the weight group, formed again first when its members changed; once
+        more with a new group when a member failed during it. Actors left out get the record."""
+        import ray
+
+        fleet = self.fleet
+        for attempt in range(2):
+            members, generation = self.group.form()
+            if not members:
+                break
+            try:
+                self.learner.publish([fleet.actors[i] for i in members], [f"rollout actor {i}" for i in members],
+                                     ema=ema, generation=generation)
+                break
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
+                self.on_learner_error()
+                if attempt == 0:  # a member died mid-broadcast: once more, with whoever answers
+                    self.group.invalidate()
+                    continue
+                raise StopRun(f"weight sync of version {version} failed: {type(cause).__name__}: "
+                              f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
+        for i in members:
+            fleet.actor_version[i] = version
+        self.version = version
+        left_out = [i for i in range(len(fleet.actors)) if fleet.behind(i)]
+        self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
+                   if left_out else None)
+
