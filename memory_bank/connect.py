@@ -78,9 +78,10 @@ def resolve_redis_url(cfg: BankConfig) -> tuple[str | None, str]:
     return None, ""
 
 
-def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None
+def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str = "127.0.0.1"
                  ) -> tuple[MemoryBank, EmbeddedRedis | None]:
-    """resolve_redis_url(cfg), else an embedded server (AOF in data_dir).
+    """resolve_redis_url(cfg), else an embedded server (AOF in data_dir) listening on loopback
+    and on `host` (the node IP, when actors on other nodes must reach it).
 
     The caller owns the returned EmbeddedRedis (stop it at the end; it also stops at exit).
     Workers in other processes connect with `embedded.url`.
@@ -92,7 +93,7 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None
         probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
         where = f"{redact_url(url)} (from {source})"
     else:
-        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof).start()
+        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, host=host).start()
         client = probe = server.client()
         where = repr(server)
     # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly.

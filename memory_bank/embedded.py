@@ -2,7 +2,8 @@
 
 Used when no Redis URL is configured. It always has a generated password (written to a
 0600 config file that is deleted once the server is up, so it never shows in `ps`),
-listens on 127.0.0.1 only, keeps no snapshot on disk, appends to an AOF only when asked, and
+listens on 127.0.0.1 only (or also on `host`, the node's address other nodes reach, when the
+run spans a Ray cluster of several nodes), keeps no snapshot on disk, appends to an AOF only when asked, and
 has the commands the bank never needs disabled (DISABLED_COMMANDS). It is stopped at
 interpreter exit.
 """
@@ -72,9 +73,9 @@ def find_redis_server() -> str:
         "redis-server on PATH (apt-get install redis-server), or set bank.redis_url")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -83,7 +84,7 @@ class EmbeddedRedis:
 
     def __init__(self, data_dir: str | Path | None = None, aof: bool = False,
                  fsync: Literal["always", "everysec"] = "everysec", binary: str | None = None,
-                 startup_timeout_s: float = 10.0):
+                 startup_timeout_s: float = 10.0, host: str = "127.0.0.1"):
         if aof and data_dir is None:
             raise ValueError("EmbeddedRedis(aof=True) needs a data_dir for the append-only file "
                              "to survive a restart")
@@ -91,7 +92,7 @@ class EmbeddedRedis:
         self.aof, self.fsync = aof, fsync
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="vgrpo-redis-")).resolve()
-        self.host, self.port = "127.0.0.1", 0
+        self.host, self.port = host, 0  # host: 127.0.0.1, or the node IP other nodes reach
         self._password = secrets.token_urlsafe(32)
         self._proc: subprocess.Popen | None = None
         self.startup_timeout_s = startup_timeout_s
@@ -106,7 +107,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> SecretStr:
-        """redis://:PASSWORD@127.0.0.1:PORT/0, wrapped so it is not printed by accident."""
+        """redis://:PASSWORD@HOST:PORT/0, wrapped so it is not printed by accident."""
         return SecretStr(f"redis://:{self._password}@{self.host}:{self.port}/0")
 
     def client(self, **kw) -> redis.Redis:
@@ -120,7 +121,7 @@ class EmbeddedRedis:
         os.chmod(self.data_dir, 0o700)
         last = ""
         for _ in range(attempts):  # a free port can be taken between probe and bind
-            self.port = _free_port()
+            self.port = _free_port(self.host)
             last = self._launch()
             if self.running:
                 break
@@ -134,7 +135,7 @@ class EmbeddedRedis:
         conf = self.data_dir / "redis.conf"
         logfile = self.data_dir / "redis.log"
         lines = [
-            "bind 127.0.0.1", f"port {self.port}", "protected-mode yes", "daemonize no",
+            f"bind {' '.join(dict.fromkeys(['127.0.0.1', self.host]))}", f"port {self.port}", "protected-mode yes", "daemonize no",
             f"requirepass {self._password}", f'dir "{self.data_dir}"', f'logfile "{logfile}"',
             'save ""',  # no RDB snapshots: the bank is either ephemeral or on AOF
             f"appendonly {'yes' if self.aof else 'no'}", f"appendfsync {self.fsync}",

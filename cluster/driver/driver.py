@@ -139,17 +139,21 @@ class Driver:
         from memory_bank.ref import make_ref
 
         cfg, s = self.cfg, self.started
-        self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis")
+        spans = s.ray.spans_nodes()  # an embedded Redis listens where other nodes reach it, too
+        host = _node_ip() if spans else "127.0.0.1"
+        self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis", host=host)
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
-        self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url())
+        self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url(), other_nodes=spans)
+        if self.bank_ref.server is not None:
+            s.actors.append(self.bank_ref.server)
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
 
     def _start_pools(self) -> None:
         from cluster.driver.pools import reward_actor_count
-        from cluster.driver.weight_registry import remote_registry
+        from cluster.driver.weight_registry import start_registry
         from learner.actor import LearnerGroup
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
@@ -165,7 +169,7 @@ class Driver:
         s.actors += [a for actors in reward_actors.values() for a in actors]
         self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models), cfg.rewards.models,
                                                             strict=True)))
-        registry = remote_registry().options(name=f"vgrpo-weights-{id(self):x}", num_cpus=0).remote()
+        registry = start_registry(f"vgrpo-weights-{id(self):x}")
         rollouts = [RolloutActor.options(**rollout_pg.options(i))
                     .remote(self.actor_cfg, i, None, registry, reward_actors, self.bank_ref) for i in range(n_roll)]
         s.actors += [*rollouts, registry]
@@ -464,6 +468,12 @@ class Driver:
         if self.console is not None:
             self.console.log(text)
         log.info(text)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()  # the address Ray itself uses for this node
 
 
 def _step_values(values: dict[str, float], pulled: PullReceipt, step: int) -> dict[str, float]:

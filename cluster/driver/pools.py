@@ -25,6 +25,14 @@ ROLES = ("rollout", "reward", "learner")
 @dataclass
 class RayHandle:
     started_here: bool
+    joined: bool = False  # joined a cluster by address (`ray job submit`, RAY_ADDRESS)
+
+    def spans_nodes(self) -> bool:
+        """Whether actors may run on other nodes than the driver's: a joined cluster (which may
+        grow: the autoscaler), or one that has several nodes now."""
+        import ray
+
+        return self.joined or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
     def shutdown(self) -> None:
         import ray
@@ -73,7 +81,7 @@ def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> Ray
         if missing:
             log.warning("the cluster declares no %s resource yet; actors will wait for autoscaling",
                         ", ".join(missing))
-        return RayHandle(started_here=False)
+        return RayHandle(started_here=False, joined=True)
     resources = {k: v * copies for k, v in local_resources(cfg).items()}
     ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
              runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)

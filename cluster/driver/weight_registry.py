@@ -29,3 +29,14 @@ def remote_registry():
     import ray
 
     return ray.remote(WeightRegistry)
+
+
+def start_registry(name: str):
+    """The run's registry, pinned to the driver's node: it lives as long as the run (a node
+    that dies takes the driver with it only if it is the driver's), and holds no resources."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return remote_registry().options(name=name, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        here, soft=False)).remote()
