@@ -31,6 +31,8 @@ from common.weights import WeightsRecord
 log = logging.getLogger("vgrpo.driver")
 
 MAX_FAILED_IN_ROW = 12  # groups failing one after another (dead actor, broken reward): stop
+PROBE_S = 1.0            # how often a restarting actor is asked whether it is back
+RESTART_TIMEOUT_S = 900.0  # an actor not back this long after it failed is lost: stop
 
 
 @dataclass
@@ -61,6 +63,7 @@ class RolloutFleet:
         self.timers, self.metrics, self.note = timers, metrics, note
         self.actor_version = [0] * len(actors)  # the version each actor holds (-1: restarting)
         self.wants_record = False               # an actor is behind and there is no record to give it
+        self.restarting: dict[int, list] = {}   # failed actor -> [ping ref, asked at, failed at]
         self.failed_since_group: set[int] = set()  # failures seen since the weight group last formed
         self.busy: dict[int, Flight] = {}       # actor index -> its group in flight
         self.group_bytes = 0                    # the largest group stored (bank space per group)
@@ -78,6 +81,8 @@ class RolloutFleet:
         """Give rollout actor i its next group (its weights first when it is behind). False when
         it is behind and no record of the newest version exists yet (`wants_record` is set)."""
         actor, cfg = self.actors[i], self.cfg
+        if not self.back(i):
+            return False
         sync, sync_version = None, -1
         latest = self.latest()
         if self.behind(i):
@@ -109,7 +114,8 @@ class RolloutFleet:
         """Wait up to `timeout` for the next event of any group in flight; handle what arrived."""
         import ray
 
-        if not self.busy:
+        if not self.busy:  # every actor is restarting or waits for a record: nothing to wait on
+            time.sleep(timeout)
             return []
         refs = {(f.sync if f.sync is not None else (f.deliver if f.staged else f.stage)): i
                 for i, f in self.busy.items()}
@@ -244,8 +250,32 @@ class RolloutFleet:
             log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
         self.actor_version[i] = -1  # forces the weights to it before its next group
         self.failed_since_group.add(i)  # and the collective weight group is formed again
-        # while Ray restarts it, calls fail at once: back off instead of burning refills
-        time.sleep(min(0.25 * (self.failed_in_row + self.restarting_in_row + 1), 5.0))
+        # while Ray restarts it (on another node, a model load: minutes) calls to it fail at once:
+        # it gets no group until it answers a ping, so its restart burns no refills (see `back`)
+        if i not in self.restarting:
+            self.restarting[i] = [self.actors[i].ping.remote(), time.monotonic(), time.monotonic()]
+
+    def back(self, i: int) -> bool:
+        """Whether actor i can take a group: it never failed, or it answers again since."""
+        import ray
+
+        probe = self.restarting.get(i)
+        if probe is None:
+            return True
+        ready, _ = ray.wait(probe[:1], timeout=0)
+        if ready:
+            try:
+                ray.get(probe[0])
+                del self.restarting[i]
+                return True
+            except ray.exceptions.RayError:  # still restarting: ask again, at most every PROBE_S
+                now = time.monotonic()
+                if now - probe[1] >= PROBE_S:
+                    probe[:2] = [self.actors[i].ping.remote(), now]
+        if time.monotonic() - probe[2] > RESTART_TIMEOUT_S:
+            raise StopRun(f"rollout actor {i} is not back {RESTART_TIMEOUT_S:.0f}s after it failed: Ray could "
+                          "not restart it (see its log; pools.rollout.max_restarts); continue with vgrpo resume")
+        return False
 
     # --- weights on idle actors -------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class GroupMembers:
             self.members = members
             log.info("weight group generation %d: rollout actors %s", self.generation,
                      [i for i, _ in members])
-        fleet.failed_since_group.clear()
+        fleet.failed_since_group -= set(answers)  # those that did not answer are still to be seen
         return [i for i, _ in members], self.generation
 
     def invalidate(self) -> None:
