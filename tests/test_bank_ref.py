@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
+import shutil
 import stat
 
 import pytest
@@ -41,3 +43,32 @@ def test_a_missing_url_file_names_the_file_and_the_fix(tmp_path):
     ref = BankRef(BankConfig(), file=str(tmp_path / "gone"))
     with pytest.raises(RuntimeError, match=r"gone.*bank.redis_url_env"):
         ref.url()
+
+
+def test_a_reader_on_another_node_asks_the_drivers_node_for_the_url(ray_session, redis_server, tmp_path):
+    """On a cluster the file is on the driver's node only: elsewhere a UrlServer pinned there
+    reads it and answers; the reference still carries no secret (only the file's path and the
+    server's handle)."""
+    ray = ray_session
+    url = redis_server.url.get_secret_value()
+    secret = url.split("@")[0].rsplit(":", 1)[-1]
+    ref, folder = make_ref(BankConfig(redis_url=SecretStr(url), namespace="refs"), url,
+                           secret_dir=tmp_path, other_nodes=True)
+    try:
+        assert ref.node == ray.get_runtime_context().get_node_id() and ref.server is not None
+        assert secret.encode() not in ray.cloudpickle.dumps(ref)      # what Ray would store
+        away = dataclasses.replace(ref, node="ff" * 28)                # as a reader on another node sees it
+
+        @ray.remote(num_cpus=0)
+        def ping_from_a_worker(r):
+            return r.open().r.ping()
+
+        assert ray.get(ping_from_a_worker.remote(away), timeout=120)   # the answer came from the server
+        shutil.rmtree(folder)                                          # the run ended: the file is gone
+        with pytest.raises(RuntimeError, match=r"did not give the Redis URL.*VGRPO_REDIS_URL on every node"):
+            away.url()
+        with pytest.raises(RuntimeError, match=r"Redis URL file is on Ray node f+, not on this one"):
+            dataclasses.replace(away, server=None).url()
+    finally:
+        ray.kill(ref.server)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -37,6 +37,20 @@ def test_embedded_server_requires_password(redis_server):
     assert not (redis_server.data_dir / "redis.conf").exists()
 
 
+def test_embedded_server_on_a_node_address_listens_there_and_on_loopback_only():
+    """A run across nodes: the server also listens on the node's address (here 127.0.0.2, a
+    loopback alias, so no real interface is touched), with the same password, and nowhere else."""
+    once = Retry(NoBackoff(), 0)
+    with EmbeddedRedis(host="127.0.0.2") as server:
+        assert "@127.0.0.2:" in server.url.get_secret_value() and server.client().ping()
+        for host in ("127.0.0.1", "127.0.0.2"):
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(host=host, port=server.port, retry=once).ping()
+            assert connect.client_from_url(server.url.get_secret_value().replace("127.0.0.2", host)).ping()
+        with pytest.raises(redis.ConnectionError):                 # not bound to every address
+            redis.Redis(host="127.0.0.3", port=server.port, retry=once, socket_connect_timeout=2).ping()
+
+
 def test_aof_restart_recovers_bank(tmp_path):
     cfg = BankConfig(namespace="aof", capacity=4)
     with EmbeddedRedis(data_dir=tmp_path, aof=True) as server:
