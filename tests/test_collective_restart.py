@@ -1,11 +1,12 @@
 """Collective weight sync survives rollout-actor restarts (issue 29, row 3).
 
-A short sync run with `weight_sync.transport: collective` and two real rollout actors. One actor
-is killed while it generates (the fleet sees the failure), the other is killed while it is idle,
-between a step's training and its publish (nobody sees it until the publish asks). Both come
-back as new processes: the weight group is formed again around them, each restarted actor gets
-the current version before it generates, and the run finishes with every group made by the
-version it was trained against, none by the base weights after the first publish.
+A short run with `weight_sync.transport: collective` and two real rollout actors, in each mode.
+One actor is killed while it generates (the fleet sees the failure), the other right after a
+step is trained, before it is published (in sync mode it is idle then: nobody sees it until the
+publish asks). Both come back as new processes: the weight group is formed again around them,
+each restarted actor gets the current version before it generates, and the run finishes with
+every group made by weights at least as new as those published when it was dispatched (sync:
+the version it trained against), none by the base weights after the first publish.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ STEPS = 3
 pytestmark = pytest.mark.timeout(900)
 
 
-def _cfg(tmp_path):
+def _cfg(tmp_path, mode: str):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square moving right\na red square moving up\n")
     return load_config("configs/quickstart.yaml", [
         "weight_sync.transport=collective", "weight_sync.timeout_s=120", "weight_sync.checksum=true",
         "pools.rollout.num_actors=2", "pools.rollout.num_cpus=0.5", "pools.rollout.max_restarts=4",
-        "train.mode=sync", f"train.steps={STEPS}", "train.groups_per_step=2", "train.eval_seeds=1",
+        f"train.mode={mode}", f"train.steps={STEPS}", "train.groups_per_step=2", "train.eval_seeds=1",
         "train.checkpoint_every=100", "sampler.group_size=4", "schedule.steps=4", "bank.capacity=64",
         "health.eval_every=0", f"train.prompts={prompts}", f"run.root={tmp_path}", "run.name=restart"])
 
@@ -62,9 +63,10 @@ def _until(pred, timeout_s: float, poll_s: float = 0.02) -> bool:
     return False
 
 
-def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_with_v0(ray_session, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_with_v0(ray_session, tmp_path, mode):
     ray = ray_session
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, mode)
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
     seen: dict = {}
@@ -86,19 +88,35 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
         train = driver.train
 
         def train_then_kill_idle():
-            # after step 2 is trained, before it is published: actor 1 dies while idle (no call of
-            # the fleet's is in flight, so only the publish can find out)
+            # after step 2 is trained, before it is published: actor 1 dies (sync: while idle, no
+            # call of the fleet's in flight, so only the publish can find out). Each publish waits
+            # until the actor killed before it is back, so the group is formed around new processes
             out = train()
             if driver.step == 2 and "idle_at" not in seen:
                 seen["idle_at"] = driver.step
                 ray.kill(a1, no_restart=False)
+                _ask(ray, a0, lambda self: self.version())
+            if driver.step == 3:
+                _ask(ray, a1, lambda self: self.version())
             return out
 
         driver.train = train_then_kill_idle
+        dispatch, published_at = driver.fleet.dispatch, {}
+
+        def dispatch_noting_the_version(i):
+            # the newest version published when each group was handed out
+            version = driver.publisher.version
+            if dispatch(i):
+                published_at[driver.fleet.busy[i].gid] = version
+                return True
+            return False
+
+        driver.fleet.dispatch = dispatch_noting_the_version
         driver.run()
         attacker.join(timeout=60)
         seen["pids_after"] = [_pid(ray, a0), _pid(ray, a1)]
         seen["versions"] = [_ask(ray, a, lambda self: self.version()) for a in driver.rollouts]
+        seen["incarnations"] = [_ask(ray, a, lambda self: self.ping()["incarnation"]) for a in driver.rollouts]
         bank = driver.bank
         seen["done"] = [g.decode() for g in bank.r.lrange(bank.keys.done, 0, -1)]
         seen["entry_versions"] = [json.loads(v)["v"] for v in bank.r.hvals(bank.keys.einfo)]
@@ -111,16 +129,28 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(p != q for p, q in zip(seen["pids"], seen["pids_after"], strict=True))
     assert driver.counts["actor_restarts"] == 2           # the idle death was noticed too
-    # 2. every group was made by the version it trained against (sync): nothing by v0 after the
-    #    first publish, by the receipts (what each actor reported), the bank's entries and the ids
+    # 2. no group was made from older weights than those published when it was dispatched, by
+    #    the version each actor reported (sync: exactly the version it trained against, by the
+    #    receipts, the bank's entries and the ids); the trained ones are each trained once
     receipts = [r for r in driver.receipts if r.ok]
+    assert all(r.version >= published_at[r.group_id] for r in receipts), \
+        [(r.group_id, r.version, published_at[r.group_id]) for r in receipts]
+    assert max(published_at.values()) >= 1                # dispatches after a publish were checked
+    assert len(seen["done"]) == len(set(seen["done"])) == STEPS * 2
+    assert all(r["staleness_max"] <= cfg.train.max_staleness for r in rows)
+    if mode == "sync":
+        _exact_versions(receipts, seen, rows)
+    # 3. the group was formed again around the new processes (the last one holds both), and every
+    #    actor ends on the newest weights, which the last publish broadcast to both
+    assert driver.publisher.group.generation >= 2
+    assert dict(driver.publisher.group.members) == dict(enumerate(seen["incarnations"]))
+    assert seen["versions"] == [STEPS, STEPS]
+
+
+def _exact_versions(receipts, seen, rows) -> None:
+    """sync: each group was made by the version it was trained against."""
     assert len(receipts) == STEPS * 2
     assert all(r.version == r.step for r in receipts), [(r.group_id, r.version, r.step) for r in receipts]
     assert sorted(seen["entry_versions"]) == sorted(v for v in range(STEPS) for _ in range(2 * 4))
-    assert len(seen["done"]) == len(set(seen["done"])) == STEPS * 2
     assert sorted(version_of(g) for g in seen["done"]) == sorted(v for v in range(STEPS) for _ in range(2))
     assert all(r["staleness_max"] == 0 for r in rows)
-    # 3. the group was formed again around the new processes, and every actor ends on the newest
-    #    weights (the last publish went to both by broadcast)
-    assert driver.publisher.group.generation >= 3
-    assert seen["versions"] == [STEPS, STEPS]
