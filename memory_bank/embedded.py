@@ -2,10 +2,10 @@
 
 Used when no Redis URL is configured. It always has a generated password (written to a
 0600 config file that is deleted once the server is up, so it never shows in `ps`),
-listens on 127.0.0.1 only (or also on `host`, the node's address other nodes reach, when the
-run spans a Ray cluster of several nodes), keeps no snapshot on disk, appends to an AOF only when asked, and
-has the commands the bank never needs disabled (DISABLED_COMMANDS). It is stopped at
-interpreter exit.
+listens on 127.0.0.1 only (and also on `host`, the node address other nodes reach, when the
+run spans a Ray cluster of several nodes), keeps no snapshot on disk, appends to an AOF only
+when asked, and has the commands the bank never needs disabled (DISABLED_COMMANDS). It is
+stopped at interpreter exit.
 """
 
 from __future__ import annotations
