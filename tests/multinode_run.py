@@ -13,6 +13,7 @@ are placed, so the test knows which node to kill.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,7 @@ def main(out: Path, transport: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the test's log
     for arg in sys.argv[2:]:
         transport, steps = arg.split(":")
         main(Path(sys.argv[1]) / transport, transport, int(steps))
