@@ -72,9 +72,9 @@ def test_quickstart_flags_a_reward_bought_with_another_head(ray_session, tmp_pat
     final table (after the before/after table) shows it."""
     import reward_worker.actor as ra
 
-    def gamed_actors(cfgs, pool):
-        return {n: ra.create_reward_actor(c, pool, health_helpers.GamedFactory())
-                for n, c in zip(ra.actor_names(cfgs), cfgs, strict=True)}
+    def gamed_actors(cfgs, pool, factory=None, options=None):  # placed as the driver places them
+        return {n: [ra.create_reward_actor(c, pool, health_helpers.GamedFactory(), options(m) if options else None)]
+                for m, (n, c) in enumerate(zip(ra.actor_names(cfgs), cfgs, strict=True))}
 
     monkeypatch.setattr(ra, "create_reward_actors", gamed_actors)
     assert _train(tmp_path, prompts, "gamed", "train.steps=4", "health.eval_every=2",
