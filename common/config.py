@@ -25,10 +25,12 @@ from pydantic import (
 
 from common.errors import UserError
 
-SchemeName = Literal["ode", "dance", "flow", "cps", "sage"]
+SchemeName = Literal["ode", "dance", "flow", "cps", "sage", "flash"]
 
-# Per-scheme default noise level η (ALGORITHM.md section 2).
-DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 0.7, "sage": 0.5}
+# Per-scheme default noise level η (docs/algorithm.md section 2); Flash-GRPO's g has no η in its
+# code, so its η is a factor on that g (1 = theirs).
+DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 0.7, "sage": 0.5,
+                                 "flash": 1.0}
 
 
 class Section(BaseModel):
@@ -94,7 +96,8 @@ class ScheduleConfig(Section):
 class SDEConfig(Section):
     scheme: SchemeName = "sage"
     eta: float | None = Field(None, ge=0.0, le=10.0)
-    """Noise level η; None takes the scheme's default (flow 0.7, sage 0.5, dance 0.25, cps 0.7)."""
+    """Noise level η; None takes the scheme's default (flow 0.7, sage 0.5, dance 0.25, cps 0.7,
+    flash 1)."""
     flow_first_step: Literal["sigma1", "clamp"] = "sigma1"
     """FlowGRPO's σ=1 step, g = η·√(σ_k/(1-σ̄)): σ̄ = σ_1 in the denominator (their code), or
     clamp that 1-σ at c (the SAGE paper's regime b)."""

@@ -326,13 +326,46 @@ class Sage(Scheme):
         return (s - s1) + self.variance(s, s1).float() * (1 - s) / (2 * s)
 
 
-SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, Sage)}
+class Flash(Scheme):
+    """Flash-GRPO's SDE: FlowGRPO's step with g = η·(σ_min + (σ_max - σ_min)·σ_k), σ_max = σ_1 and
+    σ_min = σ_T of the schedule (its sde_step_with_logprob, η = 1): std = g·√Δ,
+    μ = x - Δ·v - (g²·Δ / 2σ_k)·ε̂. Linear in σ, so the first step (σ = 1) needs no special case."""
+
+    name = "flash"
+    arg_names = ("eta", "sigma_max", "sigma_min")
+
+    def __init__(self, eta: float = 1.0, sigma_max: float | None = None, sigma_min: float = 0.0):
+        super().__init__(eta)
+        self.sigma_max = None if sigma_max is None else float(sigma_max)
+        self.sigma_min = float(sigma_min)
+
+    def g(self, sigma) -> Tensor:
+        if self.sigma_max is None:
+            raise ValueError("flash needs sigma_max (σ_1 of the schedule)")
+        return self.eta * (self.sigma_min + (self.sigma_max - self.sigma_min) * _as_batch(sigma))
+
+    def std(self, sigma, sigma_next):
+        delta = _as_batch(sigma) - _as_batch(sigma_next)
+        return self.g(sigma) * delta.clamp_min(0).sqrt()
+
+    def mean(self, x, v, sigma, sigma_next):
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        return _drifted_mean(x, v, s, s1, self.g(s) ** 2 * (s - s1) / (2 * s))
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        delta = s - s1
+        return delta + self.g(sigma) ** 2 * delta * (1 - s) / (2 * s)
+
+
+SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, Sage, Flash)}
 
 
 def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None = None,
                 flow_first_step: str = "sigma1", clamp_c: float = 3e-3,
                 cps_log_prob: str = "mse") -> Scheme:
-    """Build a scheme by name. `schedule` provides σ_1 for FlowGRPO's first-step trick."""
+    """Build a scheme by name. `schedule` provides σ_1 for FlowGRPO's first-step trick and
+    Flash-GRPO's σ_max (σ_1) and σ_min (σ_T)."""
     from common.config import DEFAULT_ETA
 
     if name not in SCHEMES:
@@ -343,6 +376,9 @@ def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None =
         return Flow(eta, first_step=flow_first_step, sigma1=sigma1, clamp_c=clamp_c)
     if name == "sage":
         return Sage(eta, clamp_c=clamp_c)
+    if name == "flash":
+        bounds = (schedule.sigmas[1], schedule.sigmas[-1]) if schedule is not None else (None, 0.0)
+        return Flash(eta, *bounds)
     if name == "cps":
         return CPS(eta, log_prob_form=cps_log_prob)
     return SCHEMES[name](eta)

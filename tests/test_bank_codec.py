@@ -160,6 +160,7 @@ def _decode_outcome(meta, blob):
 
 _finite = st.floats(allow_nan=False, allow_infinity=False)
 _ARG_VALUES = {"eta": _finite, "clamp_c": _finite, "sigma1": st.one_of(st.none(), _finite),
+               "sigma_max": st.one_of(st.none(), _finite), "sigma_min": _finite,
                "first_step": st.sampled_from(["sigma1", "clamp"]),
                "log_prob_form": st.sampled_from(["mse", "gaussian"])}
 
@@ -309,7 +310,8 @@ _FLOAT_FIELDS = ("guidance_scale", "composite", "created")
 _FLOAT, _FLOAT_OR_NONE = "float", "float or None"
 _ARGS = {"ode": {"eta": _FLOAT}, "dance": {"eta": _FLOAT},
          "flow": {"eta": _FLOAT, "first_step": ("sigma1", "clamp"), "sigma1": _FLOAT_OR_NONE, "clamp_c": _FLOAT},
-         "cps": {"eta": _FLOAT, "log_prob_form": ("mse", "gaussian")}, "sage": {"eta": _FLOAT, "clamp_c": _FLOAT}}
+         "cps": {"eta": _FLOAT, "log_prob_form": ("mse", "gaussian")}, "sage": {"eta": _FLOAT, "clamp_c": _FLOAT},
+         "flash": {"eta": _FLOAT, "sigma_max": _FLOAT_OR_NONE, "sigma_min": _FLOAT}}
 
 
 def _reference_params(scheme: str, text: str):

@@ -23,7 +23,7 @@ from common.sde import (
     sample_step,
 )
 
-SCHEME_NAMES = ["ode", "dance", "flow", "cps", "sage"]
+SCHEME_NAMES = ["ode", "dance", "flow", "cps", "sage", "flash"]
 
 
 def _integral(eta: float, a: float, b: float) -> float:
@@ -280,7 +280,7 @@ def test_equalizer_flattens_per_step_gradient_norms(name):
 
 # a value unlike the default for every constructor argument of every scheme
 _NON_DEFAULT = {"eta": 0.9137, "first_step": "clamp", "sigma1": 0.8125, "clamp_c": 0.0173,
-                "log_prob_form": "gaussian"}
+                "log_prob_form": "gaussian", "sigma_max": 0.9375, "sigma_min": 0.0625}
 
 
 def _ctor_args(cls) -> dict:
@@ -332,6 +332,8 @@ def test_spec_of_a_configured_scheme_rebuilds_it_without_the_config(name):
     assert scheme_from_spec(spec).arguments() == scheme.arguments()
     if name == "flow":
         assert spec.kwargs == {"eta": 0.77, "first_step": "clamp", "sigma1": sched.sigmas[1], "clamp_c": 0.02}
+    if name == "flash":  # σ_max = σ_1 and σ_min = σ_T of the sampler's schedule
+        assert spec.kwargs == {"eta": 0.77, "sigma_max": sched.sigmas[1], "sigma_min": sched.sigmas[-1]}
 
 
 def test_spec_with_missing_or_unknown_arguments_is_refused():
