@@ -148,7 +148,14 @@ class GRPOConfig(Section):
     """Normalise each reward head separately, then sum with the head weights (DanceGRPO)."""
     adv_stats: Literal["group", "group_and_bank"] = "group"
     equalizer: bool = True
-    """Weight each step's loss by w_k = median(N)/N_k (ALGORITHM.md section 4)."""
+    """Weight each step's loss by w_k = median(N)/N_k (docs/algorithm.md section 5)."""
+    rectify: bool = False
+    """Flash-GRPO's temporal gradient rectification: weight each row by w = (1/N_k) / mean over the
+    batch's rows of 1/N_k, so no σ/Δ factor scales the gradient (section 5); not with equalizer."""
+    adv_std: Literal["group", "batch"] = "group"
+    """The std advantages divide by: the group's (or its stats set's), or every fresh reward of
+    the step's (FlowGRPO-style global_std, which DiffusionNFT and Flash-GRPO use); the mean stays
+    the group's (section 4)."""
 
 
 class OptimConfig(Section):

@@ -2,8 +2,8 @@
 
     A_i = (R_i - mean) / (std + 1e-8), clipped to ±adv_clip
 
-The statistics run over a "stats set" (the fresh group, or the group plus its bank entries)
-and are applied to every member that trains (fresh and bank). std is the population std,
+The statistics run over a "stats set" (the fresh group, or the group plus its bank entries;
+with grpo.adv_std=batch the std is every fresh reward's of the step instead) and are applied to every member that trains (fresh and bank). std is the population std,
 as the baselines' `np.std`. A group whose rewards are all equal gets A = 0 exactly, everywhere.
 """
 
@@ -32,21 +32,23 @@ def no_signal(ref: Tensor) -> Tensor:
     return spread <= NO_SIGNAL_RTOL * scale
 
 
-def normalize(values: Tensor, stats_mask: Tensor) -> Tensor:
+def normalize(values: Tensor, stats_mask: Tensor, std: Tensor | None = None) -> Tensor:
     """(values - mean) / (std + 1e-8), with mean and std over values[stats_mask]. [N] or [N, H]
 
-    Computed in float64 (then returned as fp32), and exactly 0 in every column whose stats set
-    carries no signal.
+    `std` given (grpo.adv_std=batch): divide by it instead of the stats set's own (the mean stays
+    the stats set's). Computed in float64 (then returned as fp32), and exactly 0 in every column
+    whose stats set carries no signal.
     """
     ref = values[stats_mask].double()                           # [M] or [M, H]
-    mean, std = ref.mean(0), ref.std(0, unbiased=False)
+    mean = ref.mean(0)
+    std = ref.std(0, unbiased=False) if std is None else std.double()
     adv = (values.double() - mean) / (std + ADV_EPS)
     return torch.where(no_signal(ref), torch.zeros_like(adv), adv).float()
 
 
 def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
                      head_scores: Tensor | None = None, head_weights: Tensor | None = None,
-                     mode: Literal["composite", "per_head"] = "composite") -> Tensor:
+                     mode: Literal["composite", "per_head"] = "composite", std: Tensor | None = None) -> Tensor:
     """Advantages of one condition's members.
 
     rewards      [N] composite R_i of every member (fresh, then bank)
@@ -54,15 +56,16 @@ def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
     head_scores  [N, H] per-head S_h (per_head mode only)
     head_weights [H] w_h (per_head mode only)
     mode         `per_head` normalises each head, then sums with w_h (DanceGRPO)
+    std          [] or [H] the divisor instead of the stats set's std (grpo.adv_std=batch)
     returns      [N] fp32, clipped to ±adv_clip
     """
     if mode == "per_head":
         if head_scores is None or head_weights is None:
             raise ValueError("per-head advantages need head scores and head weights "
                              "(grpo.per_head_advantages=true with a batch that has no scores)")
-        adv = normalize(head_scores.float(), stats_mask) @ head_weights.float()  # [N]
+        adv = normalize(head_scores.float(), stats_mask, std) @ head_weights.float()  # [N]
     else:
-        adv = normalize(rewards.float(), stats_mask)                             # [N]
+        adv = normalize(rewards.float(), stats_mask, std)                             # [N]
     return adv.clamp(-adv_clip, adv_clip)
 
 

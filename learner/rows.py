@@ -16,7 +16,7 @@ from torch import Tensor
 
 from common.config import RunConfig
 from common.rewards import RewardHeads
-from common.sde import Scheme, SchemeSpec, equalizer_weights, scheme_from_spec
+from common.sde import Schedule, Scheme, SchemeSpec, equalizer_weights, grad_scale, scheme_from_spec
 from common.types import Condition, Group, TrainBatch, Trajectory
 from learner.advantages import group_advantages, is_zero_std
 
@@ -87,27 +87,59 @@ def _scheme_of(trajs: list[Trajectory]) -> tuple[Scheme, SchemeSpec]:
     return scheme_from_spec(t0.spec), t0.spec
 
 
-def _group_advantages(group: Group, bank: list[tuple[Trajectory, Tensor, float]], cfg: RunConfig
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-    """A_i of the group's fresh members, then its bank entries (section 3). Returns (adv [N],
+def member_advantages(group: Group, bank: list[tuple[Trajectory, Tensor, float]], cfg: RunConfig,
+                      std: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """A_i of the group's fresh members, then its bank entries (section 4). `std`: the divisor
+    instead of the stats set's own (grpo.adv_std=batch, `batch_std`). Returns (adv [N],
     rewards [N], the mask of the members the group statistics are taken over [N])."""
     g_cfg = cfg.grpo
-    if group.composite is None:
-        raise ValueError(f"group {group.group_id} has no composite reward; score it before training")
-    rewards = torch.cat([group.composite.float(),
+    rewards = torch.cat([_composite(group).float(),
                          torch.tensor([float(b[2]) for b in bank], dtype=torch.float32)])  # [N]
     fresh = torch.arange(len(rewards)) < group.size                                       # [N]
     stats_mask = fresh if g_cfg.adv_stats == "group" else torch.ones_like(fresh)
     heads, weights = None, None
     if g_cfg.per_head_advantages:
-        if group.scores is None:
-            raise ValueError(f"group {group.group_id} has no per-head scores; "
-                             f"grpo.per_head_advantages needs them")
+        _require_scores([group])
         heads = torch.cat([group.scores.values.float()] + [b[1].float().view(1, -1) for b in bank])
         weights = RewardHeads.of(cfg.rewards.models, group.scores.heads).vector()
     adv = group_advantages(rewards, stats_mask, g_cfg.adv_clip, heads, weights,
-                           "per_head" if g_cfg.per_head_advantages else "composite")  # [N]
+                           "per_head" if g_cfg.per_head_advantages else "composite", std)  # [N]
     return adv, rewards, stats_mask
+
+
+def batch_std(batch: TrainBatch, cfg: RunConfig) -> Tensor | None:
+    """With grpo.adv_std=batch, the population std of every fresh reward of the step (per head in
+    per-head mode): the divisor each group's advantages then share (section 4). None otherwise."""
+    if cfg.grpo.adv_std != "batch":
+        return None
+    if cfg.grpo.per_head_advantages:
+        _require_scores(batch.fresh)
+        return torch.cat([g.scores.values.double() for g in batch.fresh]).std(0, unbiased=False)
+    return torch.cat([_composite(g).double() for g in batch.fresh]).std(unbiased=False)
+
+
+def step_weights(scheme: Scheme, schedule: Schedule, ks: Tensor, g_cfg) -> Tensor:
+    """Each row's step weight (section 5): the equalizer's w_k = median(N)/N_k over the schedule,
+    Flash-GRPO's rectified w = (1/N_k) / mean over the rows of 1/N_k, or 1."""
+    if g_cfg.equalizer:
+        return equalizer_weights(scheme, schedule)[ks]  # [T] over the whole schedule
+    if g_cfg.rectify:
+        inv = torch.stack([1.0 / grad_scale(scheme, *schedule.pair(k)).reshape(()).double() for k in range(schedule.steps)])
+        c = inv[ks]
+        return (c / c.mean()).float()
+    return torch.ones(len(ks))
+
+
+def _composite(group: Group) -> Tensor:
+    if group.composite is None:
+        raise ValueError(f"group {group.group_id} has no composite reward; score it before training")
+    return group.composite
+
+
+def _require_scores(groups: list[Group]) -> None:
+    for g in groups:
+        if g.scores is None:
+            raise ValueError(f"group {g.group_id} has no per-head scores; grpo.per_head_advantages needs them")
 
 
 @dataclass
@@ -167,7 +199,7 @@ class _Columns:
 
 
 def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
-    """Advantages (section 3), equalizer weights (section 4) and align targets (section 6) per row.
+    """Advantages (section 4), step weights (section 5) and align targets (section 7) per row.
 
     A row is a (member, step) the member trains; `targets` holds every recorded next latent, so a
     winner's x⁺_{k+1} is found even at a step the winner itself does not train.
@@ -175,10 +207,11 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
     need_mu = cfg.records_mu_old
     cols, all_trajs = _Columns(), []
     fresh_rewards, fresh_adv, zero_std = [], [], []
+    std = batch_std(batch, cfg)
     for gi, group in enumerate(batch.fresh):
         bank = batch.bank[gi] if gi < len(batch.bank) else []
         trajs = list(group.members) + [b[0] for b in bank]
-        adv, rewards, stats_mask = _group_advantages(group, bank, cfg)
+        adv, rewards, stats_mask = member_advantages(group, bank, cfg, std)
         fresh_rewards.append(group.composite.float())
         fresh_adv.append(adv[:group.size])
         zero_std.append(is_zero_std(rewards, stats_mask))
@@ -191,8 +224,7 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
     scheme, spec = _scheme_of(all_trajs)
     ks = torch.tensor(cols.k)
     pos_row, neg_row = cols.align_rows()
-    # w_k over the whole schedule (section 4), 1 with the equalizer off
-    weight = equalizer_weights(scheme, spec.schedule())[ks] if cfg.grpo.equalizer else torch.ones(len(ks))
+    weight = step_weights(scheme, spec.schedule(), ks, cfg.grpo)
     sig = torch.tensor(spec.sigmas, dtype=torch.float32)
     found = int(((pos_row >= 0) & (neg_row >= 0)).sum())
     return Rows(
