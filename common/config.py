@@ -112,6 +112,24 @@ class SDEConfig(Section):
         return DEFAULT_ETA[self.scheme] if self.eta is None else self.eta
 
 
+class WindowConfig(Section):
+    """MixGRPO's sliding window (docs/algorithm.md section 2b): the steps a group samples with the SDE
+    and trains, w consecutive trainable steps starting at l; l moves from high noise to low with the
+    optimizer step. Defaults are the paper's and its released script's (FLUX, 25 steps)."""
+
+    width: int = Field(4, ge=1)
+    """w, steps in the window (MixGRPO's group_size = 4)."""
+    shift_interval: int = Field(25, ge=1)
+    """τ, optimizer steps between two moves of the window (iters_per_group = 25; 20 for MixGRPO-Flash)."""
+    stride: int = Field(1, ge=0)
+    """s, trainable steps the window moves by (prog_overlap_step = 1); 0 freezes it (MixGRPO-Flash*)."""
+    start: int = Field(0, ge=0)
+    """l at optimizer step 0, as a position among the trainable steps (0: the highest noise)."""
+    schedule: Literal["progressive", "random"] = "progressive"
+    """progressive: l = min(start + s·floor(t/τ), n - w) at policy version t (the paper's Algorithm 1);
+    random: l drawn uniformly from 0..n-w anew at every version, seeded by train.seed (its ablation)."""
+
+
 class SamplerConfig(Section):
     group_size: int = Field(8, ge=2, le=256)
     """G, rollouts per condition."""
@@ -121,16 +139,30 @@ class SamplerConfig(Section):
     """`condition`: every group of a condition starts from the same noise (seeded by the condition),
     so bank entries share it with fresh groups and trajectory alignment compares like with like.
     `group`: fresh noise per group (the baselines' setting; not allowed with alignment on)."""
-    train_steps: Literal["fraction", "threshold", "all"] = "fraction"
+    train_steps: Literal["fraction", "threshold", "all", "window", "one_per_group"] = "fraction"
+    """Which steps a sample trains: `window` is MixGRPO's sliding window (sampler.window);
+    `one_per_group` is Flash-GRPO's iso-temporal grouping, one step shared by the whole group."""
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
     """With train_steps=fraction, each sample trains floor(fraction·n) of its n eligible steps
-    (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6)."""
+    (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6). With
+    one_per_group, the group's step is drawn from the first floor(fraction·n) (Flash-GRPO: 0.51,
+    the first 10 of 20)."""
+    window: WindowConfig = Field(default_factory=WindowConfig)
+    """With train_steps=window: MixGRPO's window (width, shift interval, stride, start, schedule)."""
     step_draw: Literal["per_sample", "per_group"] = "per_sample"
     """Draw the trained subset per sample (upstream FlowGRPO/DanceGRPO) or once per group."""
     sigma_threshold: float = Field(0.9, ge=0.0, le=1.0)
     """With train_steps=threshold, train steps with σ_k above this (TAGRPO: t > 900/1000)."""
     untrained_steps: Literal["scheme", "ode"] = "scheme"
     """How steps that are not trained run: with the scheme, or as ODE (MixGRPO-style window)."""
+    post_solver: Literal["euler", "dpm2"] = "euler"
+    """The deterministic steps after the last step a group records: Euler, or DPM-Solver++(2M) on
+    the x̂_0 predictions (MixGRPO-Flash; DiffusionNFT's dpm2, where no step is recorded). Needs
+    untrained_steps=ode (or grpo.loss=nft)."""
+    post_compress: float = Field(1.0, gt=0.0, le=1.0)
+    """MixGRPO-Flash: after the last recorded step, run int(r·(T - last)) - 1 steps (at least one)
+    on a fresh shifted schedule instead of the T - last - 1 left (dpm_post_compress_ratio 0.4);
+    1 keeps the schedule. Those steps are never recorded; the trajectory keeps the configured σ."""
     ode_last_steps: int = Field(0, ge=0)
     """Run the last n steps deterministically (never trained). 0 samples every step with the
     scheme, as upstream FlowGRPO, DanceGRPO and CPS do."""
@@ -156,6 +188,30 @@ class GRPOConfig(Section):
     """The std advantages divide by: the group's (or its stats set's), or every fresh reward of
     the step's (FlowGRPO-style global_std, which DiffusionNFT and Flash-GRPO use); the mean stays
     the group's (section 4)."""
+    loss: Literal["grpo", "nft"] = "grpo"
+    """grpo: the clipped surrogate on recorded SDE steps (every method but one); nft: DiffusionNFT's
+    flow-matching loss on the clean final latents (section 8, the `nft` section): ODE rollouts
+    that record no step."""
+
+
+class NFTConfig(Section):
+    """DiffusionNFT (docs/algorithm.md section 8). Defaults: its config/nft.py (SD3.5-M, GenEval)."""
+
+    beta: float = Field(1.0, gt=0.0)
+    """β: the implicit policies v± = v_old ± β·(v_θ - v_old) (config.beta; 0.1 for OCR and multi-reward)."""
+    kl: float = Field(1e-4, ge=0.0)
+    """Weight of mean((v_θ - v_π0)²) in the loss (its train.beta); 0 keeps no π_0 forward."""
+    timestep_fraction: float = Field(0.99, gt=0.0, le=1.0)
+    """Each clean sample trains at int(fraction·T) distinct σ of the sampling schedule (9 of 10)."""
+    old_flat: int = Field(0, ge=0)
+    """The sampling policy v_old follows θ: after optimizer step t, v_old ← d·v_old + (1-d)·θ with
+    d = 0 before old_flat, then min((t - old_flat)·old_rate, old_max) (decay_type 1: 0, 0.001, 0.5)."""
+    old_rate: float = Field(0.001, ge=0.0)
+    old_max: float = Field(0.5, ge=0.0, lt=1.0)
+
+    def old_decay(self, step: int) -> float:
+        """d after optimizer step `step` (its return_decay)."""
+        return 0.0 if step < self.old_flat else min((step - self.old_flat) * self.old_rate, self.old_max)
 
 
 class OptimConfig(Section):
@@ -529,6 +585,7 @@ class RunConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     align: AlignConfig = Field(default_factory=AlignConfig)
+    nft: NFTConfig = Field(default_factory=NFTConfig)
     bank: BankConfig = Field(default_factory=BankConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
@@ -543,6 +600,8 @@ class RunConfig(Section):
     @property
     def records_mu_old(self) -> bool:
         """Rollouts keep the sampling policy's mean μ_old per recorded step (exact D_step, bounded J_align)."""
+        if self.grpo.loss == "nft":  # NFT records no step
+            return False
         return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
 
     @model_validator(mode="after")
@@ -555,6 +614,45 @@ class RunConfig(Section):
                 f"sampler.shared_noise=true (got initial_noise={self.sampler.initial_noise!r}, "
                 f"shared_noise={self.sampler.shared_noise}), or align.enabled=false")
         return self
+
+    @model_validator(mode="after")
+    def _methods_fit_together(self) -> RunConfig:
+        problem = _nft_conflict(self) or _sampler_conflict(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def _nft_conflict(cfg: RunConfig) -> str | None:
+    """DiffusionNFT's rollouts record no SDE step, so nothing that reads one can be on."""
+    if cfg.grpo.loss != "nft":
+        return None
+    fixes = [fix for fix, on in (("align.enabled=false", cfg.align.enabled), ("bank.enabled=false", cfg.bank.enabled),
+                                 ("kl.strategy=none", cfg.kl.strategy != "none"),
+                                 ("grpo.rectify=false", cfg.grpo.rectify)) if on]
+    if fixes:
+        return (f"grpo.loss=nft trains on the clean final latents of fresh ODE rollouts, which record no SDE "
+                f"step: set {', '.join(fixes)} (its KL to π_0 is nft.kl)")
+    return None
+
+
+def _sampler_conflict(cfg: RunConfig) -> str | None:
+    s, g = cfg.sampler, cfg.grpo
+    if g.rectify and g.equalizer:
+        return ("grpo.rectify=true and grpo.equalizer=true both weight each step; keep one "
+                "(Flash-GRPO: grpo.equalizer=false)")
+    post = s.post_solver != "euler" or s.post_compress < 1.0
+    if post and s.untrained_steps != "ode" and g.loss != "nft":
+        return (f"sampler.post_solver={s.post_solver} / post_compress={s.post_compress} replace deterministic "
+                "steps: set sampler.untrained_steps=ode")
+    if s.post_compress < 1.0 and cfg.schedule.sigmas is not None:
+        return ("sampler.post_compress < 1 rebuilds the tail with schedule.shift: use schedule.steps and "
+                "schedule.shift, not schedule.sigmas (or post_compress=1)")
+    n = cfg.schedule.steps if cfg.schedule.sigmas is None else len(cfg.schedule.sigmas) - 1
+    if s.train_steps == "window" and s.window.width > n - s.ode_last_steps:
+        return (f"sampler.window.width={s.window.width} is more than the {n - s.ode_last_steps} steps that "
+                "can be trained (schedule steps minus sampler.ode_last_steps)")
+    return None
 
 
 def reconstruction_notes(cfg: RunConfig) -> list[str]:

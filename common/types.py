@@ -36,10 +36,13 @@ class Condition:
 class Trajectory:
     """One member of a group: the trained transitions of its SDE rollout.
 
-    Only recorded steps are stored. `x[j] → x_next[j]` is step `step_indices[j]`, from
-    σ = spec.sigmas[k] to spec.sigmas[k+1]; `logp_old[j]` is its element-averaged log-prob under
-    the policy that sampled it, computed from exactly these stored tensors with the scheme
-    `spec` describes (name, every argument, the schedule), which is all the learner replays it with. A group records the
+    Only recorded steps are stored; a rollout that records none (DiffusionNFT's ODE rollouts,
+    grpo.loss=nft) has `step_indices == []` and x, x_next, logp_old None: its loss reads only
+    `final_latents` and the condition (its spec is the ODE scheme's). `x[j] → x_next[j]` is step
+    `step_indices[j]`, from σ = spec.sigmas[k] to spec.sigmas[k+1]; `logp_old[j]` is its
+    element-averaged log-prob under the policy that sampled it, computed from exactly these stored
+    tensors with the scheme `spec` describes (name, every argument, the schedule), which is all the
+    learner replays it with. A group records the
     same steps for every member: each member's trained steps, plus every step trajectory
     alignment may need a winner's or loser's next latent at. `trained_steps` says which of
     them this member trains (None: all).
@@ -52,10 +55,10 @@ class Trajectory:
     spec: SchemeSpec               # the SDE scheme and the whole schedule σ_0 … σ_T it sampled with
     guidance_scale: float
     policy_version: int
-    step_indices: list[int]        # K trained steps k
-    x: Tensor                      # [K, C, F, H, W] latents at the trained steps
-    x_next: Tensor                 # [K, C, F, H, W] the sampled next latents
-    logp_old: Tensor               # [K] fp32
+    step_indices: list[int]        # K trained steps k (K = 0: none recorded)
+    x: Tensor | None               # [K, C, F, H, W] latents at the trained steps; None when K = 0
+    x_next: Tensor | None          # [K, C, F, H, W] the sampled next latents; None when K = 0
+    logp_old: Tensor | None        # [K] fp32; None when K = 0
     final_latents: Tensor          # [C, F, H, W]
     frames: Tensor | None = None   # uint8 [F, H, W, 3] decoded video
     trained_steps: list[int] | None = None  # subset of step_indices this member trains; None = all
@@ -71,12 +74,8 @@ class Trajectory:
         return self.trained_steps is None or k in self.trained_steps
 
     def nbytes(self) -> int:
-        ts = [self.x, self.x_next, self.logp_old, self.final_latents]
-        if self.mu_old is not None:
-            ts.append(self.mu_old)
-        if self.frames is not None:
-            ts.append(self.frames)
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = [self.x, self.x_next, self.logp_old, self.final_latents, self.mu_old, self.frames]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 @dataclass

@@ -454,9 +454,9 @@ class MemoryBank:
         members = [e for eid, e in fetched if eid in own]
         bank = [e for eid, e in fetched if eid not in own]
         if members:  # foreign members with another latent shape or other heads are dropped
-            shape = Counter(tuple(e.trajectory.x.shape[1:]) for e in members).most_common(1)[0][0]
+            shape = Counter(tuple(e.trajectory.final_latents.shape) for e in members).most_common(1)[0][0]
             heads = members[0].heads
-            bad = [e for e in members if tuple(e.trajectory.x.shape[1:]) != shape or e.heads != heads]
+            bad = [e for e in members if tuple(e.trajectory.final_latents.shape) != shape or e.heads != heads]
             for e in bad:
                 self._corrupt(f"group {gid!r} entry {e.id}: shape/heads differ from the group")
             members = [e for e in members if e not in bad]
@@ -479,12 +479,12 @@ class MemoryBank:
                     ) -> tuple[list[Entry], list[tuple[Trajectory, torch.Tensor, float]]]:
         """(entries still valid, those usable with this group: same latent shape and heads)."""
         cid, heads = group.condition.id, group.scores.heads
-        shape = tuple(group.members[0].x.shape[1:])
+        shape = tuple(group.members[0].final_latents.shape)
         out, bad = [], []
         for e in bank:
-            if tuple(e.trajectory.x.shape[1:]) != shape or sorted(e.heads) != sorted(heads):
+            if tuple(e.trajectory.final_latents.shape) != shape or sorted(e.heads) != sorted(heads):
                 self._corrupt(f"bank entry {e.id} of condition {cid!r}: shape "
-                              f"{tuple(e.trajectory.x.shape[1:])}/heads {e.heads} differ from "
+                              f"{tuple(e.trajectory.final_latents.shape)}/heads {e.heads} differ from "
                               f"the fresh group's {shape}/{heads}")
                 bad.append(e.id)
                 continue

@@ -10,7 +10,9 @@ Frames are not stored: the learner needs latents, log-probs and rewards, not vid
 Each entry stores its SDE scheme's full spec (`scheme`, `scheme_params`: every constructor
 argument, `sigmas`), the only thing the learner replays it with. Format 1 (before the spec)
 stored the name and η alone; its entries are refused in one line, not read with guessed
-arguments that may not be the ones it was sampled with.
+arguments that may not be the ones it was sampled with. An entry of a rollout that records no
+step (grpo.loss=nft: `step_indices` empty) stores its final latents only; entries with steps read
+as before, so the format stays 2.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
                          f"{row} / {composite}; the reward role must drop such members")
     tensors = {"x": traj.x, "x_next": traj.x_next, "logp_old": traj.logp_old,
                "final_latents": traj.final_latents}
+    if not traj.step_indices:  # a rollout that records no step (grpo.loss=nft): its final latents only
+        tensors = {"final_latents": traj.final_latents}
     if traj.condition.image is not None:
         tensors["image"] = traj.condition.image
     if traj.mu_old is not None:
@@ -155,7 +159,8 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         condition=Condition(id=m["condition"], prompt=m["prompt"], image=t.get("image"),
                             image_path=m.get("image_path"), negative_prompt=m.get("negative_prompt")),
         group_id=m["group"], member=member, seed=seed, spec=spec, guidance_scale=cfg_scale,
-        policy_version=version, step_indices=steps, x=t["x"], x_next=t["x_next"], logp_old=t["logp_old"],
+        policy_version=version, step_indices=steps, x=t.get("x"), x_next=t.get("x_next"),
+        logp_old=t.get("logp_old"),
         final_latents=t["final_latents"], frames=None, trained_times=trained, bank_id=eid,
         trained_steps=trained_steps, mu_old=t.get("mu_old"),
     )
@@ -211,9 +216,7 @@ def _spec(m: dict[str, str]) -> SchemeSpec:
 def _steps(m: dict[str, str], n_sigmas: int) -> tuple[list[int], list[int] | None]:
     """step_indices (each a step of the schedule) and trained_steps (a subset of them, or None)."""
     steps = _json_list(m, "step_indices", int)
-    if not steps:
-        raise CorruptEntry("field 'step_indices' is empty")
-    if any(not 0 <= k < n_sigmas - 1 for k in steps):
+    if any(not 0 <= k < n_sigmas - 1 for k in steps):  # none: a rollout that records no step
         raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{n_sigmas - 2}")
     trained_steps = _json_list(m, "trained_steps", int) if "trained_steps" in m else None
     if trained_steps is not None and not set(trained_steps) <= set(steps):
@@ -229,6 +232,16 @@ def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
         t = loads(blob, copy=copy)
     except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
+    t = _step_tensors(t, k) if k else _final_only(t)
+    image = t.get("image")
+    if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
+        raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
+    return t
+
+
+def _step_tensors(t: dict[str, Tensor], k: int) -> dict[str, Tensor]:
+    """The tensors of a trajectory that recorded k > 0 steps: x, x_next, logp_old, final_latents
+    (and mu_old, image), checked."""
     extra, absent = set(t) - {*TENSORS, *OPTIONAL_TENSORS}, set(TENSORS) - set(t)
     if extra or absent:
         raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
@@ -249,9 +262,17 @@ def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
     mu_old = t.get("mu_old")
     if mu_old is not None and (mu_old.shape != x.shape or not mu_old.is_floating_point()):
         raise CorruptEntry(f"tensor 'mu_old' {mu_old.dtype} {tuple(mu_old.shape)}: expected float {tuple(x.shape)}")
-    image = t.get("image")
-    if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
-        raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
+    return t
+
+
+def _final_only(t: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A trajectory that recorded no step (grpo.loss=nft): only `final_latents` (and an I2V image)."""
+    extra = set(t) - {"final_latents", "image"}
+    if extra or "final_latents" not in t:
+        raise CorruptEntry(f"blob of an entry without steps: expected final_latents, got {sorted(t)}")
+    final = t["final_latents"]
+    if final.dim() != 4 or not final.is_floating_point():
+        raise CorruptEntry(f"tensor 'final_latents' {final.dtype} {tuple(final.shape)}: expected float [C, F, H, W]")
     return t
 
 

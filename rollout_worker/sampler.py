@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from common.config import RunConfig, SamplerConfig
+from common.config import RunConfig, SamplerConfig, WindowConfig
 from common.images import condition_image
 from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
 from common.types import Condition, Group, Trajectory
+from rollout_worker.dpm import DPMSolver2M
 from rollout_worker.models.base import Cond, VideoModel, negative_kwargs
 
 _PERM_SEED_OFFSET = 0x5EED  # the step permutation's generator must not replay the noise stream
@@ -68,19 +69,40 @@ def trainable_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig,
     return eligible
 
 
+def window_start(n: int, wcfg: WindowConfig, version: int, run_seed: int = 0) -> int:
+    """MixGRPO's window position l at policy version `version` over n trainable steps (section 2b).
+
+    progressive: l = min(start + s·floor(version / τ), n - w), the paper's Algorithm 1 (l moves by
+    s every τ optimizer steps and stops at the last window); random: uniform in 0..n-w, drawn
+    anew per version. A function of the version alone, so a resumed run continues the schedule.
+    """
+    last = max(n - wcfg.width, 0)
+    if wcfg.schedule == "random":
+        gen = torch.Generator().manual_seed(zlib.crc32(f"window:{run_seed}:{version}".encode()))
+        return int(torch.randint(last + 1, (1,), generator=gen))
+    return min(wcfg.start + wcfg.stride * (version // wcfg.shift_interval), last)
+
+
 def draw_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int, members: int = 1,
-                       model: VideoModel | None = None) -> list[list[int]]:
+                       model: VideoModel | None = None, version: int = 0, run_seed: int = 0) -> list[list[int]]:
     """The trained steps of each of `members` samples, per `sampler.train_steps` and `step_draw`.
 
     `fraction` takes floor(fraction·n) of the n trainable steps (at least one) from a random
     permutation seeded by `seed`: one per sample (`per_sample`, as upstream) or one shared by the
-    group (`per_group`).
+    group (`per_group`). `window`: the w steps of MixGRPO's window at `version`, for every member.
+    `one_per_group`: Flash-GRPO's one step, drawn by `seed` from the first floor(fraction·n), for
+    every member.
     """
     steps = trainable_steps(schedule, scheme, scfg, model)
-    if scfg.train_steps != "fraction" or not steps:
+    if not steps or scfg.train_steps in ("all", "threshold"):
         return [list(steps) for _ in range(members)]
+    if scfg.train_steps == "window":
+        l0 = window_start(len(steps), scfg.window, version, run_seed)
+        return [steps[l0:l0 + scfg.window.width] for _ in range(members)]
     n = max(1, math.floor(scfg.train_fraction * len(steps) + 1e-9))
     gen = torch.Generator().manual_seed(seed + _PERM_SEED_OFFSET)
+    if scfg.train_steps == "one_per_group":
+        return [[steps[int(torch.randint(n, (1,), generator=gen))]]] * members
     draws = 1 if scfg.step_draw == "per_group" else members
     subsets = [sorted(steps[int(i)] for i in torch.randperm(len(steps), generator=gen)[:n])
                for _ in range(draws)]
@@ -88,16 +110,19 @@ def draw_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, 
 
 
 def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, seed: int,
-                         model: VideoModel | None = None) -> list[int]:
+                         model: VideoModel | None = None, version: int = 0) -> list[int]:
     """The first sample's trained steps (the group's, with step_draw=per_group)."""
-    return draw_trained_steps(schedule, scheme, scfg, seed, 1, model)[0]
+    return draw_trained_steps(schedule, scheme, scfg, seed, 1, model, version)[0]
 
 
 def recorded_steps(trained: list[list[int]], schedule: Schedule, scheme: Scheme, cfg: RunConfig,
                    model: VideoModel | None = None) -> list[int]:
     """Steps whose transitions a group stores: every member's trained steps and, with alignment
     on, every step any member of any group of the condition may train (its winner's or loser's
-    next latent is the alignment target there, and the winner may be this group's member)."""
+    next latent is the alignment target there, and the winner may be this group's member).
+    None with grpo.loss=nft: its loss reads only the clean final latents."""
+    if cfg.grpo.loss == "nft":
+        return []
     steps = set().union(*map(set, trained)) if trained else set()
     if cfg.align.enabled:
         steps |= set(trainable_steps(schedule, scheme, cfg.sampler, model))
@@ -109,6 +134,52 @@ def condition_seed(condition_id: str, run_seed: int) -> int:
     return zlib.crc32(f"{run_seed}:{condition_id}".encode())
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """One step a rollout takes: from σ to σ_next with `rule` (a scheme, or the 2M solver)."""
+
+    k: int | None        # the schedule's step index; None on a compressed tail's own σ
+    sigma: float
+    sigma_next: float
+    rule: Scheme | str   # a Scheme, or "dpm2"
+
+
+def plan_steps(schedule: Schedule, scheme: Scheme, recorded: list[int], cfg: RunConfig) -> list[PlannedStep]:
+    """The steps a group runs (section 2b): a recorded step with the scheme; an untrained one with
+    the scheme or as ODE (`untrained_steps`, `ode_last_steps`); after the last recorded step (every
+    step with grpo.loss=nft) the post-window rule: `post_solver` on the configured σ, or on a
+    compressed tail (`post_compress`)."""
+    scfg, rec = cfg.sampler, set(recorded)
+    ode_from = schedule.steps - scfg.ode_last_steps
+    post = cfg.grpo.loss == "nft" or scfg.post_solver != "euler" or scfg.post_compress < 1.0
+    a = max(recorded) + 1 if post and recorded else (0 if post else schedule.steps)
+    out = []
+    for k in range(a):
+        keep = k in rec or (k < ode_from and scfg.untrained_steps == "scheme" and cfg.grpo.loss != "nft")
+        out.append(PlannedStep(k, *schedule.pair(k), scheme if keep else ODE()))
+    if a == schedule.steps:
+        return out
+    rule = "dpm2" if scfg.post_solver == "dpm2" else ODE()
+    tail = tail_sigmas(schedule, a, scfg.post_compress, cfg.schedule.shift)
+    same = len(tail) == schedule.steps - a + 1
+    return out + [PlannedStep(a + j if same else None, tail[j], tail[j + 1], rule) for j in range(len(tail) - 1)]
+
+
+def tail_sigmas(schedule: Schedule, a: int, ratio: float, shift: float) -> list[float]:
+    """σ_a … 0 for the steps from a on: the schedule's own (ratio 1), or MixGRPO-Flash's rebuilt
+    tail, int(ratio·(T - a + 1)) - 1 steps (at least one) linear in the unshifted time from
+    1 - a/T to 0, then shifted by `shift` (its dpm_post_compress_ratio)."""
+    own = list(schedule.sigmas[a:])
+    if ratio >= 1.0:
+        return own
+    T = schedule.steps
+    m = max(int(ratio * (T - a + 1)) - 1, 1)
+    t0 = 1.0 - a / T
+    ts = [t0 * (1.0 - j / m) for j in range(m + 1)]
+    tail = list(Schedule(tuple(shift * t / (1.0 + (shift - 1.0) * t) for t in ts)).sigmas)
+    return [own[0], *tail[1:-1], 0.0]
+
+
 @torch.no_grad()
 def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
                  group_id: str | None = None) -> Group:
@@ -116,32 +187,34 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     G = cfg.sampler.group_size
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
-    # 1. Schedule, scheme, each member's trained steps and the steps the group records
+    # 1. Schedule, scheme, each member's trained steps, the steps the group records and runs
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)
-    trained = draw_trained_steps(schedule, scheme, cfg.sampler, seed, G, model)
+    trained = draw_trained_steps(schedule, scheme, cfg.sampler, seed, G, model, policy_version, cfg.train.seed)
     recorded = recorded_steps(trained, schedule, scheme, cfg, model)
+    plan = plan_steps(schedule, scheme, recorded, cfg)
 
     # 2. Encode the condition once; every member shares it
     image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
     cond = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
                         **negative_kwargs([condition])).repeat(G)
 
-    # 3. Initial noise, 4. the denoising loop, 5. decode
+    # 3. Initial noise, 4. the planned steps, 5. decode
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
     x = _initial_noise(model, condition, cfg, gen)
-    x, steps = _denoise(model, x, cond, schedule, scheme, set(recorded), cfg, gen)
+    x, steps = _denoise(model, x, cond, plan, set(recorded), cfg, gen)
     frames = model.decode(x)  # uint8 [G, F, H, W, 3]
 
-    # 6. One Trajectory per member (each stacks its own K steps: one copy), stamped with the
-    # scheme's full spec so the learner replays it with exactly this scheme and schedule
-    spec, store = scheme.spec(schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
+    # 6. One Trajectory per member (each stacks its own K steps: one copy), stamped with the full
+    # spec of the scheme its recorded steps ran with, on the configured schedule (a compressed
+    # tail is never recorded), so the learner replays it exactly; NFT's rollouts are ODE throughout
+    ran = ODE() if cfg.grpo.loss == "nft" else scheme
+    spec, store = ran.spec(schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
                    guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
-                   step_indices=list(recorded), trained_steps=list(trained[i]),
-                   **steps.member(i, x.shape[1:], store),
-                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
+                   step_indices=list(recorded), trained_steps=list(trained[i]) if recorded else None,
+                   **steps.member(i), final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
         for i in range(G)
     ]
     return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
@@ -167,39 +240,41 @@ class _Recorded:
     logp: list[Tensor] = field(default_factory=list)
     mu: list[Tensor] | None = None       # None: μ_old not kept
 
-    def member(self, i: int, shape: tuple, store: torch.dtype) -> dict[str, Tensor | None]:
-        """Member i's Trajectory tensors: x, x_next [K, C, F, H, W], logp_old [K], mu_old or None."""
-        def stack(ts: list[Tensor], shape: tuple) -> Tensor:
-            return torch.stack([t[i] for t in ts]) if ts else torch.empty((0, *shape), dtype=store)
-
-        return {"x": stack(self.x, shape), "x_next": stack(self.x_next, shape),
-                "logp_old": stack(self.logp, ()).float(),
+    def member(self, i: int) -> dict[str, Tensor | None]:
+        """Member i's Trajectory tensors: x, x_next [K, C, F, H, W], logp_old [K], mu_old or None;
+        all None when no step is recorded (a stepless Trajectory: its final latents only)."""
+        if not self.x:
+            return {"x": None, "x_next": None, "logp_old": None, "mu_old": None}
+        return {"x": torch.stack([t[i] for t in self.x]), "x_next": torch.stack([t[i] for t in self.x_next]),
+                "logp_old": torch.stack([t[i] for t in self.logp]).float(),
                 "mu_old": torch.stack([m[i] for m in self.mu]) if self.mu else None}
 
 
-def _denoise(model: VideoModel, x: Tensor, cond: Cond, schedule: Schedule, scheme: Scheme,
-             recorded: set[int], cfg: RunConfig, gen: torch.Generator) -> tuple[Tensor, _Recorded]:
-    """Run every step from x [G, C, F, H, W]; returns the final latents and the recorded steps.
+def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], recorded: set[int],
+             cfg: RunConfig, gen: torch.Generator) -> tuple[Tensor, _Recorded]:
+    """Run the plan from x [G, C, F, H, W]; returns the final latents and the recorded steps.
 
-    The state keeps the stored dtype's values, so a stored step replays exactly. A step neither
-    recorded nor (with untrained_steps=scheme, before ode_last_steps) sampled runs as ODE.
+    The state keeps the stored dtype's values, so a stored step replays exactly. A dpm2 step
+    (after the last recorded one) takes DPM-Solver++(2M), which every other step feeds its x̂_0.
     """
-    scfg = cfg.sampler
-    store, ode_from = _LATENT_DTYPES[scfg.latent_dtype], schedule.steps - scfg.ode_last_steps
+    store = _LATENT_DTYPES[cfg.sampler.latent_dtype]
     out = _Recorded(mu=[] if cfg.records_mu_old else None)
-    for k in range(schedule.steps):
-        sigma, sigma_next = schedule.pair(k)
-        step_scheme = scheme if k in recorded or (k < ode_from and scfg.untrained_steps == "scheme") \
-            else ODE()
-        v = _velocity(model, x, sigma, cond, sigma_next)  # [G, C, F, H, W], CFG inside
-        std = step_scheme.std(sigma, sigma_next)
+    dpm = DPMSolver2M() if any(p.rule == "dpm2" for p in plan) else None
+    for p in plan:
+        v = _velocity(model, x, p.sigma, cond, p.sigma_next)  # [G, C, F, H, W], CFG inside
+        if p.rule == "dpm2":
+            x = _round(dpm.step(x, v, p.sigma, p.sigma_next), store)
+            continue
+        if dpm is not None:
+            dpm.observe(x, v, p.sigma)
+        std = p.rule.std(p.sigma, p.sigma_next)
         if float(std) > 0:
-            x_next, mu, std = sample_step(step_scheme, x, v, sigma, sigma_next, generator=gen, std=std)
+            x_next, mu, std = sample_step(p.rule, x, v, p.sigma, p.sigma_next, generator=gen, std=std)
         else:
-            x_next = mu = step_scheme.mean(x, v, sigma, sigma_next)
+            x_next = mu = p.rule.mean(x, v, p.sigma, p.sigma_next)
         x_next = _round(x_next, store)
-        if k in recorded:
-            out.logp.append(step_scheme.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
+        if p.k in recorded:
+            out.logp.append(p.rule.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
             out.x.append(x.to(store).cpu())
             out.x_next.append(x_next.to(store).cpu())
             if out.mu is not None:
