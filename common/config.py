@@ -629,7 +629,10 @@ def _nft_conflict(cfg: RunConfig) -> str | None:
         return None
     fixes = [fix for fix, on in (("align.enabled=false", cfg.align.enabled), ("bank.enabled=false", cfg.bank.enabled),
                                  ("kl.strategy=none", cfg.kl.strategy != "none"),
-                                 ("grpo.rectify=false", cfg.grpo.rectify)) if on]
+                                 ("grpo.rectify=false", cfg.grpo.rectify),
+                                 # ODE rollouts from one noise are one video: members need their own
+                                 ("sampler.shared_noise=false", cfg.sampler.shared_noise),
+                                 ("sampler.initial_noise=group", cfg.sampler.initial_noise != "group")) if on]
     if fixes:
         return (f"grpo.loss=nft trains on the clean final latents of fresh ODE rollouts, which record no SDE "
                 f"step: set {', '.join(fixes)} (its KL to π_0 is nft.kl)")

@@ -5,6 +5,7 @@ LoRA they are the adapter weights (a few MB), never a second copy of the model:
 - `pi0`: the policy at setup (the `fixed` strategy's anchor);
 - `moving`: refreshed every kl.anchor_period optimizer steps;
 - `ema`: the exponential moving average of the weights (optim.ema_decay), the exported policy;
+- `old`: DiffusionNFT's sampling policy v_old, following θ after each step (nft.old_*);
 
 `anchor_velocity` swaps an anchor's weights into the live module, runs the forward without
 grad, and swaps them back, one parameter at a time. Call it before the policy's own forward
@@ -43,7 +44,7 @@ def enable_checkpointing(module: torch.nn.Module) -> None:
     for m in models:
         m.enable_gradient_checkpointing()
 
-AnchorName = Literal["pi0", "moving", "ema"]
+AnchorName = Literal["pi0", "moving", "ema", "old"]
 
 
 class Policy:
@@ -129,8 +130,8 @@ class Policy:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
     def _snapshot_for(self, name: str) -> dict[str, Tensor]:
-        # the average is kept in fp32: bf16 could not hold its small per-step moves
-        if name == "ema":
+        # the averages are kept in fp32: bf16 could not hold their small per-step moves
+        if name in ("ema", "old"):
             return {n: self.master.get(n, p).detach().float().clone() for n, p in self.params.items()}
         return self.snapshot()
 
@@ -141,10 +142,11 @@ class Policy:
             self.anchors[name][n].copy_(p.detach())
 
     @torch.no_grad()
-    def update_ema(self, decay: float) -> None:
-        """ema <- decay * ema + (1 - decay) * theta, in fp32 from the fp32 masters."""
+    def update_ema(self, decay: float, name: str = "ema") -> None:
+        """anchor <- decay * anchor + (1 - decay) * theta, in fp32 from the fp32 masters (`ema`, or
+        DiffusionNFT's `old`)."""
         for n, p in self.params.items():
-            self.anchors["ema"][n].lerp_(self.master.get(n, p).detach().float(), 1.0 - decay)
+            self.anchors[name][n].lerp_(self.master.get(n, p).detach().float(), 1.0 - decay)
 
     @torch.no_grad()
     def _swap(self, name: str) -> None:
@@ -241,7 +243,7 @@ class Policy:
                 self.master[n].copy_(params[n])
         for a in self.anchors:
             # a run that turns optim.ema_decay on at a resume starts its average at the resumed weights
-            src = anchors.get(a, params if a == "ema" else None)
+            src = anchors.get(a, params if a in ("ema", "old") else None)
             if src is None:
                 raise KeyError(f"checkpoint has no {a!r} anchor")
             for n in self.params:

@@ -26,11 +26,21 @@ from common.types import TrainBatch, TrainStats
 from learner import checkpoint
 from learner.kl import KLController
 from learner.losses import LossConfig, compute_loss
+from learner.nft import (
+    NFT_KEYS,
+    NFTMicroBatch,
+    NFTRows,
+    build_nft_rows,
+    nft_loss,
+    nft_micro_batches,
+)
 from learner.policy import Policy
 from learner.rows import MicroBatch, Rows, build_rows, micro_batches
 from rollout_worker.models.base import Cond, VideoModel
 
 ReduceFn = Callable[[Tensor], Tensor]
+GRPO_KEYS = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
+             "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
 
 
 class Trainer:
@@ -43,9 +53,12 @@ class Trainer:
         cfg = self.cfg
         # 1. losses and the anchors they need (LoRA anchors are cheap: keep π_0 and moving)
         self.loss_cfg = LossConfig.from_run(cfg)
+        self.nft = cfg.grpo.loss == "nft"
         anchors = {"pi0", "moving"} if cfg.optim.finetune == "lora" else set()
         if self.loss_cfg.anchor is not None:
             anchors.add(self.loss_cfg.anchor)
+        if self.nft:  # its sampling policy v_old, and π_0 for its KL
+            anchors |= {"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())
         if cfg.optim.ema_decay > 0:
             anchors.add("ema")
         self.model.trainable_module().to(self.device)
@@ -60,7 +73,7 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def encode(self, rows: Rows) -> Cond:
+    def encode(self, rows: Rows | NFTRows) -> Cond:
         """Each condition of the batch once; the text encoder is frozen."""
         from common.images import condition_images  # I2V first frames by path (or in memory)
         from rollout_worker.models.base import negative_kwargs
@@ -86,38 +99,82 @@ class Trainer:
 
         return compute_loss(mb, cond, velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
 
+    def nft_micro_loss(self, rows: NFTRows, mb: NFTMicroBatch, cond_all: Cond) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch's share of DiffusionNFT's loss (learner/nft.py): v_old and v_π0 first, no grad."""
+        policy, nc = self.policy, self.cfg.nft
+        mb = mb.to(self.device)
+        cond = cond_all.index(mb.cond_idx)
+        old_v = policy.anchor_velocity("old", mb.xt, mb.sigma, cond)
+        ref_v = policy.anchor_velocity("pi0", mb.xt, mb.sigma, cond) if nc.kl > 0 else None
+        return nft_loss(mb, cond, policy.velocity, old_v, nc, self.cfg.grpo.adv_clip, rows.n, ref_v)
+
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None) -> TrainStats:
-        cfg, lc, policy = self.cfg, self.loss_cfg, self.policy
         lam_kl = self.kl.value(self.version)
 
-        # 1. rows: advantages, equalizer weights, winner/loser rows
-        rows = build_rows(batch, cfg)
-        rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
+        # 1. rows: advantages, step weights, winner/loser rows (NFT: noised clean latents)
+        if self.nft:
+            rows = build_nft_rows(batch, self.cfg)
+        else:
+            rows = build_rows(batch, self.cfg)
+            rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
 
         # 2. conditions, encoded once
         cond_all = self.encode(rows)
 
         # 3. accumulate gradients over this rank's micro-batches
+        stats, first_logratio, onp_max = self._accumulate(rows, cond_all, lam_kl, rank, world_size, reduce)
+
+        # 4. clip, step the fp32 masters, round them into the compute weights
+        grad_norm = self._optimizer_step()
+
+        # 5. anchors and λ_KL for the next step
+        self._move_anchors(stats)
+        stats.update(rows.stats)
+        if not self.nft:
+            stats.update(_onpolicy_stats(stats, onp_max))
+            if self.loss_cfg.anchor == "pi0":
+                stats["kl/d_pi0"] = stats["kl/d_anchor"]
+            elif not self.measures_pi0(self.version - 1):
+                del stats["kl/d_pi0"]  # not measured at this step
+        stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
+                      "grad_norm": grad_norm, "logratio_first_absmax": first_logratio,
+                      "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
+        return TrainStats(stats)
+
+    def _accumulate(self, rows: Rows | NFTRows, cond_all: Cond, lam_kl: float, rank: int, world_size: int,
+                    reduce: ReduceFn | None) -> tuple[dict[str, float], float, float]:
+        """Gradients of this rank's micro-batches; (batch-wide stats sums, the first micro-batch's
+        max |log r|, the max |log r| over on-policy rows) — NaN / 0 for NFT, which has no ratio."""
+        cfg = self.cfg
+        keys = NFT_KEYS if self.nft else GRPO_KEYS
         self.optimizer.zero_grad(set_to_none=True)
-        keys = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
-                "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
         sums = torch.zeros(len(keys), dtype=torch.float64)
         onp_max = torch.zeros(world_size, dtype=torch.float64)  # one slot per rank: a sum-reduce gives the max
         first_logratio = float("nan")
-        for i, mb in enumerate(micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
-            loss, s = self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())
+        if self.nft:
+            mbs = nft_micro_batches(rows, cfg.optim.micro_batch, rank, world_size)
+            loss_of = lambda mb: self.nft_micro_loss(rows, mb, cond_all)  # noqa: E731
+        else:
+            mbs = micro_batches(rows, cfg.optim.micro_batch, rank, world_size)
+            loss_of = lambda mb: self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())  # noqa: E731
+        for i, mb in enumerate(mbs):
+            loss, s = loss_of(mb)
             (loss * world_size).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
-            if i == 0:
+            if i == 0 and "logratio_absmax" in s:
                 first_logratio = float(s["logratio_absmax"])
-            onp_max[rank] = max(float(onp_max[rank]), float(s["onpolicy/logratio_absmax"]))
+            if "onpolicy/logratio_absmax" in s:
+                onp_max[rank] = max(float(onp_max[rank]), float(s["onpolicy/logratio_absmax"]))
         if reduce is not None:
             sums, onp_max = reduce(torch.cat([sums, onp_max])).split([len(keys), world_size])
+        return dict(zip(keys, sums.tolist(), strict=True)), first_logratio, float(onp_max.max())
 
-        # 4. clip, step the fp32 masters, round them into the compute weights
+    def _optimizer_step(self) -> float:
+        """Clip, step the fp32 masters, round them into the compute weights; the pre-clip grad norm."""
+        policy = self.policy
         policy.grads_to_master()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.optim_parameters(), cfg.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.optim_parameters(), self.cfg.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -125,25 +182,20 @@ class Trainer:
         self.version += 1
         if self.cfg.optim.ema_decay > 0:
             policy.update_ema(ema_decay_at(self.cfg.optim.ema_decay, self.version))
+        return float(grad_norm)
 
-        # 5. anchors and λ_KL for the next step
+    def _move_anchors(self, stats: dict[str, float]) -> None:
+        """After the step: the moving anchor's refresh and λ_KL's update (GRPO), or NFT's v_old
+        following θ with decay nft.old_decay(t)."""
+        cfg, lc, policy = self.cfg, self.loss_cfg, self.policy
+        if self.nft:
+            policy.update_ema(cfg.nft.old_decay(self.version), "old")
+            return
         if self.version % cfg.kl.anchor_period == 0 and "moving" in policy.anchors:
             policy.refresh("moving")
-        stats = dict(zip(keys, sums.tolist(), strict=True))
         measured_kl = (lc.beta_anchor * stats["kl/d_anchor"] if lc.anchor else 0.0) + \
                       (lc.beta_step * stats["kl/d_step"] if lc.uses_step else 0.0)
         self.kl.update(measured_kl)
-
-        stats.update(rows.stats)
-        stats.update(_onpolicy_stats(stats, float(onp_max.max())))
-        if lc.anchor == "pi0":
-            stats["kl/d_pi0"] = stats["kl/d_anchor"]
-        elif not self.measures_pi0(self.version - 1):
-            del stats["kl/d_pi0"]  # not measured at this step
-        stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
-                      "grad_norm": float(grad_norm), "logratio_first_absmax": first_logratio,
-                      "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
-        return TrainStats(stats)
 
     def measures_pi0(self, version: int | None = None) -> bool:
         """Whether the step at `version` (default: the current) measures the KL to π_0 for the health
@@ -152,7 +204,7 @@ class Trainer:
         every = self.cfg.health.kl_pi0_every
         v = self.version if version is None else version
         return (every > 0 and v % every == 0 and "pi0" in self.policy.anchors
-                and self.loss_cfg.anchor != "pi0")
+                and self.loss_cfg.anchor != "pi0" and not self.nft)
 
     def shard(self, mesh) -> None:
         """FSDP2-shard the policy's module in place (before the first step) and re-point the
@@ -189,8 +241,13 @@ class Trainer:
 
     def exported(self, ema: bool = True) -> AbstractContextManager:
         """The live module holds the exported policy for the block: the moving average when
-        `ema` and the run keeps one, else the live weights as they are."""
-        return self.policy.swapped("ema") if ema and self.exports_ema else nullcontext()
+        `ema` and the run keeps one, else the live weights as they are. With `ema` false under
+        grpo.loss=nft it is the sampling policy v_old: what the rollouts are sent (section 8)."""
+        if ema and self.exports_ema:
+            return self.policy.swapped("ema")
+        if not ema and self.nft:
+            return self.policy.swapped("old")
+        return nullcontext()
 
     def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
         """Adapter-only for LoRA (see Policy.weights_payload), else the full state dict; CPU tensors.
