@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from cluster.compare.matrix import load_matrix
-from cluster.compare.report import gains, markdown_table, mean_curve, plot_curves
+from cluster.compare.report import (
+    costs,
+    gains,
+    markdown_table,
+    mean_curve,
+    plot_curves,
+    ranking_section,
+)
 from common.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +61,14 @@ def test_compare_toy_rows_are_the_methods_and_quick_is_smaller():
     assert not sage.align.enabled and not sage.bank.enabled
     tag = c["TAGRPO"]
     assert (tag.sde.scheme, tag.kl.strategy, tag.align.enabled, tag.bank.enabled) == ("dance", "none", True, True)
+    # the cost methods against DanceGRPO: MixGRPO's window (Flash: DPM-2M on a compressed tail),
+    # DiffusionNFT's loss on ODE rollouts, Flash-GRPO's one rectified step per group
+    mix, flash_mix, nft, flash = c["MixGRPO"], c["MixGRPO-Flash"], c["DiffusionNFT"], c["Flash-GRPO"]
+    assert (mix.sampler.train_steps, mix.sampler.untrained_steps, mix.sampler.post_solver) == ("window", "ode", "euler")
+    assert (flash_mix.sampler.post_solver, flash_mix.sampler.post_compress) == ("dpm2", 0.4)
+    assert (nft.grpo.loss, nft.sampler.post_solver, nft.model.guidance_scale) == ("nft", "dpm2", 1.0)
+    assert (flash.sampler.train_steps, flash.grpo.rectify, flash.sde.scheme) == ("one_per_group", True, "flash")
+    assert {"MixGRPO", "DiffusionNFT", "Flash-GRPO"} <= {cl.better for cl in m.claims}
     # the quickstart row is configs/quickstart.yaml itself, at the shared budget
     from common.config import apply_overrides, read_yaml, validate
     own = [r for r in m.rows if r.startswith("vgrpo quickstart")]
@@ -158,6 +173,35 @@ def test_markdown_table_and_curve_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 5000
 
 
+def test_cost_columns_and_ranking_by_gain_per_rollout_second():
+    runs = [_run("A", 0, 0.1), _run("A", 1, 0.3), _run("B", 0, -0.2), _run("C", 0, 0.05), _run("C", 1, 0.05)]
+
+    def ms(gen, train):  # a run's metrics rows: cumulative stage seconds, the last row holds the run's
+        return [{"step": 1, "reward_mean": 0.0, "time/generate": gen / 2, "time/train": train / 2},
+                {"step": 2, "reward_mean": 0.0, "time/generate": gen, "time/train": train}]
+    metrics = {"A": [ms(10.0, 4.0), ms(20.0, 6.0)], "B": [ms(5.0, 1.0)], "C": [ms(2.0, 8.0), ms(2.0, 8.0)]}
+    g = gains(runs)
+    md = markdown_table(runs, metrics, ["A", "B", "C"])
+    head, row_a = md.splitlines()[0], md.splitlines()[2]
+    assert head.endswith("| rollout s | learner s | Δ composite / rollout-s |")
+    cells = [c.strip() for c in row_a.split("|")]
+    assert cells[-4:-1] == ["15.0", "5.0", f"{g['A']['composite'][0] / 15.0:+.5f}"]
+    assert "time/generate" in md
+    cost = costs(g, metrics, ["A", "B", "C"])
+    assert cost["C"].gain_per_rollout == pytest.approx(g["C"]["composite"][0] / 2.0)
+    rank = ranking_section(cost, "C").splitlines()
+    order = [line.split("|")[2].strip() for line in rank if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
+    want = sorted("ABC", key=lambda r: -cost[r].gain_per_rollout)
+    assert order == want and order[-1] == "B"                     # a loss ranks last
+    ratio = cost["A"].gain_per_rollout / cost["C"].gain_per_rollout
+    assert f"{ratio:.2f}×" in next(line for line in rank if "| A |" in line)
+    assert next(line for line in rank if "| B |" in line).endswith("| — |")  # no ratio of a loss
+    # with GPUs on the rollout actors the unit is the rollout-GPU-second
+    gpu = costs(g, metrics, ["A", "B", "C"], {"A": 2.0, "B": 2.0, "C": 2.0})
+    assert gpu["A"].gain_per_rollout == pytest.approx(cost["A"].gain_per_rollout / 2)
+    assert "Δ composite / rollout-GPU-s" in markdown_table(runs, metrics, ["A"], {"A": 2.0})
+
+
 # --- 3. one real tiny comparison through Driver ------------------------------------------------
 
 def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_session, tmp_path):
@@ -188,7 +232,11 @@ def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_sess
     text = md.read_text()
     assert "| SAGE dual | 1 |" in text and "| FlowGRPO | 1 |" in text
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert set(json.loads((out / "compare.json").read_text())["gains"]) == {"SAGE dual", "FlowGRPO"}
+    summary = json.loads((out / "compare.json").read_text())
+    assert set(summary["gains"]) == {"SAGE dual", "FlowGRPO"}
+    for c in summary["cost"].values():   # measured in the same runs, from their metrics.jsonl
+        assert c["rollout_s"] > 0 and c["learner_s"] > 0 and c["gain_per_rollout"] == c["gain"] / c["rollout_s"]
+    assert "## Ranking by gain per rollout-s" in text
     assert ray_session.is_initialized()  # the fixture's cluster is left running
     # a second call reuses the finished runs instead of training again
     notes.clear()

@@ -8,6 +8,7 @@ Inputs are plain records, so both writers run on synthetic data in tests:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +52,21 @@ def final_train_reward(metrics: list[dict[str, Any]], frac: float = 0.25) -> flo
 
 
 def markdown_table(runs: list[dict[str, Any]], metrics: dict[str, list[list[dict[str, Any]]]],
-                   rows_order: list[str]) -> str:
+                   rows_order: list[str], gpus: dict[str, float] | None = None) -> str:
     """Method × (composite, heads): mean ± stderr of the after − before gain; plus the
-    before level, the training reward at the end, and wall time per run."""
+    before level, the training reward at the end, wall time per run and the cost columns
+    (`costs`: rollout and learner seconds per run, composite gain per rollout-(GPU-)second)."""
     if not runs:
         return "_no finished runs_\n"
     heads = runs[0]["heads"]
     keys = ["composite", *heads]
     g = gains(runs)
+    cost = costs(g, metrics, rows_order, gpus)
+    unit = cost_unit(cost)
     before = EvalResult.from_record(runs[0]["before"], heads)
-    head_line = "| method | seeds | " + " | ".join(f"Δ {k}" for k in keys) + " | train R (last 25%) | s/run |"
-    lines = [head_line, "|" + "---|" * (len(keys) + 4)]
+    head_line = ("| method | seeds | " + " | ".join(f"Δ {k}" for k in keys)
+                 + f" | train R (last 25%) | s/run | rollout s | learner s | Δ composite / {unit} |")
+    lines = [head_line, "|" + "---|" * (len(keys) + 7)]
     any_pairs = False
     for row in rows_order:
         if row not in g:
@@ -73,15 +78,92 @@ def markdown_table(runs: list[dict[str, Any]], metrics: dict[str, list[list[dict
             cells.append(f"{m:+.3f} ± {se:.3f}{'†' if over_pairs else ''}")
         fin = [final_train_reward(ms) for ms in metrics.get(row, [])]
         wall = [r["wall_s"] for r in runs if r["row"] == row]
+        c = cost[row]
         lines.append(f"| {row} | {g[row][keys[0]][2]} | " + " | ".join(cells)
-                     + f" | {np.nanmean(fin) if fin else math.nan:.3f} | {np.mean(wall):.0f} |")
+                     + f" | {np.nanmean(fin) if fin else math.nan:.3f} | {np.mean(wall):.0f} | "
+                     f"{c.rollout_s:.1f} | {c.learner_s:.1f} | {c.gain_per_rollout:+.5f} |")
     lvl = ", ".join(f"{k} {before.mean_se(k)[0]:.3f}" for k in keys)
     notes = [f"\nBefore training (every row starts from the same base, same pairs): {lvl}. "
              f"{len(before.composite)} fixed (prompt, seed) eval pairs, ODE sampling."]
     notes.append("Δ = after − before on those pairs, mean ± standard error over seeds.")
     if any_pairs:
         notes.append("† one seed: the ± is the paired standard error over the eval pairs, not over seeds.")
+    notes.append(COST_NOTE.format(unit=unit))
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
+
+
+# --- cost: rollout and learner seconds, measured in the same runs ------------------------------
+
+COST_NOTE = ("rollout s / learner s: mean per run of the seconds the rollout actors spent generating "
+             "(time/generate) and the learner spent on its steps (time/train), from each run's "
+             "metrics.jsonl. Δ composite / {unit}: the row's mean composite gain over its mean "
+             "rollout seconds (times the rollout actor's GPUs, when it has any).")
+
+
+@dataclass(frozen=True)
+class Cost:
+    rollout_s: float          # mean over the row's runs of time/generate (actor-seconds)
+    learner_s: float          # mean of time/train
+    gpus: float               # GPUs per rollout actor (0 on CPU)
+    gain: float               # mean composite gain (after − before)
+
+    @property
+    def rollout_units(self) -> float:
+        """Rollout-GPU-seconds (rollout seconds on CPU)."""
+        return self.rollout_s * (self.gpus if self.gpus > 0 else 1.0)
+
+    @property
+    def gain_per_rollout(self) -> float:
+        return self.gain / self.rollout_units if self.rollout_units > 0 else math.nan
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rollout_s": self.rollout_s, "learner_s": self.learner_s, "rollout_gpus": self.gpus,
+                "gain": self.gain, "gain_per_rollout": self.gain_per_rollout}
+
+
+def run_seconds(metrics: list[dict[str, Any]]) -> tuple[float, float]:
+    """(rollout s, learner s) of one run: its last row's cumulative time/generate and time/train."""
+    last = metrics[-1] if metrics else {}
+    return float(last.get("time/generate", math.nan)), float(last.get("time/train", math.nan))
+
+
+def costs(g: dict[str, dict[str, tuple]], metrics: dict[str, list[list[dict[str, Any]]]], rows_order: list[str],
+          gpus: dict[str, float] | None = None) -> dict[str, Cost]:
+    """row → Cost, from the gains `g` (see `gains`) and the rows' per-run metrics."""
+    out = {}
+    for row in rows_order:
+        if row not in g:
+            continue
+        secs = [run_seconds(ms) for ms in metrics.get(row, [])] or [(math.nan, math.nan)]
+        out[row] = Cost(float(np.mean([s[0] for s in secs])), float(np.mean([s[1] for s in secs])),
+                        float((gpus or {}).get(row, 0.0)), g[row]["composite"][0])
+    return out
+
+
+def cost_unit(cost: dict[str, Cost]) -> str:
+    return "rollout-GPU-s" if cost and all(c.gpus > 0 for c in cost.values()) else "rollout-s"
+
+
+def ranking_section(cost: dict[str, Cost], reference: str | None) -> str:
+    """Rows ranked by composite gain per rollout-(GPU-)second, each against the reference's."""
+    if not cost:
+        return ""
+    unit = cost_unit(cost)
+    ranked = sorted(cost, key=lambda r: -cost[r].gain_per_rollout if math.isfinite(cost[r].gain_per_rollout)
+                    else math.inf)
+    ref = cost.get(reference) if reference else None
+    lines = [f"## Ranking by gain per {unit}\n", f"| rank | method | Δ composite / {unit} | rollout s | "
+             f"learner s | × {reference or 'reference'} |", "|---|---|---|---|---|---|"]
+    for i, row in enumerate(ranked, 1):
+        c = cost[row]
+        ratio = "—"
+        if ref is not None and c.gain > 0 and ref.gain > 0:
+            ratio = f"{c.gain_per_rollout / ref.gain_per_rollout:.2f}×"
+        lines.append(f"| {i} | {row} | {c.gain_per_rollout:+.5f} | {c.rollout_s:.1f} | {c.learner_s:.1f} | {ratio} |")
+    lines.append(f"\n× {reference or 'reference'}: the row's gain per {unit} over the reference's, given only when "
+                 "both gains are positive (a ratio of a loss means nothing). The gains are each row's own "
+                 "after − before; whether two rows differ at all is the paired table's question.")
+    return "\n".join(lines) + "\n"
 
 
 def mean_curve(runs_metrics: list[list[dict[str, Any]]], key: str) -> tuple[np.ndarray, np.ndarray]:

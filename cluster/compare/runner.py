@@ -341,14 +341,16 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
                  parallel: int | None = None) -> Path:
     from cluster.compare.report import (
         claims_section,
+        costs,
         gains,
         markdown_table,
-        paired_rows,
         paired_table,
         plot_curves,
+        ranking_section,
     )
 
     rows = [r for r in matrix.rows if r in result["metrics"]]
+    gpus = {r: matrix.config(r, 0).pools.rollout.num_gpus for r in rows}  # per rollout actor
     heads = result["runs"][0]["heads"] if result["runs"] else []
     curves = plot_curves({r: result["metrics"][r] for r in rows}, heads, out / "curves.png",
                          title=f"{matrix.title}: training reward, mean over seeds") if rows else None
@@ -358,7 +360,12 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
             f"Matrix: `{matrix.source}` (base `{matrix.base_name}`); budget: {budget}; "
             f"{_seeds_line(matrix)}; {parallel or matrix.parallel} run(s) at once.  ",
             f"Machine: {machine()}; wall time {elapsed_s / 60:.1f} min.\n",
-            markdown_table(result["runs"], result["metrics"], rows)]
+            markdown_table(result["runs"], result["metrics"], rows, gpus)]
+    g = gains(result["runs"]) if result["runs"] else {}
+    cost = costs(g, result["metrics"], rows, gpus)
+    ranking = ranking_section(cost, matrix.reference)
+    if ranking:
+        text.append(ranking)
     paired_md = paired_table(result["runs"], matrix.reference, rows)
     if paired_md:
         text.append(paired_md)
@@ -376,11 +383,18 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
         text.append("\nInterrupted: the tables cover the runs that finished.")
     md = out / "compare.md"
     md.write_text("\n".join(text) + "\n", encoding="utf-8")
-    g = gains(result["runs"]) if result["runs"] else {}
+    _write_json(out / "compare.json", matrix, result, rows, g, claims_data, cost)
+    return md
+
+
+def _write_json(path: Path, matrix, result: dict[str, Any], rows: list[str], g, claims_data, cost) -> None:
+    """compare.json: the tables' numbers as plain data."""
+    from cluster.compare.report import paired_rows
+
     paired = ({row: {k: p.to_dict() for k, p in per_key.items() if p is not None}
                for row, per_key in paired_rows(result["runs"], matrix.reference, rows).items()}
               if matrix.reference else {})
-    (out / "compare.json").write_text(json.dumps(
+    path.write_text(json.dumps(
         {"matrix": str(matrix.source), "seeds": matrix.seeds, "most_seeds": matrix.most_seeds,
          "budget": matrix.budget,
          "gains": {r: {k: {"mean": v[0], "se": v[1], "n": v[2], "se_over_pairs": v[3]} for k, v in kv.items()}
@@ -388,8 +402,8 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
          "reference": matrix.reference, "paired": paired,
          "resolution": {r: pk["composite"].get("half_width") for r, pk in paired.items()},
          "claims": claims_data,
+         "cost": {r: c.to_dict() for r, c in cost.items()},
          "failed": result["failed"], "interrupted": result["interrupted"]}, indent=2))
-    return md
 
 
 def _seeds_line(matrix) -> str:
