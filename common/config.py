@@ -190,12 +190,12 @@ class GRPOConfig(Section):
     the group's (section 4)."""
     loss: Literal["grpo", "nft"] = "grpo"
     """grpo: the clipped surrogate on recorded SDE steps (every method but one); nft: DiffusionNFT's
-    flow-matching loss on the clean final latents (section 8, the `nft` section): ODE rollouts
+    flow-matching loss on the clean final latents (section 6b, the `nft` section): ODE rollouts
     that record no step."""
 
 
 class NFTConfig(Section):
-    """DiffusionNFT (docs/algorithm.md section 8). Defaults: its config/nft.py (SD3.5-M, GenEval)."""
+    """DiffusionNFT (docs/algorithm.md section 6b). Defaults: its config/nft.py (SD3.5-M, GenEval)."""
 
     beta: float = Field(1.0, gt=0.0)
     """β: the implicit policies v± = v_old ± β·(v_θ - v_old) (config.beta; 0.1 for OCR and multi-reward)."""

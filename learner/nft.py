@@ -1,4 +1,4 @@
-"""DiffusionNFT (docs/algorithm.md section 8): a flow-matching loss on the clean final latents of
+"""DiffusionNFT (docs/algorithm.md section 6b): a flow-matching loss on the clean final latents of
 ODE rollouts, contrasting an implicit positive and negative policy, weighted by the normalised
 reward. No log-probs, no SDE; the rollouts are sampled by v_old, a slowly following copy of θ.
 

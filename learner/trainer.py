@@ -242,7 +242,7 @@ class Trainer:
     def exported(self, ema: bool = True) -> AbstractContextManager:
         """The live module holds the exported policy for the block: the moving average when
         `ema` and the run keeps one, else the live weights as they are. With `ema` false under
-        grpo.loss=nft it is the sampling policy v_old: what the rollouts are sent (section 8)."""
+        grpo.loss=nft it is the sampling policy v_old: what the rollouts are sent (section 6b)."""
         if ema and self.exports_ema:
             return self.policy.swapped("ema")
         if not ema and self.nft:

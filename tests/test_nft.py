@@ -50,7 +50,7 @@ def _velocity(W: torch.Tensor, b: torch.Tensor):
 
 
 def reference_nft_loss(x0, xt, sigma, r, v_theta, v_old, v_ref, beta, kl_w, adv_clip):
-    """DiffusionNFT's objective written out per sample from its equations (section 8):
+    """DiffusionNFT's objective written out per sample from its equations (docs/algorithm.md section 6b):
     v⁺ = (1-β)·v_old + β·v_θ, v⁻ = (1+β)·v_old - β·v_θ, x̂±_0 = x_t - t·v±, each squared error
     divided by the stop-gradient mean absolute error (adaptive weighting), mixed by r, over β,
     times the advantage clip, plus the KL weight times mean (v_θ - v_ref)²."""
