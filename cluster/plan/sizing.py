@@ -260,6 +260,17 @@ def forward_flops(a: Arch, rows: int) -> float:
     return rows * (linear + attn)
 
 
+def trained_per_video(cfg) -> int:
+    """Learner rows per video: the steps a member trains, as the sampler draws them (MixGRPO's
+    window: its width; Flash-GRPO: 1), or DiffusionNFT's int(T·timestep_fraction) noised copies
+    of its final latents."""
+    if cfg.grpo.loss == "nft":
+        from common.sde import Schedule
+
+        return max(1, int(Schedule.from_config(cfg.schedule).steps * cfg.nft.timestep_fraction))
+    return stored_steps_per_member(cfg)
+
+
 def plan(cfg, gpu: str | None = None) -> Plan:
     """The sizing on `gpu` (default: the config's plan.gpu)."""
     gpu = cfg.plan.gpu if gpu is None else gpu
@@ -274,9 +285,11 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     steps = Schedule.from_config(cfg.schedule).steps
     cfg_passes = 2 if cfg.model.guidance_scale > 1.0 else 1
     fwd = forward_flops(a, 1)
-    k = stored_steps_per_member(cfg)  # trained steps per video, as the sampler draws them
+    k = trained_per_video(cfg)  # learner rows per video
     anchors_fwd = (1 if cfg.kl.strategy in ("fixed", "moving", "dual") else 0) + \
         (1 if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact" else 0)
+    if cfg.grpo.loss == "nft":  # v_old on every row, π_0 for its KL
+        anchors_fwd = 1 + (1 if cfg.nft.kl > 0 else 0)
     recompute = 1 if cfg.model.gradient_checkpointing else 0
     p.flops = {"rollout per video": steps * cfg_passes * fwd,
                "train per video": k * cfg_passes * fwd * (3 + recompute + anchors_fwd),

@@ -48,6 +48,8 @@ def stored_steps_per_member(cfg) -> int:
     from common.sde import Schedule, scheme_from_config
     from rollout_worker.sampler import draw_trained_steps
 
+    if cfg.grpo.loss == "nft":  # DiffusionNFT's ODE rollouts record no step: final latents only
+        return 0
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)
     draws = draw_trained_steps(schedule, scheme, cfg.sampler, seed=0, members=cfg.sampler.group_size,
