@@ -64,7 +64,7 @@ def cmd_compare(args) -> int:
     out = Path(args.out or f"runs/compare-{Path(args.config).stem}{'-quick' if args.quick else ''}")
     out.mkdir(parents=True, exist_ok=True)
     command = "vgrpo " + " ".join(sys.argv[1:]) if sys.argv and "vgrpo" in sys.argv[0] else \
-        f"vgrpo compare -c {args.config}{' --quick' if args.quick else ''}"
+        f"vgrpo compare -c {args.config}{' --quick' if args.quick else ''}{' --rows ' + args.rows if args.rows else ''}"
     t0 = time.monotonic()
     parallel = args.parallel or matrix.parallel
     result = run_matrix(matrix, out, rows, note=lambda s: print(s, flush=True), parallel=parallel)
