@@ -15,6 +15,7 @@ from cluster.cli import main
 from common import toyworld as tw
 from common.config import ConfigError, load_config
 from common.rewards import RewardHeads
+from common.sde import Sage, Schedule
 from common.types import Condition, Group, Scores, TrainBatch, Trajectory
 from reward_worker.base import RewardModel
 
@@ -91,8 +92,9 @@ def _videos() -> tuple[torch.Tensor, list[str]]:
 def _traj(cond: Condition, member: int) -> Trajectory:
     g = torch.Generator().manual_seed(member)
     shape = (3, 2, 4, 4)
-    return Trajectory(condition=cond, group_id="g", member=member, seed=member, scheme="sage", eta=0.5,
-                      guidance_scale=1.0, policy_version=0, sigmas=[1.0, 0.5, 0.0], step_indices=[0],
+    return Trajectory(condition=cond, group_id="g", member=member, seed=member,
+                      spec=Sage(0.5).spec(Schedule.explicit([1.0, 0.5, 0.0])),
+                      guidance_scale=1.0, policy_version=0, step_indices=[0],
                       x=torch.randn(1, *shape, generator=g), x_next=torch.randn(1, *shape, generator=g),
                       logp_old=torch.randn(1, generator=g), final_latents=torch.zeros(shape),
                       mu_old=torch.randn(1, *shape, generator=g))
