@@ -113,7 +113,8 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
         assert np.array_equal(result.composite, composite.numpy())
     # 3. the same pictures: before_after.png, the GIFs, the tracker's grid video
     _write_before_after(driver, run_dir, Console(file=open(tmp_path / "console.txt", "w")))  # noqa: SIM115
-    old = write_before_after(tmp_path / "old.png", frames.numpy(), frames.numpy(), SEEDS, list(EVAL_PROMPTS))
+    old = write_before_after(tmp_path / "old.png", frames.numpy(), frames.numpy(), SEEDS, list(EVAL_PROMPTS),
+                             trails=True)  # the toy world: the square's path drawn, as the run draws it
     assert np.array_equal(iio.imread(run_dir.path / "before_after.png"), iio.imread(old))
     conds = load_prompts(cfg.train.eval_prompts)
     for i in range(2):  # the first seed of the first two prompts
