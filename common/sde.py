@@ -205,7 +205,25 @@ class Dance(Scheme):
         return delta + self.eta**2 * delta * (1 - s) / (2 * s)
 
 
-class Flow(Scheme):
+class _NoiseScaled(Scheme):
+    """FlowGRPO's step for a noise scale g(σ) each subclass defines: std = g·√Δ,
+    μ = x - Δ·v - (g²·Δ / 2σ)·ε̂ (Flow and Flash differ in g alone)."""
+
+    def std(self, sigma, sigma_next):
+        delta = _as_batch(sigma) - _as_batch(sigma_next)
+        return self.g(sigma) * delta.clamp_min(0).sqrt()
+
+    def mean(self, x, v, sigma, sigma_next):
+        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
+        return _drifted_mean(x, v, s, s1, self.g(s) ** 2 * (s - s1) / (2 * s))
+
+    def dmu_dv(self, sigma, sigma_next):
+        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
+        delta = s - s1
+        return delta + self.g(sigma) ** 2 * delta * (1 - s) / (2 * s)
+
+
+class Flow(_NoiseScaled):
     """FlowGRPO: std = g·√Δ with g = η·√(σ_k/(1-σ̄)); μ = x - Δ·v - (g²·Δ / 2σ_k)·ε̂.
 
     At σ_k = 1 the denominator vanishes. `first_step="sigma1"` uses σ̄ = σ_1 there, in the
@@ -235,18 +253,6 @@ class Flow(Scheme):
         s_bar = torch.where(s >= 1.0, torch.full_like(s, self.sigma1), s)
         return self.eta * (s / (1 - s_bar)).sqrt()
 
-    def std(self, sigma, sigma_next):
-        delta = _as_batch(sigma) - _as_batch(sigma_next)
-        return self.g(sigma) * delta.clamp_min(0).sqrt()
-
-    def mean(self, x, v, sigma, sigma_next):
-        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        return _drifted_mean(x, v, s, s1, self.g(s) ** 2 * (s - s1) / (2 * s))
-
-    def dmu_dv(self, sigma, sigma_next):
-        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
-        delta = s - s1
-        return delta + self.g(sigma) ** 2 * delta * (1 - s) / (2 * s)
 
 
 class CPS(Scheme):
@@ -326,7 +332,7 @@ class Sage(Scheme):
         return (s - s1) + self.variance(s, s1).float() * (1 - s) / (2 * s)
 
 
-class Flash(Scheme):
+class Flash(_NoiseScaled):
     """Flash-GRPO's SDE: FlowGRPO's step with g = η·(σ_min + (σ_max - σ_min)·σ_k), σ_max = σ_1 and
     σ_min = σ_T of the schedule (its sde_step_with_logprob, η = 1): std = g·√Δ,
     μ = x - Δ·v - (g²·Δ / 2σ_k)·ε̂. Linear in σ, so the first step (σ = 1) needs no special case."""
@@ -344,18 +350,6 @@ class Flash(Scheme):
             raise ValueError("flash needs sigma_max (σ_1 of the schedule)")
         return self.eta * (self.sigma_min + (self.sigma_max - self.sigma_min) * _as_batch(sigma))
 
-    def std(self, sigma, sigma_next):
-        delta = _as_batch(sigma) - _as_batch(sigma_next)
-        return self.g(sigma) * delta.clamp_min(0).sqrt()
-
-    def mean(self, x, v, sigma, sigma_next):
-        s, s1 = _as_batch(sigma, x), _as_batch(sigma_next, x)
-        return _drifted_mean(x, v, s, s1, self.g(s) ** 2 * (s - s1) / (2 * s))
-
-    def dmu_dv(self, sigma, sigma_next):
-        s, s1 = _as_batch(sigma), _as_batch(sigma_next)
-        delta = s - s1
-        return delta + self.g(sigma) ** 2 * delta * (1 - s) / (2 * s)
 
 
 SCHEMES: dict[str, type[Scheme]] = {c.name: c for c in (ODE, Dance, Flow, CPS, Sage, Flash)}
