@@ -21,9 +21,9 @@ import torch
 
 from common.config import BankConfig
 from common.sde import Sage, Schedule
-from common.types import Condition, Group, Scores, Trajectory
+from common.types import Cond, Condition, Group, Scores, Trajectory
 from memory_bank.bank import MemoryBank
-from memory_bank.codec import encode
+from memory_bank.codec import encode, encode_cond
 from memory_bank.embedded import EmbeddedRedis
 
 K, C, F, H = 2, 16, 4, 32
@@ -37,6 +37,7 @@ def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator) -> G
     """G members whose stored tensors (x, x_next, final_latents) total about entry_mb each."""
     w = max(1, round(entry_mb * 2**20 / (4 * (2 * K + 1) * C * F * H)))
     cond = Condition(id="bench", prompt="a benchmark prompt")
+    enc = Cond({"text": torch.randn(1, 16, 64, generator=gen)}, None, "bench")  # the encoded condition, once
     gid = uuid.uuid4().hex
     members = [Trajectory(
         condition=cond, group_id=gid, member=i, seed=i, spec=SPEC,
@@ -44,7 +45,7 @@ def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator) -> G
         x=torch.randn(K, C, F, H, w, generator=gen),        # [K, C, F, H, W]
         x_next=torch.randn(K, C, F, H, w, generator=gen),   # [K, C, F, H, W]
         logp_old=torch.randn(K, generator=gen),             # [K]
-        final_latents=torch.randn(C, F, H, w, generator=gen),
+        final_latents=torch.randn(C, F, H, w, generator=gen), cond=enc,
     ) for i in range(g)]
     values = torch.rand(g, 3, generator=gen)                 # [G, H]
     return Group(cond, gid, version, members, Scores(["vq", "mq", "ta"], values), values.sum(1))
@@ -62,7 +63,8 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
     bank = MemoryBank(client, BankConfig(namespace=ns, capacity=g, max_staleness=0,
                                          max_bytes=1 << 40))
     groups = [make_group(entry_mb, g, v, gen) for v in range(min(iters, 3))]
-    blobs = [[encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0)[1]
+    blobs = [[encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0,
+                     cond_key=encode_cond(grp.condition.id, grp.cond)[0])[1]
               for i, m in enumerate(grp.members)] for grp in groups]
     nbytes = sum(len(b) for b in blobs[0])       # bytes per group, as stored
     t = {"push": [], "pull": [], "commit": [], "set": [], "get": []}

@@ -82,7 +82,7 @@ def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
     batch = TrainBatch(fresh=groups)
     trainer = Trainer(cfg, model, device=device).setup()
     rows = build_rows(batch, cfg)
-    cond_all = trainer.encode(rows)
+    cond_all = trainer.conditions(rows)
 
     lc, pi0 = trainer.loss_cfg, trainer.measures_pi0()
 

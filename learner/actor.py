@@ -47,6 +47,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def learner_components(cfg: RunConfig) -> str:
+    """What the learner builds of the model: the transformer(s) only, since every loss
+    (policy, KL, alignment) is computed in latent space from the trajectories and their encoded
+    conditions. A loss that needs an encoder or the VAE would return "all" here."""
+    return "transformer"
+
+
 def _shard_trainer(trainer: Trainer, mesh) -> None:
     """Shard the policy's module in place; the Trainer re-points its Policy and optimizer (Trainer.shard)."""
     trainer.shard(mesh)
@@ -86,7 +93,8 @@ class LearnerRank:
         else:
             from rollout_worker.models import build_model
 
-            model = build_model(cfg, self.device)
+            # the transformer(s) alone: the batch carries the conditions the rollout encoded
+            model = build_model(cfg, self.device, components=learner_components(cfg))
         self.trainer = Trainer(cfg, model, device=self.device).setup()
         # 3. wait for the slowest rank's read, then shard per transformer block (its broadcast
         #    is the group's first collective)

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from common.config import RunConfig
 from common.sde import Scheme, gaussian_kl
+from common.types import Cond
 from learner.rows import MicroBatch
-from rollout_worker.models.base import Cond
 
 VelocityFn = Callable[[Tensor, Tensor, Cond], Tensor]  # (x [B, ...], σ [B], cond) → v [B, ...]
 

@@ -27,11 +27,10 @@ import torch
 from torch import Tensor
 
 from common.config import NFTConfig, RunConfig
-from common.types import Condition, TrainBatch
+from common.types import Cond, TrainBatch
 from learner.advantages import is_zero_std
 from learner.losses import VelocityFn
 from learner.rows import batch_std, member_advantages, rank_rows
-from rollout_worker.models.base import Cond
 
 NFT_KEYS = ["loss", "loss/policy", "loss/kl", "nft/old_deviate", "nft/kl_div", "nft/r_mean"]
 WEIGHT_FLOOR = 1e-5  # its clip(min=0.00001) on the adaptive weight
@@ -43,8 +42,8 @@ class NFTRows:
     xt: Tensor           # [N, C, F, H, W] (1 - σ)·x0 + σ·ε
     sigma: Tensor        # [N] σ of the row
     r: Tensor            # [N] normalised reward in [0, 1]
-    cond_idx: Tensor     # [N] long, index into `conditions`
-    conditions: list[Condition]
+    cond_idx: Tensor     # [N] long, the row of `cond` (the fresh group's index)
+    cond: Cond | None    # [G, ...] each fresh group's encoded condition, as the rollout encoded it
     stats: dict[str, float]
 
     @property
@@ -99,7 +98,17 @@ def build_nft_rows(batch: TrainBatch, cfg: RunConfig) -> NFTRows:
     stats = {"reward_mean": float(all_r.mean()), "reward_std": float(all_r.std(unbiased=False)),
              "zero_std_frac": sum(zero) / len(zero), "num_rows": float(len(sigma))}
     return NFTRows(x0=x0, xt=(1 - s) * x0 + s * eps, sigma=sigma, r=torch.cat(rs), cond_idx=torch.tensor(cond_idx),
-                   conditions=[g.condition for g in batch.fresh], stats=stats)
+                   cond=_group_conds(batch), stats=stats)
+
+
+def _group_conds(batch: TrainBatch) -> Cond | None:
+    """One encoded condition per fresh group (its members share it), or None when none carries one."""
+    got = [g.members[0].cond for g in batch.fresh]
+    if all(c is None for c in got):
+        return None
+    if any(c is None for c in got):
+        raise ValueError("a batch mixes groups with and without their encoded condition (Trajectory.cond)")
+    return Cond.cat(got)
 
 
 def nft_micro_batches(rows: NFTRows, size: int, rank: int = 0, world_size: int = 1) -> Iterator[NFTMicroBatch]:

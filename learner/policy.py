@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from common.config import OptimConfig
-from rollout_worker.models.base import Cond, VideoModel
+from common.types import Cond
+from rollout_worker.models.base import VideoModel
 from rollout_worker.models.lora import inject_lora, is_lora_key
 
 

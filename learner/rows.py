@@ -2,8 +2,10 @@
 
 One row is one transition x^i_k → x^i_{k+1} of member i (fresh or bank), with its
 advantage A_i, equalizer weight w_k, and the rows of its group's winner and loser at the same
-step k (for J_align). Rows are built once per optimizer step on the CPU; micro-batches index
-them and move to the device.
+step k (for J_align): a member stores only the steps it trains, so the winner's x⁺_{k+1} is the
+winner's own row at step k, where it trained k, and there is none otherwise. Rows are built once
+per optimizer step on the CPU; micro-batches index them and move to the device. The conditions
+are the encoded ones that came with the trajectories (`Trajectory.cond`), each distinct one once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor
 from common.config import RunConfig
 from common.rewards import RewardHeads
 from common.sde import Schedule, Scheme, SchemeSpec, equalizer_weights, grad_scale, scheme_from_spec
-from common.types import Condition, Group, TrainBatch, Trajectory
+from common.types import Cond, Group, TrainBatch, Trajectory
 from learner.advantages import group_advantages, is_zero_std
 
 
@@ -31,13 +33,13 @@ class Rows:
     sigma_next: Tensor   # [N] σ_{k+1}
     adv: Tensor          # [N] A_i
     weight: Tensor       # [N] w_k (1 with the equalizer off)
-    cond_idx: Tensor     # [N] long, index into `conditions`
-    targets: Tensor      # [M, C, F, H, W] every recorded x_{k+1} of the batch (J_align's x±_{k+1})
-    pos_row: Tensor      # [N] long, the winner's x⁺_{k+1} at the row's step k in `targets` (-1: none)
-    neg_row: Tensor      # [N] long, the loser's x⁻_{k+1} in `targets` (-1: none)
+    cond_idx: Tensor     # [N] long, the row of `cond` the row is conditioned on
+    pos_row: Tensor      # [N] long, the winner's row at the row's step k (its x⁺_{k+1}; -1: none)
+    neg_row: Tensor      # [N] long, the loser's row at step k (its x⁻_{k+1}; -1: none)
     a_pos: Tensor        # [N] A⁺ of the row's group
     a_neg: Tensor        # [N] A⁻
-    conditions: list[Condition]
+    cond: Cond | None    # [D, ...] the batch's D distinct encoded conditions (None: the
+                         # trajectories carry none; cond_idx is then the fresh group's index)
     scheme: Scheme
     stats: dict[str, float]
     policy_version: Tensor | None = None  # [N] long, the version that sampled each row
@@ -144,7 +146,7 @@ def _require_scores(groups: list[Group]) -> None:
 
 @dataclass
 class _Columns:
-    """The rows' columns, and every recorded next latent (J_align's targets), group by group."""
+    """The rows' columns, group by group, and where each (trajectory, step) row is."""
 
     x: list[Tensor] = field(default_factory=list)
     x_next: list[Tensor] = field(default_factory=list)
@@ -158,24 +160,23 @@ class _Columns:
     lose: list[int] = field(default_factory=list)
     a_pos: list[Tensor] = field(default_factory=list)
     a_neg: list[Tensor] = field(default_factory=list)
-    targets: list[Tensor] = field(default_factory=list)
-    target_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (trajectory, k) -> targets index
+    row_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (trajectory, k) -> row
+    conds: list[Cond | None] = field(default_factory=list)          # the distinct conditions, in order
+    cond_at: dict[object, int] = field(default_factory=dict)        # a condition's key -> its index
     n_trajs: int = 0
 
     def add_group(self, gi: int, trajs: list[Trajectory], adv: Tensor, rewards: Tensor, need_mu: bool) -> None:
-        """A row per (member, step) the member trains; a target per step it recorded. The winner
-        and loser are taken over fresh + bank members."""
+        """A row per (member, step) the member stored, which is one it trains. The winner and
+        loser are taken over fresh + bank members."""
         win, lose, base = int(rewards.argmax()), int(rewards.argmin()), self.n_trajs
         for mi, t in enumerate(trajs):
             if need_mu and t.mu_old is None:
                 raise ValueError(f"trajectory {t.group_id}/{t.member} has no recorded μ_old, which "
                                  f"kl.d_step=exact and align.form=clipped need; it was sampled with "
                                  f"another config")
+            ci = self.cond_index(t, gi)
             for j, k in enumerate(t.step_indices):
-                self.target_at[(base + mi, int(k))] = len(self.targets)
-                self.targets.append(t.x_next[j])
-                if not t.trains(k):
-                    continue
+                self.row_at[(base + mi, int(k))] = len(self.x)
                 self.x.append(t.x[j])
                 self.x_next.append(t.x_next[j])
                 self.logp_old.append(t.logp_old[j].float())
@@ -184,25 +185,45 @@ class _Columns:
                 self.k.append(int(k))
                 self.version.append(int(t.policy_version))
                 self.adv.append(adv[mi])
-                self.cond.append(gi)
+                self.cond.append(ci)
                 self.win.append(base + win)
                 self.lose.append(base + lose)
                 self.a_pos.append(adv[win])
                 self.a_neg.append(adv[lose])
         self.n_trajs += len(trajs)
 
+    def cond_index(self, t: Trajectory, gi: int) -> int:
+        """The index of t's encoded condition among the batch's distinct ones: one per object
+        (a group's members and a condition's bank entries share one), or per fresh group when
+        the trajectories carry none."""
+        key = ("group", gi) if t.cond is None else id(t.cond)
+        if key not in self.cond_at:
+            self.cond_at[key] = len(self.conds)
+            self.conds.append(t.cond)
+        return self.cond_at[key]
+
+    def stacked_cond(self) -> Cond | None:
+        """The distinct conditions' rows in one Cond [D, ...], or None when no trajectory has one."""
+        got = self.conds
+        if all(c is None for c in got):
+            return None
+        if any(c is None for c in got):
+            raise ValueError("a batch mixes trajectories with and without their encoded condition "
+                             "(Trajectory.cond); every one must carry it")
+        return Cond.cat(got)
+
     def align_rows(self) -> tuple[Tensor, Tensor]:
-        """Each row's winner's and loser's next latent at the row's step k in `targets` (-1: none)."""
-        pos = [self.target_at.get((w, k), -1) for w, k in zip(self.win, self.k, strict=True)]
-        neg = [self.target_at.get((lo, k), -1) for lo, k in zip(self.lose, self.k, strict=True)]
+        """Each row's winner's and loser's row at the row's step k (-1: that member did not train k)."""
+        pos = [self.row_at.get((w, k), -1) for w, k in zip(self.win, self.k, strict=True)]
+        neg = [self.row_at.get((lo, k), -1) for lo, k in zip(self.lose, self.k, strict=True)]
         return torch.tensor(pos), torch.tensor(neg)
 
 
 def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
     """Advantages (section 4), step weights (section 5) and align targets (section 7) per row.
 
-    A row is a (member, step) the member trains; `targets` holds every recorded next latent, so a
-    winner's x⁺_{k+1} is found even at a step the winner itself does not train.
+    A row is a (member, step) the member trains (each member stores only those); the winner's
+    x⁺_{k+1} at a row's step k is the winner's own row at k, found only where it trained k.
     """
     need_mu = cfg.records_mu_old
     cols, all_trajs = _Columns(), []
@@ -232,9 +253,9 @@ def build_rows(batch: TrainBatch, cfg: RunConfig) -> Rows:
         mu_old=torch.stack(cols.mu_old) if need_mu else None,
         sigma=sig[ks], sigma_next=sig[ks + 1],
         adv=torch.stack(cols.adv).float(), weight=weight.float(), cond_idx=torch.tensor(cols.cond),
-        targets=torch.stack(cols.targets), pos_row=pos_row, neg_row=neg_row,
+        pos_row=pos_row, neg_row=neg_row,
         a_pos=torch.stack(cols.a_pos).float(), a_neg=torch.stack(cols.a_neg).float(),
-        conditions=[g.condition for g in batch.fresh], scheme=scheme,
+        cond=cols.stacked_cond(), scheme=scheme,
         stats=_batch_stats(cfg, torch.cat(fresh_rewards), torch.cat(fresh_adv), zero_std, len(ks), found),
         policy_version=torch.tensor(cols.version, dtype=torch.long),
     )
@@ -275,8 +296,8 @@ def micro_batches(rows: Rows, size: int, rank: int = 0, world_size: int = 1) -> 
     for start in range(0, len(idx), size):
         i, m = idx[start:start + size], mask[start:start + size]
         own = rows.x_next[i]                                     # stands in where no target exists
-        pos = torch.where(_bcast(rows.pos_row[i] >= 0, own), rows.targets[rows.pos_row[i].clamp_min(0)], own)
-        neg = torch.where(_bcast(rows.neg_row[i] >= 0, own), rows.targets[rows.neg_row[i].clamp_min(0)], own)
+        pos = torch.where(_bcast(rows.pos_row[i] >= 0, own), rows.x_next[rows.pos_row[i].clamp_min(0)], own)
+        neg = torch.where(_bcast(rows.neg_row[i] >= 0, own), rows.x_next[rows.neg_row[i].clamp_min(0)], own)
         yield MicroBatch(
             x=rows.x[i], x_next=own, x_pos=pos, x_neg=neg,
             logp_old=rows.logp_old[i], sigma=rows.sigma[i], sigma_next=rows.sigma_next[i],

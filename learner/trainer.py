@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
-from common.types import TrainBatch, TrainStats
+from common.types import Cond, TrainBatch, TrainStats
 from learner import checkpoint
 from learner.kl import KLController
 from learner.losses import LossConfig, compute_loss
@@ -36,7 +36,7 @@ from learner.nft import (
 )
 from learner.policy import Policy
 from learner.rows import MicroBatch, Rows, build_rows, micro_batches
-from rollout_worker.models.base import Cond, VideoModel
+from rollout_worker.models.base import VideoModel
 
 ReduceFn = Callable[[Tensor], Tensor]
 GRPO_KEYS = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
@@ -73,15 +73,13 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def encode(self, rows: Rows | NFTRows) -> Cond:
-        """Each condition of the batch once; the text encoder is frozen."""
-        from common.images import condition_images  # I2V first frames by path (or in memory)
-        from rollout_worker.models.base import negative_kwargs
-
-        conds = rows.conditions
-        images = condition_images(conds, self.cfg.model.height, self.cfg.model.width)
-        with torch.no_grad():
-            return self.model.encode([c.prompt for c in conds], images, **negative_kwargs(conds)).to(self.device)
+    def conditions(self, rows: Rows | NFTRows) -> Cond:
+        """The batch's encoded conditions, each once, on the device: those the rollout encoded and
+        the trajectories carry (the learner runs no text/image encoder and no VAE)."""
+        if rows.cond is None:
+            raise ValueError("the batch's trajectories carry no encoded condition (Trajectory.cond): "
+                             "groups must come from rollout_worker.sampler.sample_group or the bank")
+        return rows.cond.to(self.device)
 
     def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float,
                    pi0: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
@@ -119,8 +117,8 @@ class Trainer:
             rows = build_rows(batch, self.cfg)
             rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
 
-        # 2. conditions, encoded once
-        cond_all = self.encode(rows)
+        # 2. conditions, as the rollout encoded them
+        cond_all = self.conditions(rows)
 
         # 3. accumulate gradients over this rank's micro-batches
         stats, first_logratio, onp_max = self._accumulate(rows, cond_all, lam_kl, rank, world_size, reduce)

@@ -10,6 +10,11 @@ Space: `bank.max_bytes` bounds every stored byte. Queued groups are never evicte
 that does not fit beside them raises `BankFull` (wait with `wait_for_space`); banked entries
 are a cache, evicted oldest first to make room.
 
+Conditions: a group's encoded condition (`Group.cond`) is stored once, as a record keyed by its
+condition id, what encoded it and its bytes (memory_bank/keys.py `cond_record`), named by each
+member's entry; it counts in the bytes while an entry names it and is deleted with the last.
+Pulled trajectories carry it again (`Trajectory.cond`, one object per record and pull).
+
 Reads and evictions are atomic with respect to each other: an entry's two keys are read in
 one MULTI/EXEC and deleted in one DEL, and an entry evicted between the index read and the
 fetch reads as gone (skipped), never as corrupt.
@@ -31,7 +36,7 @@ import torch
 
 from common.actor_metrics import count_bank_evictions
 from common.config import BankConfig
-from common.types import Group, Scores, TrainBatch, Trajectory
+from common.types import Cond, Group, Scores, TrainBatch, Trajectory
 from memory_bank import codec
 from memory_bank.codec import Entry
 from memory_bank.errors import (
@@ -126,12 +131,17 @@ class MemoryBank:
             if m.condition.id != group.condition.id:
                 raise ValueError(f"group {gid!r} member {m.member}: condition {m.condition.id!r} "
                                  f"!= group condition {group.condition.id!r}")
-        # 2. Encode members (frames are not stored).
+            if m.cond is None or m.cond is not group.cond:
+                raise ValueError(f"group {gid!r} member {m.member}: no encoded condition shared with the "
+                                 "group (Trajectory.cond, set by sample_group): the bank stores it once")
+        # 2. Encode the condition once and the members (frames are not stored).
+        ck, record = codec.encode_cond(group.condition.id, group.cond)
+        cbytes = codec.cond_nbytes(record)
         eids = [uuid.uuid4().hex for _ in group.members]
-        encoded = [codec.encode(eid, m, heads, group.scores.values[i], float(group.composite[i]))
+        encoded = [codec.encode(eid, m, heads, group.scores.values[i], float(group.composite[i]), cond_key=ck)
                    for i, (eid, m) in enumerate(zip(eids, group.members, strict=True))]
-        # 3. Write entry keys, then queue the group atomically, in one round trip: nobody
-        #    sees the entries until the script has queued the group.
+        # 3. Write entry keys (and the condition record unless it is stored), then queue the
+        #    group atomically, in one round trip: nobody sees the entries until it is queued.
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
         info: list[str] = []
@@ -142,29 +152,51 @@ class MemoryBank:
             nbytes = len(blob) + sum(len(f) + len(v.encode()) for f, v in meta.items())
             total += nbytes
             info += [eid, json.dumps({"b": nbytes, "c": float(meta["composite"]),
-                                      "v": m.policy_version, "cond": group.condition.id})]
+                                      "v": m.policy_version, "cond": group.condition.id, "k": ck})]
         if self.groups_per_step is not None:
-            check_step_fits(self.groups_per_step, total, self.cfg.max_bytes)
-        self.scripts.push(
-            keys=[k.group(gid), k.fresh, k.einfo, k.bytes, k.counts, k.qbytes, k.bankz, k.conds],
-            args=[gid, uuid.uuid4().hex, group.condition.id, group.policy_version, total, g,
-                  self.cfg.max_bytes, k.cond_prefix, *info],
-            client=pipe)
-        res, out = pipe.execute()[-1]
-        self.group_bytes = max(self.group_bytes, total)
+            check_step_fits(self.groups_per_step, total + cbytes, self.cfg.max_bytes)
+        res, out, extra = self._queue(pipe, group, ck, record, cbytes, total, info)
+        self.group_bytes = max(self.group_bytes, total + cbytes)
         if res == -1:
             self._delete_entries(eids)
             raise DuplicateGroup(f"group_id {gid!r} is already queued in bank {k.namespace!r}: "
                                  "producers must use unique group ids")
+        if res == -3:
+            self._delete_entries(eids)
+            raise BankUnavailable(f"memory bank: the condition record of group {gid!r} was evicted "
+                                  "each time it was written during the push; retry")
         if res == -2:
             self._delete_entries(eids)
             raise BankFull(f"bank {k.namespace!r} is full: queued groups hold {int(out)} bytes and "
-                           f"group {gid!r} needs {total} more, over bank.max_bytes="
+                           f"group {gid!r} needs {total + int(extra)} more, over bank.max_bytes="
                            f"{self.cfg.max_bytes}; wait_for_space() until the learner pulls and "
                            "commits, or raise bank.max_bytes")
         self._delete_entries([_s(e) for e in out])   # banked entries evicted to make room
         count_bank_evictions(len(out))
         return gid
+
+    def _queue(self, pipe, group: Group, ck: str, record: dict, cbytes: int, total: int,
+               info: list[str]) -> tuple[int, Any, int]:
+        """Run the PUSH script on `pipe` (which holds the entries' writes), with the condition
+        record written first unless cinfo counts it; when the record was dropped in between
+        (its last entries evicted), write it again and retry. Returns (code, evicted or queued
+        bytes, what the condition added to the queued bytes)."""
+        k, token = self.keys, uuid.uuid4().hex
+        if not self.r.hexists(k.cinfo, ck):
+            pipe.hset(k.cond_record(ck), mapping=record)
+        for _ in range(3):
+            self.scripts.push(
+                keys=[k.group(group.group_id), k.fresh, k.einfo, k.bytes, k.counts, k.qbytes, k.bankz,
+                      k.conds, k.cinfo],
+                args=[group.group_id, token, group.condition.id, group.policy_version, total, group.size,
+                      self.cfg.max_bytes, k.cond_prefix, ck, cbytes, *info],
+                client=pipe)
+            res, out, *extra = pipe.execute()[-1]
+            if res != -3:
+                return res, out, (extra or [0])[0]
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hset(k.cond_record(ck), mapping=record)
+        return -3, None, 0
 
     @_reachable
     def bytes_used(self) -> int:
@@ -221,11 +253,12 @@ class MemoryBank:
         # 2. Banked entry ids per condition, filtered by staleness.
         banked = {_s(row[0]): self._fresh_enough(_s(row[0]), row[1:], version) for row in banks}
         # 3. Decode each group, and its condition's bank entries once per pull (one round
-        #    trip per group); skip what is corrupt.
+        #    trip per group, one more for condition records not read yet); skip what is corrupt.
         cache: dict[str, list[Entry]] = {}
+        conds: dict[str, Cond] = {}   # one object per condition record and pull
         for gid, cid, ver, eids in ([_s(v) for v in row] for row in groups):
             group, entries = self._load_group(gid, cid, ver, eids.split(),
-                                              [] if cid in cache else banked.get(cid, []))
+                                              [] if cid in cache else banked.get(cid, []), conds)
             cache.setdefault(cid, entries)
             if group is None:
                 self._drop_group(gid)
@@ -251,7 +284,7 @@ class MemoryBank:
         for grp, keep in zip(batch.fresh, keeps, strict=True):
             self.scripts.commit(
                 keys=[k.pending(self.consumer), k.group(grp.group_id), k.cond(grp.condition.id),
-                      k.einfo, k.bytes, k.counts, k.done, k.conds, k.bankz, k.qbytes],
+                      k.einfo, k.bytes, k.counts, k.done, k.conds, k.bankz, k.qbytes, k.cinfo],
                 args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
                       DONE_CAP, "committed", *keep], client=pipe)
         outs = pipe.execute()
@@ -339,22 +372,23 @@ class MemoryBank:
 
     @_reachable
     def stats(self) -> dict[str, Any]:
-        """Counts by status, bytes, queue depths, corrupt count and Redis round-trip latency."""
+        """Counts by status, bytes, queue depths, stored condition records, corrupt count and Redis
+        round-trip latency."""
         k = self.keys
         t0 = time.perf_counter()
         self.r.ping()
         latency_ms = (time.perf_counter() - t0) * 1e3
         pipe = self.r.pipeline(transaction=False)
         pipe.llen(k.fresh).get(k.bytes).hgetall(k.counts)
-        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes)
-        fresh, nbytes, counts, banked, conds, entries, qbytes = pipe.execute()
+        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes).hlen(k.cinfo)
+        fresh, nbytes, counts, banked, conds, entries, qbytes, records = pipe.execute()
         pending = len(self.pending_ids())
         c = {_s(a): int(b) for a, b in counts.items()}
         return {
             "fresh": fresh, "pending": pending, "banked": banked, "entries": entries,
             "conditions": conds, "pushed": c.get("pushed", 0), "committed": c.get("committed", 0),
             "dropped": c.get("dropped", 0), "corrupt": c.get("corrupt", 0),
-            "bytes": int(nbytes or 0), "queued_bytes": int(qbytes or 0),
+            "cond_records": records, "bytes": int(nbytes or 0), "queued_bytes": int(qbytes or 0),
             "max_bytes": self.cfg.max_bytes,
             "redis_latency_ms": latency_ms,
         }
@@ -397,7 +431,8 @@ class MemoryBank:
         for cid in sorted(current | set(banked)):
             want = banked.get(cid, [])
             n, gone = self.scripts.restore(
-                keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.counts], args=[cid, *want])
+                keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.counts, k.qbytes, k.cinfo],
+                args=[cid, *want])
             kept, missing = kept + n, missing + len(want) - n
             evicted += [_s(e) for e in gone]
         self._delete_entries(evicted)
@@ -441,15 +476,15 @@ class MemoryBank:
             self._evict_banked(cid, bad)
         return keep
 
-    def _load_group(self, gid: str, cid: str, version: str, eids: list[str], bank_eids: list[str]
-                    ) -> tuple[Group | None, list[Entry]]:
+    def _load_group(self, gid: str, cid: str, version: str, eids: list[str], bank_eids: list[str],
+                    conds: dict[str, Cond]) -> tuple[Group | None, list[Entry]]:
         """Decode a pulled group (None when no member is usable) and the given bank entries."""
         try:
             v = int(version)
         except ValueError:
             self._corrupt(f"group {gid!r}: record missing or incomplete")
             return None, []
-        fetched = self._fetch(eids + bank_eids, cid, members=set(eids))
+        fetched = self._fetch(eids + bank_eids, cid, members=set(eids), conds=conds)
         own = set(eids)
         members = [e for eid, e in fetched if eid in own]
         bank = [e for eid, e in fetched if eid not in own]
@@ -495,12 +530,12 @@ class MemoryBank:
             self._evict_banked(cid, bad)
         return [e for e in bank if e.id not in bad], out
 
-    def _fetch(self, eids: list[str], cid: str, members: set[str] = frozenset()
-               ) -> list[tuple[str, Entry]]:
-        """Decode entries (one atomic round trip); corrupt ones are logged, counted and evicted.
-        A banked entry whose keys are both gone was evicted after the index was read: it is
-        skipped, not corrupt. A group member (`members`) is never evicted while queued, so a
-        gone member is corrupt."""
+    def _fetch(self, eids: list[str], cid: str, members: set[str] = frozenset(),
+               conds: dict[str, Cond] | None = None) -> list[tuple[str, Entry]]:
+        """Decode entries (one atomic round trip) with their encoded conditions (`_with_conds`);
+        corrupt ones are logged, counted and evicted. A banked entry whose keys are both gone was
+        evicted after the index was read: it is skipped, not corrupt. A group member (`members`)
+        is never evicted while queued, so a gone member is corrupt."""
         good_ids, bad = [], []
         for eid in eids:
             try:
@@ -531,16 +566,55 @@ class MemoryBank:
             except CorruptEntry as err:
                 self._corrupt(f"entry {eid} of condition {cid!r}: {err}")
                 bad.append(eid)
+        out = self._with_conds(out, cid, members, {} if conds is None else conds, bad, gone)
         if gone:
             log.debug("bank: %d entries of condition %r evicted while being fetched", len(gone), cid)
         if bad or gone:
             self._evict_banked(cid, bad + gone)
         return out
 
+    def _with_conds(self, fetched: list[tuple[str, Entry]], cid: str, members: set[str],
+                    conds: dict[str, Cond], bad: list[str], gone: list[str]) -> list[tuple[str, Entry]]:
+        """Set each entry's trajectory.cond from its condition record (read once per record and
+        pull: `conds`). An entry whose record cannot be read is corrupt (`bad`), unless it is a
+        banked entry evicted since it was read (`gone`): its record went with its last entry."""
+        k = self.keys
+        want = sorted({e.cond_key for _, e in fetched} - set(conds))
+        if want:
+            pipe = self.r.pipeline(transaction=False)
+            for ck in want:
+                pipe.hgetall(k.cond_record(ck))
+            for ck, raw in zip(want, pipe.execute(), strict=True):
+                try:
+                    key, rec_cid, cond = codec.decode_cond(raw, copy=False) if raw else (ck, cid, None)
+                    if cond is not None and (key != ck or rec_cid != cid):
+                        raise CorruptEntry(f"it is {key}/{rec_cid!r}, not {ck}/{cid!r}")
+                except CorruptEntry as err:
+                    self._corrupt(f"condition record {ck} of condition {cid!r}: {err}")
+                    continue
+                if cond is not None:
+                    conds[ck] = cond
+        out, missing = [], []
+        for eid, e in fetched:
+            if e.cond_key in conds:
+                e.trajectory.cond = conds[e.cond_key]
+                out.append((eid, e))
+            else:
+                missing.append(eid)
+        if missing:
+            alive = self.r.hmget(k.einfo, missing)
+            for eid, info in zip(missing, alive, strict=True):
+                if info is None and eid not in members:
+                    gone.append(eid)
+                else:
+                    self._corrupt(f"entry {eid} of condition {cid!r}: its condition record is missing or damaged")
+                    bad.append(eid)
+        return out
+
     def _evict_banked(self, cid: str, eids: list[str]) -> None:
         """Remove entries from a condition's index (no-op for eids not in it) and delete them."""
         k = self.keys
-        gone = self.scripts.evict(keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz],
+        gone = self.scripts.evict(keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.qbytes, k.cinfo],
                                   args=[cid, *eids])
         self._delete_entries([_s(e) for e in gone])
 
@@ -550,7 +624,7 @@ class MemoryBank:
         k = self.keys
         out = self.scripts.commit(
             keys=[k.pending(self.consumer), k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts,
-                  k.dead, k.conds, k.bankz, k.qbytes],
+                  k.dead, k.conds, k.bankz, k.qbytes, k.cinfo],
             args=[gid, "drop", self.cfg.capacity, "-", int(self.cfg.max_bytes * LOW_WATERMARK),
                   k.cond_prefix, DEAD_CAP, "dropped"])
         self._delete_entries([_s(e) for e in out or []])

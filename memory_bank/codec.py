@@ -1,4 +1,4 @@
-"""Trajectory <-> (metadata hash fields, safetensors bytes).
+"""Trajectory <-> (metadata hash fields, safetensors bytes); an encoded condition <-> its record.
 
 Bytes read from Redis are untrusted: decoding never unpickles, checks every field and
 shape, and raises only `CorruptEntry` (naming the field) on anything it does not accept.
@@ -8,15 +8,22 @@ returns, so everything it writes reads back, exactly.
 Frames are not stored: the learner needs latents, log-probs and rewards, not video.
 
 Each entry stores its SDE scheme's full spec (`scheme`, `scheme_params`: every constructor
-argument, `sigmas`), the only thing the learner replays it with. Format 1 (before the spec)
-stored the name and η alone; its entries are refused in one line, not read with guessed
-arguments that may not be the ones it was sampled with. An entry of a rollout that records no
-step (grpo.loss=nft: `step_indices` empty) stores its final latents only; entries with steps read
-as before, so the format stays 2.
+argument, `sigmas`), the only thing the learner replays it with, the steps its member trains
+and nothing else of the schedule, and the key of its encoded condition (`cond_key`). The
+condition's tensors are a record of their own (`encode_cond`), stored once per condition and
+encoding (its key: the condition id, what encoded it, and the bytes), not per member; entries
+name no file for the learner to open.
+
+Format 3. Format 1 (no scheme spec) and format 2 (every recorded step, conditions re-encoded by
+the learner from a prompt and an image path) are refused in one line: neither can be trained
+without an encoder, and format 1 not replayed exactly.
+An entry of a rollout that records no step (grpo.loss=nft: `step_indices` empty) stores its
+final latents only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -30,27 +37,34 @@ from torch import Tensor
 
 from common.config import SchemeName
 from common.sde import Param, SchemeSpec, scheme_from_spec
-from common.types import Condition, Trajectory
+from common.types import Cond, Condition, Trajectory
 from memory_bank.errors import CorruptEntry
 from memory_bank.keys import check_eid
 from memory_bank.tensorfile import dumps, loads
 
-FORMAT = "2"
+FORMAT = "3"
+OLD_FORMATS = {
+    "1": "did not store its SDE scheme's full spec, so it cannot be replayed exactly",
+    "2": "stored no encoded condition (the learner re-encoded it from the prompt and an image path)",
+}
 _INT = re.compile(r"(0|-?[1-9][0-9]*)")   # str(int) and nothing else
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a condition tensor's name (a transformer kwarg)
 SCHEMES = frozenset(get_args(SchemeName))
 STATUSES = frozenset({"fresh", "banked"})
-TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "image" for I2V, "mu_old" when recorded
-OPTIONAL_TENSORS = ("image", "mu_old")
+TENSORS = ("x", "x_next", "logp_old", "final_latents")  # plus "mu_old" when recorded
+OPTIONAL_TENSORS = ("mu_old",)
 REQUIRED = (
     "format", "id", "condition", "prompt", "group", "member", "seed", "version", "created",
     "scheme", "scheme_params", "guidance_scale", "sigmas", "step_indices", "trained", "heads", "scores",
-    "composite", "status",
+    "composite", "status", "cond_key",
 )
+COND_REQUIRED = ("format", "key", "condition", "encoder", "blob")
 
 
 @dataclass
 class Entry:
-    """One decoded bank entry: a trajectory with its stored rewards."""
+    """One decoded bank entry: a trajectory with its stored rewards. `trajectory.cond` is None
+    here: the bank sets it from the record `cond_key` names."""
 
     id: str
     trajectory: Trajectory
@@ -59,12 +73,19 @@ class Entry:
     composite: float
     status: str
     created: float
+    cond_key: str = ""
 
 
 def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composite: float,
-           status: str = "fresh") -> tuple[dict[str, str], bytes]:
-    """Return (metadata hash fields, blob) for one member; raises ValueError on bad input."""
+           status: str = "fresh", cond_key: str = "") -> tuple[dict[str, str], bytes]:
+    """Return (metadata hash fields, blob) for one member whose encoded condition is stored as
+    the record `cond_key` (see `encode_cond`); raises ValueError on bad input."""
     check_eid(eid)
+    try:
+        check_eid(cond_key)
+    except ValueError:
+        raise ValueError(f"member {traj.member}: cond_key {cond_key!r} is not a condition record's key "
+                         "(encode_cond gives it)") from None
     row = [float(s) for s in scores.reshape(-1).tolist()]          # [H]
     if len(row) != len(heads) or not heads:
         raise ValueError(f"member {traj.member}: {len(row)} scores for heads {heads}")
@@ -75,8 +96,6 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
                "final_latents": traj.final_latents}
     if not traj.step_indices:  # a rollout that records no step (grpo.loss=nft): its final latents only
         tensors = {"final_latents": traj.final_latents}
-    if traj.condition.image is not None:
-        tensors["image"] = traj.condition.image
     if traj.mu_old is not None:
         tensors["mu_old"] = traj.mu_old
     for field in ("id", "prompt"):
@@ -105,13 +124,8 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
         "scores": json.dumps(row),
         "composite": repr(float(composite)),
         "status": status,
+        "cond_key": cond_key,
     }
-    if traj.trained_steps is not None:
-        meta["trained_steps"] = json.dumps([int(k) for k in traj.trained_steps])
-    if traj.condition.image_path is not None:  # I2V by reference: the learner reads the file
-        meta["image_path"] = traj.condition.image_path
-    if traj.condition.negative_prompt is not None:  # the learner encodes the row's CFG text too
-        meta["negative_prompt"] = traj.condition.negative_prompt
     try:  # what decode would refuse (non-finite log-probs, a step outside sigmas, ...) is refused here
         decode(meta, blob, copy=False)
     except CorruptEntry as e:
@@ -148,7 +162,11 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         raise CorruptEntry(f"field 'member'/'trained' negative: {member}/{trained}")
     cfg_scale, composite, created = (_float(m, f) for f in ("guidance_scale", "composite", "created"))
     spec = _spec(m)
-    steps, trained_steps = _steps(m, len(spec.sigmas))
+    steps = _steps(m, len(spec.sigmas))
+    try:
+        check_eid(m["cond_key"])
+    except ValueError:
+        raise CorruptEntry(f"field 'cond_key' is {m['cond_key'][:40]!r}, expected 32 hex characters") from None
     heads, scores = _json_list(m, "heads", str), _json_list(m, "scores", float)
     if not heads:
         raise CorruptEntry("field 'heads' is empty")
@@ -156,26 +174,23 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
         raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
     t = _tensors(blob, len(steps), copy)
     traj = Trajectory(
-        condition=Condition(id=m["condition"], prompt=m["prompt"], image=t.get("image"),
-                            image_path=m.get("image_path"), negative_prompt=m.get("negative_prompt")),
+        condition=Condition(id=m["condition"], prompt=m["prompt"]),
         group_id=m["group"], member=member, seed=seed, spec=spec, guidance_scale=cfg_scale,
         policy_version=version, step_indices=steps, x=t.get("x"), x_next=t.get("x_next"),
         logp_old=t.get("logp_old"),
         final_latents=t["final_latents"], frames=None, trained_times=trained, bank_id=eid,
-        trained_steps=trained_steps, mu_old=t.get("mu_old"),
+        mu_old=t.get("mu_old"),
     )
     return Entry(id=eid, trajectory=traj, heads=heads,
                  scores=torch.tensor(scores, dtype=torch.float32), composite=composite,
-                 status=m["status"], created=created)
+                 status=m["status"], created=created, cond_key=m["cond_key"])
 
 
 def _fields(meta: Mapping[Any, Any]) -> dict[str, str]:
     """The hash fields as text, all present, of this format, with a valid id and status."""
     m = {_text(k, "field name"): _text(v, k) for k, v in meta.items()}
     missing = [f for f in REQUIRED if f not in m]
-    if m.get("format") == "1":  # checked first: a format-1 entry also lacks scheme_params
-        raise CorruptEntry("field 'format' is '1': an entry of an older vgrpo, which did not store its "
-                           "SDE scheme's full spec; it cannot be replayed exactly and is not read")
+    _check_format(m.get("format"), "an entry")  # first: an older entry also lacks newer fields
     if missing:
         raise CorruptEntry(f"missing fields {missing}")
     if m["format"] != FORMAT:
@@ -213,15 +228,21 @@ def _spec(m: dict[str, str]) -> SchemeSpec:
     return spec
 
 
-def _steps(m: dict[str, str], n_sigmas: int) -> tuple[list[int], list[int] | None]:
-    """step_indices (each a step of the schedule) and trained_steps (a subset of them, or None)."""
+def _check_format(fmt: str | None, what: str) -> None:
+    """Formats 1 and 2 (older vgrpo) are refused in one line that says why."""
+    if fmt in OLD_FORMATS:
+        raise CorruptEntry(f"field 'format' is {fmt!r}: {what} of an older vgrpo, which "
+                           f"{OLD_FORMATS[fmt]}; it is not read (format {FORMAT} is)")
+
+
+def _steps(m: dict[str, str], n_sigmas: int) -> list[int]:
+    """step_indices: the member's trained steps, each a step of the schedule, increasing."""
     steps = _json_list(m, "step_indices", int)
     if any(not 0 <= k < n_sigmas - 1 for k in steps):  # none: a rollout that records no step
         raise CorruptEntry(f"field 'step_indices' {steps} outside 0..{n_sigmas - 2}")
-    trained_steps = _json_list(m, "trained_steps", int) if "trained_steps" in m else None
-    if trained_steps is not None and not set(trained_steps) <= set(steps):
-        raise CorruptEntry(f"field 'trained_steps' {trained_steps} is not a subset of 'step_indices' {steps}")
-    return steps, trained_steps
+    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        raise CorruptEntry(f"field 'step_indices' {steps} is not strictly increasing")
+    return steps
 
 
 def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
@@ -232,16 +253,12 @@ def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
         t = loads(blob, copy=copy)
     except ValueError as e:
         raise CorruptEntry(f"blob is not safetensors: {e}") from None
-    t = _step_tensors(t, k) if k else _final_only(t)
-    image = t.get("image")
-    if image is not None and (image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3):
-        raise CorruptEntry(f"tensor 'image' {image.dtype} {tuple(image.shape)}: expected uint8 [H, W, 3]")
-    return t
+    return _step_tensors(t, k) if k else _final_only(t)
 
 
 def _step_tensors(t: dict[str, Tensor], k: int) -> dict[str, Tensor]:
     """The tensors of a trajectory that recorded k > 0 steps: x, x_next, logp_old, final_latents
-    (and mu_old, image), checked."""
+    (and mu_old), checked."""
     extra, absent = set(t) - {*TENSORS, *OPTIONAL_TENSORS}, set(TENSORS) - set(t)
     if extra or absent:
         raise CorruptEntry(f"blob tensors: missing {sorted(absent)}, unexpected {sorted(extra)}")
@@ -266,14 +283,97 @@ def _step_tensors(t: dict[str, Tensor], k: int) -> dict[str, Tensor]:
 
 
 def _final_only(t: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A trajectory that recorded no step (grpo.loss=nft): only `final_latents` (and an I2V image)."""
-    extra = set(t) - {"final_latents", "image"}
+    """A trajectory that recorded no step (grpo.loss=nft): only `final_latents`."""
+    extra = set(t) - {"final_latents"}
     if extra or "final_latents" not in t:
         raise CorruptEntry(f"blob of an entry without steps: expected final_latents, got {sorted(t)}")
     final = t["final_latents"]
     if final.dim() != 4 or not final.is_floating_point():
         raise CorruptEntry(f"tensor 'final_latents' {final.dtype} {tuple(final.shape)}: expected float [C, F, H, W]")
     return t
+
+
+# --- encoded conditions: one record per (condition, encoder, bytes) ----------------------------
+
+
+def encode_cond(cid: str, cond: Cond) -> tuple[str, dict[str, str | bytes]]:
+    """(key, record hash fields) of a group's encoded condition (one row); ValueError on bad input.
+
+    The key is the SHA-256 (32 hex characters) of the condition id, what encoded it
+    (`cond.encoder`) and the tensors' bytes: the groups of one condition encoded alike share one
+    record, and a record never changes under its key."""
+    _utf8(cid, "condition.id")
+    _utf8(cond.encoder, "cond.encoder")
+    tensors = {f"c.{k}": v for k, v in cond.tensors.items()}
+    tensors.update({f"u.{k}": v for k, v in (cond.uncond or {}).items()})
+    bad = [n for n, t in tensors.items() if t.dim() < 1 or t.shape[0] != 1]
+    if bad:
+        raise ValueError(f"condition {cid!r}: encoded tensors {bad} do not have one row (a group's "
+                         "condition is encoded once: [1, ...])")
+    blob = dumps(tensors)
+    key = _cond_digest(cid, cond.encoder, blob)
+    fields: dict[str, str | bytes] = {"format": FORMAT, "key": key, "condition": cid, "encoder": cond.encoder,
+                                      "blob": blob}
+    try:
+        decode_cond(fields, copy=False)
+    except CorruptEntry as e:
+        raise ValueError(f"condition {cid!r}: its encoded tensors cannot be stored: {e}") from None
+    return key, fields
+
+
+def cond_nbytes(fields: Mapping[str, str | bytes]) -> int:
+    """What a condition record holds in Redis (fields and values), for the bank's byte bound."""
+    return sum(len(k) + len(v if isinstance(v, bytes) else v.encode()) for k, v in fields.items())
+
+
+def decode_cond(fields: Mapping[Any, Any], copy: bool = True) -> tuple[str, str, Cond]:
+    """(key, condition id, Cond) of a record; raises only CorruptEntry. The key must be the
+    digest of what the record holds, so a damaged record is never read as a condition."""
+    try:
+        return _decode_cond(fields, copy)
+    except CorruptEntry:
+        raise
+    except Exception as e:  # noqa: BLE001 — untrusted bytes: any other failure is corruption too
+        raise CorruptEntry(f"undecodable condition record: {type(e).__name__}: {e}") from e
+
+
+def _decode_cond(fields: Mapping[Any, Any], copy: bool) -> tuple[str, str, Cond]:
+    raw = {_text(k, "field name"): v for k, v in fields.items()}
+    blob = raw.get("blob")
+    m = {k: _text(v, k) for k, v in raw.items() if k != "blob"}
+    _check_format(m.get("format"), "a condition record")
+    missing = [f for f in COND_REQUIRED if f not in raw]
+    if missing:
+        raise CorruptEntry(f"condition record: missing fields {missing}")
+    if m["format"] != FORMAT:
+        raise CorruptEntry(f"condition record: field 'format' is {m['format']!r}, expected {FORMAT!r}")
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise CorruptEntry("condition record: blob missing")
+    if _cond_digest(m["condition"], m["encoder"], bytes(blob)) != m["key"]:
+        raise CorruptEntry(f"condition record {m['key'][:40]!r}: its bytes do not match its key (damaged)")
+    try:
+        t = loads(blob, copy=copy)
+    except ValueError as e:
+        raise CorruptEntry(f"condition record: blob is not safetensors: {e}") from None
+    parts: dict[str, dict[str, Tensor]] = {"c": {}, "u": {}}
+    for name, v in t.items():
+        side, _, key = name.partition(".")
+        if side not in parts or not _NAME.fullmatch(key) or v.dim() < 1 or v.shape[0] != 1:
+            raise CorruptEntry(f"condition record: tensor {name!r} {tuple(v.shape)} is not a one-row "
+                               "'c.<name>' or 'u.<name>'")
+        parts[side][key] = v
+    if not parts["c"] or not set(parts["u"]) <= set(parts["c"]):
+        raise CorruptEntry(f"condition record: tensors {sorted(parts['c'])}, unconditional {sorted(parts['u'])}")
+    return m["key"], m["condition"], Cond(parts["c"], parts["u"] or None, m["encoder"])
+
+
+def _cond_digest(cid: str, encoder: str, blob: bytes) -> str:
+    h = hashlib.sha256()
+    for part in (cid.encode(), encoder.encode()):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    h.update(blob)
+    return h.hexdigest()[:32]
 
 
 def _params_json(params: tuple[tuple[str, Param], ...]) -> str:

@@ -3,9 +3,12 @@
 A checkpoint carries the bank, so a resume restores it whatever Redis keeps (the default
 embedded server has no persistence, `bank.aof: false`). `index.json` holds the queued and
 pending groups, each condition's banked entry ids in order, the bank order, counters and
-per-entry accounting, the offset of each entry in `entries.bin` and that file's SHA-256.
-`entries.bin` is, per entry, its metadata as UTF-8 JSON then its safetensors blob (the
-codec's own bytes). Restoring checks the digest and decodes every entry before it writes
+per-entry accounting, the offset of each entry and of each encoded-condition record in
+`entries.bin` and that file's SHA-256. `entries.bin` is, per entry, its metadata as UTF-8 JSON
+then its safetensors blob (the codec's own bytes), then per condition record the same (its
+fields as JSON, then its blob). A record's references are counted again from the entries
+restored. Format 2; a format-1 dump (an older vgrpo's entries, which carried no encoded
+condition) is refused in one line. Restoring checks the digest and decodes every entry before it writes
 anything: a bank is restored whole or not at all, and the driver says which in one line.
 
 On an object store (a `s3://` run root) the two files are uploaded one object each, index.json
@@ -37,10 +40,10 @@ from memory_bank.keys import check_eid
 log = logging.getLogger(__name__)
 
 DIR, INDEX, DATA = "bank", "index.json", "entries.bin"
-FORMAT = 1
+FORMAT = 2
 BATCH = 64   # entries fetched per MULTI
 
-# KEYS: fresh, consumers, einfo, bankz, counts, conds. ARGV: pending prefix, group prefix,
+# KEYS: fresh, consumers, einfo, bankz, counts, conds, cinfo. ARGV: pending prefix, group prefix,
 # cond prefix. One atomic read of every index: pending then fresh groups with their records,
 # each condition's entry ids, per-entry accounting, the bank order, counters.
 INDEX_READ = """
@@ -56,7 +59,8 @@ for _, cid in ipairs(redis.call('SMEMBERS', KEYS[6])) do
   conds[#conds + 1] = {cid, redis.call('LRANGE', ARGV[3] .. cid, 0, -1)}
 end
 return {groups, conds, redis.call('HGETALL', KEYS[3]),
-        redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[5])}
+        redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES'), redis.call('HGETALL', KEYS[5]),
+        redis.call('HKEYS', KEYS[7])}
 """
 
 
@@ -91,8 +95,8 @@ def _upload(local: Path, dest: storage.Uri) -> None:
 
 def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
     k = bank.keys
-    groups_raw, conds_raw, einfo_raw, bankz_raw, counts_raw = bank.r.eval(
-        INDEX_READ, 6, k.fresh, k.consumers, k.einfo, k.bankz, k.counts, k.conds,
+    groups_raw, conds_raw, einfo_raw, bankz_raw, counts_raw, cks_raw = bank.r.eval(
+        INDEX_READ, 7, k.fresh, k.consumers, k.einfo, k.bankz, k.counts, k.conds, k.cinfo,
         f"{k._g}:pending:", k.group_prefix, k.cond_prefix)
     groups = [{"id": _s(g), "fields": _pairs(h)} for g, h in groups_raw]
     conds = {_s(row[0]): [_s(e) for e in row[1]] for row in conds_raw}
@@ -103,7 +107,7 @@ def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
     tmp = ckpt_dir / f".{DIR}-tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        entries, digest, size = _write_entries(bank, want, tmp / DATA)
+        entries, records, digest, size = _write_entries(bank, want, [_s(c) for c in cks_raw], tmp / DATA)
         # entries evicted (or corrupt) since the index read: banked ones leave the index, a
         # group missing a member is left out (a resume draws its condition again)
         conds = {c: kept for c, ids in conds.items() if (kept := [e for e in ids if e in entries])}
@@ -112,7 +116,7 @@ def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
             "format": FORMAT, "namespace": k.namespace, "time": time.time(), "groups": groups,
             "conds": conds, "bankz": {e: s for e, s in order.items() if e in entries},
             "einfo": {e: einfo[e] for e in entries if e in einfo}, "counts": _pairs(counts_raw),
-            "entries": entries, "sha256": digest, "size": size,
+            "entries": entries, "cond_records": records, "sha256": digest, "size": size,
         }
         (tmp / INDEX).write_text(json.dumps(index), encoding="utf-8")
         final = ckpt_dir / DIR
@@ -125,12 +129,14 @@ def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
     return {"groups": len(groups), "banked": sum(len(v) for v in conds.values()), "bytes": size}
 
 
-def _write_entries(bank: MemoryBank, eids: list[str], path: Path
-                   ) -> tuple[dict[str, list[int]], str, int]:
-    """Fetch entries in MULTI batches and append them to `path`; returns {eid: [offset,
-    meta bytes, blob bytes]} for the entries that exist and decode, the digest, the size."""
-    h, off, out = hashlib.sha256(), 0, {}
+def _write_entries(bank: MemoryBank, eids: list[str], cks: list[str], path: Path
+                   ) -> tuple[dict[str, list[int]], dict[str, list[int]], str, int]:
+    """Fetch entries in MULTI batches and append them to `path`, then the condition records
+    they name; returns {eid: [offset, meta bytes, blob bytes]} for the entries that exist and
+    decode (and whose record does), the same for the records, the digest, the size."""
+    h, out, recs = hashlib.sha256(), {}, {}
     with open(path, "wb") as f:
+        off = _append_records(bank, cks, f, h, recs)
         for i in range(0, len(eids), BATCH):
             chunk = list(dict.fromkeys(eids[i:i + BATCH]))
             pipe = bank.r.pipeline(transaction=True)
@@ -142,7 +148,8 @@ def _write_entries(bank: MemoryBank, eids: list[str], path: Path
                 if eid in out or (not meta and blob is None):
                     continue              # a duplicate id, or evicted since the index read
                 try:
-                    codec.decode(meta, blob, copy=False)
+                    if codec.decode(meta, blob, copy=False).cond_key not in recs:
+                        raise CorruptEntry("its condition record is not in the checkpoint")
                     m = json.dumps({_s(a): _s(b) for a, b in meta.items()}).encode()
                 except CorruptEntry as e:
                     log.error("bank: entry %s left out of the checkpoint: %s", eid, e)
@@ -152,7 +159,32 @@ def _write_entries(bank: MemoryBank, eids: list[str], path: Path
                     h.update(part)
                 out[eid] = [off, len(m), len(blob)]
                 off += len(m) + len(blob)
-    return out, h.hexdigest(), off
+    return out, recs, h.hexdigest(), off
+
+
+def _append_records(bank: MemoryBank, cks: list[str], f, h, recs: dict[str, list[int]]) -> int:
+    """Append the condition records that exist and decode (fields as JSON, then the blob)."""
+    off = 0
+    for i in range(0, len(cks), BATCH):
+        chunk = cks[i:i + BATCH]
+        pipe = bank.r.pipeline(transaction=False)
+        for ck in chunk:
+            pipe.hgetall(bank.keys.cond_record(ck))
+        for ck, raw in zip(chunk, pipe.execute(), strict=True):
+            try:
+                if not raw or codec.decode_cond(raw, copy=False)[0] != ck:
+                    raise CorruptEntry("missing or keyed otherwise")
+            except CorruptEntry as e:
+                log.error("bank: condition record %s left out of the checkpoint: %s", ck, e)
+                continue
+            fields = {_s(a): b for a, b in raw.items()}
+            m = json.dumps({a: _s(b) for a, b in fields.items() if a != "blob"}).encode()
+            for part in (m, fields["blob"]):
+                f.write(part)
+                h.update(part)
+            recs[ck] = [off, len(m), len(fields["blob"])]
+            off += len(m) + len(fields["blob"])
+    return off
 
 
 def step_dir(ckpt: str | Path, step: int) -> Path:
@@ -187,6 +219,9 @@ def restore_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str:
 def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[dict, bytes]]]:
     """Parse and check everything before anything is written (raises with the reason)."""
     index = json.loads((src / INDEX).read_text(encoding="utf-8"))
+    if isinstance(index, dict) and index.get("format") == 1:
+        raise ValueError(f"{INDEX}: format 1, a bank written by an older vgrpo (its entries carry no encoded "
+                         "condition, which the learner needs); it is not read")
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ValueError(f"{INDEX}: unknown format {index.get('format') if isinstance(index, dict) else index!r}")
     if index["namespace"] != namespace:
@@ -194,14 +229,24 @@ def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[di
     data = (src / DATA).read_bytes()
     if len(data) != index["size"] or hashlib.sha256(data).hexdigest() != index["sha256"]:
         raise ValueError(f"{DATA} is damaged ({len(data)} bytes, checksum mismatch)")
+    conds = {}
+    for ck, (off, n_meta, n_blob) in index["cond_records"].items():
+        fields = {**json.loads(data[off:off + n_meta]), "blob": data[off + n_meta:off + n_meta + n_blob]}
+        if codec.decode_cond(fields, copy=False)[0] != ck:
+            raise CorruptEntry(f"condition record {ck}: it holds another key")
+        conds[ck] = fields
     records = {}
     for eid, (off, n_meta, n_blob) in index["entries"].items():
         check_eid(eid)
         meta = json.loads(data[off:off + n_meta])
         blob = data[off + n_meta:off + n_meta + n_blob]
-        if codec.decode(meta, blob, copy=False).id != eid:
+        e = codec.decode(meta, blob, copy=False)
+        if e.id != eid:
             raise CorruptEntry(f"entry {eid}: its metadata names another id")
+        if e.cond_key not in conds:
+            raise ValueError(f"entry {eid} names condition record {e.cond_key}, which the file does not hold")
         records[eid] = (meta, blob)
+    index["cond_fields"] = conds
     for grp in index["groups"]:
         if any(e not in records for e in grp["fields"].get("eids", "").split()):
             raise ValueError(f"group {grp['id']!r} names entries the file does not hold")
@@ -218,12 +263,19 @@ def _write(bank: MemoryBank, index: dict[str, Any], records: dict[str, tuple[dic
         pipe.hset(k.meta(eid), mapping=meta).set(k.blob(eid), blob)
         if n % BATCH == 0:
             pipe.execute()
+    for ck, fields in index["cond_fields"].items():
+        pipe.hset(k.cond_record(ck), mapping=fields)
     pipe.execute()
+    cinfo = _cinfo(index)
     total = sum(int(json.loads(v)["b"]) for v in index["einfo"].values())
+    total += sum(c["b"] for c in cinfo.values())
     queued = sum(int(g["fields"].get("bytes") or 0) for g in index["groups"])
+    queued += sum(c["b"] for c in cinfo.values() if c["q"])
     pipe = bank.r.pipeline(transaction=True)   # the global structures appear at once
     if index["einfo"]:
         pipe.hset(k.einfo, mapping=index["einfo"])
+    if cinfo:
+        pipe.hset(k.cinfo, mapping={ck: json.dumps(c) for ck, c in cinfo.items()})
     for cid, ids in index["conds"].items():
         pipe.rpush(k.cond(cid), *ids).sadd(k.conds, cid)
     if index["bankz"]:
@@ -234,3 +286,19 @@ def _write(bank: MemoryBank, index: dict[str, Any], records: dict[str, tuple[dic
         pipe.hset(k.counts, mapping=index["counts"])
     pipe.set(k.bytes, total).set(k.qbytes, queued)
     pipe.execute()
+
+
+def _cinfo(index: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each restored condition record's accounting, counted again from the restored entries:
+    {b: its bytes, n: entries naming it, q: those in queued groups, cond: its condition id}."""
+    queued = {e for g in index["groups"] for e in g["fields"].get("eids", "").split()}
+    out: dict[str, dict[str, Any]] = {}
+    for eid, raw in index["einfo"].items():
+        ck = json.loads(raw).get("k")
+        fields = index["cond_fields"].get(ck)
+        if fields is None:
+            continue
+        c = out.setdefault(ck, {"b": codec.cond_nbytes(fields), "n": 0, "q": 0, "cond": _s(fields["condition"])})
+        c["n"] += 1
+        c["q"] += eid in queued
+    return out

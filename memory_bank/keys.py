@@ -11,7 +11,12 @@ Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
   `ns:{ns}:done` / `ns:{ns}:dead` capped lists of committed / dropped groups,
   `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token,
   `ns:{ns}:c:<cid>` list: a condition's banked entry ids, oldest first,
-  `ns:{ns}:einfo` hash eid -> JSON {b: bytes, c: composite, v: version, cond: cid},
+  `ns:{ns}:einfo` hash eid -> JSON {b: bytes, c: composite, v: version, cond: cid, k: cond key},
+  `ns:{ns}:cinfo` hash cond key -> JSON {b: bytes, n: entries naming it, q: queued entries
+  naming it, cond: cid}: the accounting of the encoded conditions,
+  `ns:{ns}:condrec:<cond key>` hash: one encoded condition (memory_bank/codec.encode_cond),
+  stored once per condition id, encoder and bytes (its key: their digest) and deleted, inside
+  the script that drops it, when no entry names it any more (so it shares the {ns} slot),
   `ns:{ns}:bankz` zset of banked eids by bank order (global eviction under max_bytes),
   `ns:{ns}:conds` set of conditions with a non-empty index,
   `ns:{ns}:bytes` counter of every entry's bytes, `ns:{ns}:qbytes` counter of the bytes of
@@ -80,6 +85,15 @@ class Keys:
         return f"{self._g}:einfo"
 
     @property
+    def cinfo(self) -> str:
+        return f"{self._g}:cinfo"
+
+    def cond_record(self, ck: str) -> str:
+        """An encoded condition's record; the scripts build the same key as cinfo's sibling
+        (`ns:{ns}:condrec:` + key), so it must stay `cinfo` with `cinfo` → `condrec:`."""
+        return f"{self._g}:condrec:{check_eid(ck)}"
+
+    @property
     def bankz(self) -> str:
         return f"{self._g}:bankz"
 
@@ -130,7 +144,8 @@ def check_name(name: str, what: str) -> str:
 
 
 def check_eid(eid: str) -> str:
-    """Entry ids are 32 hex chars (uuid4) so they never break a key or a hash tag."""
+    """Entry ids (uuid4) and condition keys (a digest) are 32 hex chars, so they never break a
+    key or a hash tag."""
     if not _EID.match(eid):
         raise ValueError(f"bad entry id {eid!r}: expected 32 lowercase hex characters")
     return eid

@@ -62,17 +62,46 @@ return n
 """
 
 # Shared by PUSH, COMMIT, EVICT and RESTORE: forget an entry's accounting, remember its id so
-# the caller deletes its keys. KEYS[E], KEYS[B], KEYS[Z], KEYS[S] are einfo, bytes, bankz, conds.
+# the caller deletes its keys, and drop the entry's reference to its encoded condition.
+# KEYS[E], KEYS[B], KEYS[Z], KEYS[S], KEYS[C], KEYS[Q] are einfo, bytes, bankz, conds, cinfo,
+# qbytes. A condition record (`cinfo`'s sibling `condrec:<key>`, the same {ns} slot) counts
+# in `bytes` while any entry names it and in `qbytes` while a queued entry does; it is deleted
+# here, atomically, when no entry names it, so a producer never finds half of it.
 _EVICT_FN = """
 local evicted = {}
+local function decoded(raw)
+  if not raw then return nil end
+  local ok, d = pcall(cjson.decode, raw)
+  if ok and type(d) == 'table' then return d end
+  return nil
+end
+local function crec(ck)
+  return (string.gsub(KEYS[C], 'cinfo$', 'condrec:')) .. ck
+end
+-- dn more entries name condition record ck, dq more of them queued
+local function cond_ref(ck, dn, dq)
+  if type(ck) ~= 'string' then return end
+  local d = decoded(redis.call('HGET', KEYS[C], ck))
+  if not d then return end
+  local b, q0 = tonumber(d['b']) or 0, tonumber(d['q']) or 0
+  local n, q = (tonumber(d['n']) or 0) + dn, math.max(q0 + dq, 0)
+  if q0 == 0 and q > 0 then redis.call('INCRBY', KEYS[Q], b) end
+  if q0 > 0 and q == 0 then redis.call('DECRBY', KEYS[Q], b) end
+  if n <= 0 then
+    redis.call('HDEL', KEYS[C], ck)
+    redis.call('DECRBY', KEYS[B], b)
+    redis.call('DEL', crec(ck))
+  else
+    d['n'], d['q'] = n, q
+    redis.call('HSET', KEYS[C], ck, cjson.encode(d))
+  end
+end
 local function evict(eid)
-  local info = redis.call('HGET', KEYS[E], eid)
-  if info then
-    local ok, d = pcall(cjson.decode, info)
-    if ok and type(d) == 'table' and tonumber(d['b']) then
-      redis.call('DECRBY', KEYS[B], tonumber(d['b']))
-    end
-    redis.call('HDEL', KEYS[E], eid)
+  local d = decoded(redis.call('HGET', KEYS[E], eid))
+  if redis.call('HDEL', KEYS[E], eid) == 1 then
+    if d and tonumber(d['b']) then redis.call('DECRBY', KEYS[B], tonumber(d['b'])) end
+    local queued = not redis.call('ZSCORE', KEYS[Z], eid)   -- banked entries are in bankz
+    if d then cond_ref(d['k'], -1, queued and -1 or 0) end
   end
   redis.call('ZREM', KEYS[Z], eid)
   evicted[#evicted + 1] = eid
@@ -83,9 +112,8 @@ local function shrink(limit, cond_prefix)
   while tonumber(redis.call('GET', KEYS[B]) or '0') > limit do
     local oldest = redis.call('ZRANGE', KEYS[Z], 0, 0)[1]
     if not oldest then return end
-    local info = redis.call('HGET', KEYS[E], oldest)
-    local ok, d = pcall(cjson.decode, info or '')
-    if ok and type(d) == 'table' and type(d['cond']) == 'string' then
+    local d = decoded(redis.call('HGET', KEYS[E], oldest))
+    if d and type(d['cond']) == 'string' then
       local ckey = cond_prefix .. d['cond']
       redis.call('LREM', ckey, 0, oldest)
       if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[S], d['cond']) end
@@ -94,40 +122,64 @@ local function shrink(limit, cond_prefix)
   end
 end
 local function composite(eid)
-  local info = redis.call('HGET', KEYS[E], eid)
-  if not info then return 0 end
-  local ok, d = pcall(cjson.decode, info)
-  if ok and type(d) == 'table' and tonumber(d['c']) then return tonumber(d['c']) end
+  local d = decoded(redis.call('HGET', KEYS[E], eid))
+  if d and tonumber(d['c']) then return tonumber(d['c']) end
   return 0
 end
 """
 
 
-def _with_evict(body: str, e: int, b: int, z: int, s: int) -> str:
-    fn = _EVICT_FN.replace("KEYS[E]", f"KEYS[{e}]").replace("KEYS[B]", f"KEYS[{b}]")
-    return fn.replace("KEYS[Z]", f"KEYS[{z}]").replace("KEYS[S]", f"KEYS[{s}]") + body
+def _with_evict(body: str, e: int, b: int, z: int, s: int, c: int, q: int) -> str:
+    fn = _EVICT_FN
+    for name, i in (("E", e), ("B", b), ("Z", z), ("S", s), ("C", c), ("Q", q)):
+        fn = fn.replace(f"KEYS[{name}]", f"KEYS[{i}]")
+    return fn + body
 
 
-# KEYS: group, fresh, einfo, bytes, counts, qbytes, bankz, conds
-# ARGV: gid, token, cid, version, total_bytes, n, max_bytes, cond_prefix,
+# KEYS: group, fresh, einfo, bytes, counts, qbytes, bankz, conds, cinfo
+# ARGV: gid, token, cid, version, total_bytes, n, max_bytes, cond_prefix, cond key, cond bytes,
 #       then n × (eid, einfo_json)
-# Enforces bank.max_bytes: queued (fresh + pending) groups are never evicted, so a group that
-# does not fit beside them is refused ({-2, queued bytes}); banked entries are a cache, so the
-# oldest are evicted to make room. Returns {1 | 0 (our own retry) | -1 (duplicate), evicted}.
+# Enforces bank.max_bytes: queued (fresh + pending) groups, and the condition records they name,
+# are never evicted, so a group that does not fit beside them is refused ({-2, queued bytes,
+# what its condition adds}); banked entries are a cache, so the oldest are evicted to make room.
+# The group's condition record must exist: the producer writes it first unless cinfo already
+# counts it; one dropped in between answers {-3} (write it again). A refused push deletes a
+# record no entry names. Returns {1 | 0 (our own retry) | -1 (duplicate) | -3, evicted}.
 PUSH = _with_evict("""
+local ck, cbytes = ARGV[9], tonumber(ARGV[10])
+local function unclaimed()
+  if not redis.call('HGET', KEYS[9], ck) then redis.call('DEL', crec(ck)) end
+end
 local token = redis.call('HGET', KEYS[1], 'token')
 if token then
   if token == ARGV[2] then return {0, {}} end   -- our own retried call: already queued
+  unclaimed()
   return {-1, {}}                               -- another producer's group with this id
 end
-local total, limit = tonumber(ARGV[5]), tonumber(ARGV[7])
+local total, limit, n = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
-if queued + total > limit then return {-2, queued} end
+local d = decoded(redis.call('HGET', KEYS[9], ck))
+local extra = 0                                 -- what the condition adds to the queued bytes
+if not d then
+  if redis.call('EXISTS', crec(ck)) == 0 then return {-3, {}} end
+  extra = cbytes
+elseif (tonumber(d['q']) or 0) == 0 then
+  extra = tonumber(d['b']) or 0
+end
+if queued + total + extra > limit then
+  unclaimed()
+  return {-2, queued, extra}
+end
+if not d then
+  redis.call('HSET', KEYS[9], ck, cjson.encode({b = cbytes, n = 0, q = 0, cond = ARGV[3]}))
+  redis.call('INCRBY', KEYS[4], cbytes)
+end
+cond_ref(ck, n, n)                              -- before shrink: its entries now hold it
 shrink(limit - total, ARGV[8])
 local eids = {}
-for i = 0, tonumber(ARGV[6]) - 1 do
-  redis.call('HSET', KEYS[3], ARGV[9 + 2 * i], ARGV[10 + 2 * i])
-  eids[#eids + 1] = ARGV[9 + 2 * i]
+for i = 0, n - 1 do
+  redis.call('HSET', KEYS[3], ARGV[11 + 2 * i], ARGV[12 + 2 * i])
+  eids[#eids + 1] = ARGV[11 + 2 * i]
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
            'eids', table.concat(eids, ' '), 'bytes', total)
@@ -136,10 +188,10 @@ redis.call('INCRBY', KEYS[6], total)
 redis.call('HINCRBY', KEYS[5], 'pushed', 1)
 redis.call('RPUSH', KEYS[2], ARGV[1])
 return {1, evicted}
-""", e=3, b=4, z=7, s=8)
+""", e=3, b=4, z=7, s=8, c=9, q=6)
 
 # KEYS: pending (the consumer's own), group, cond, einfo, bytes, counts, log (done or dead),
-#       conds, bankz, qbytes
+#       conds, bankz, qbytes, cinfo
 # ARGV: gid, mode (fifo | sdu | skip | drop), capacity, cid, low_bytes, cond_prefix,
 #       log_cap, counter, then the group's entry ids to bank.
 # Returns the evicted entry ids, or false when the group was not pending (exactly once).
@@ -156,10 +208,12 @@ for eid in string.gmatch(all, '%S+') do
   if keep[eid] and mode ~= 'skip' and mode ~= 'drop' then new[#new + 1] = eid else evict(eid) end
 end
 redis.call('DEL', KEYS[2])
--- 2. bank the rest, newest last
+-- 2. bank the rest, newest last; they leave the queue (their condition stays theirs)
 for _, eid in ipairs(new) do
   redis.call('RPUSH', KEYS[3], eid)
   redis.call('ZADD', KEYS[9], redis.call('HINCRBY', KEYS[6], 'bank_seq', 1), eid)
+  local d = decoded(redis.call('HGET', KEYS[4], eid))
+  if d then cond_ref(d['k'], 0, -1) end
 end
 -- 3. trim to capacity N: FIFO drops the oldest, SDU keeps the composite's extremes
 local len = redis.call('LLEN', KEYS[3])
@@ -192,9 +246,9 @@ redis.call('HINCRBY', KEYS[6], ARGV[8], 1)
 redis.call('LPUSH', KEYS[7], ARGV[1])
 redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
 return evicted
-""", e=4, b=5, z=9, s=8)
+""", e=4, b=5, z=9, s=8, c=11, q=10)
 
-# KEYS: cond, einfo, bytes, conds, bankz. ARGV: cid, eids to remove from the index.
+# KEYS: cond, einfo, bytes, conds, bankz, qbytes, cinfo. ARGV: cid, eids to remove from the index.
 EVICT = _with_evict("""
 for i = 2, #ARGV do
   redis.call('LREM', KEYS[1], 0, ARGV[i])
@@ -202,9 +256,9 @@ for i = 2, #ARGV do
 end
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[1]) end
 return evicted
-""", e=2, b=3, z=5, s=4)
+""", e=2, b=3, z=5, s=4, c=7, q=6)
 
-# KEYS: cond, einfo, bytes, conds, bankz, counts. ARGV: cid, the snapshot's eids in order.
+# KEYS: cond, einfo, bytes, conds, bankz, counts, qbytes, cinfo. ARGV: cid, the snapshot's eids in order.
 # Sets the index to the snapshot's entries that still exist; evicts entries banked since.
 RESTORE = _with_evict("""
 local want, wanted = {}, {}
@@ -226,7 +280,7 @@ for _, eid in ipairs(want) do
 end
 if #want > 0 then redis.call('SADD', KEYS[4], ARGV[1]) else redis.call('SREM', KEYS[4], ARGV[1]) end
 return {#want, evicted}
-""", e=2, b=3, z=5, s=4)
+""", e=2, b=3, z=5, s=4, c=8, q=7)
 
 # KEYS: meta. ARGV: trained increment, new status or ''. Never recreates an evicted entry.
 TOUCH = """

@@ -97,7 +97,8 @@ class RolloutWorker:
         frames = group.frames()                                            # uint8 [G, F, H, W, 3]
         rec = GroupReceipt(group_id, group.condition.id, cursor, group.policy_version, actor=self.actor_index,
                            size=group.size, frame_bytes=frames.numel(),
-                           latent_bytes=sum(m.nbytes() for m in group.members) - frames.numel(),
+                           latent_bytes=sum(m.nbytes() for m in group.members) - frames.numel()
+                           + (group.cond.nbytes() if group.cond is not None else 0),
                            seconds={"generate": gen_s})
         if not self._score(group, frames, rec):
             return rec

@@ -18,9 +18,9 @@ from torch import Tensor
 from common.config import RunConfig, SamplerConfig, WindowConfig
 from common.images import condition_image
 from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
-from common.types import Condition, Group, Trajectory
+from common.types import Cond, Condition, Group, Trajectory
 from rollout_worker.dpm import DPMSolver2M
-from rollout_worker.models.base import Cond, VideoModel, negative_kwargs
+from rollout_worker.models.base import VideoModel, encoder_fingerprint, negative_kwargs
 
 _PERM_SEED_OFFSET = 0x5EED  # the step permutation's generator must not replay the noise stream
 
@@ -117,10 +117,10 @@ def select_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig
 
 def recorded_steps(trained: list[list[int]], schedule: Schedule, scheme: Scheme, cfg: RunConfig,
                    model: VideoModel | None = None) -> list[int]:
-    """Steps whose transitions a group stores: every member's trained steps and, with alignment
-    on, every step any member of any group of the condition may train (its winner's or loser's
-    next latent is the alignment target there, and the winner may be this group's member).
-    None with grpo.loss=nft: its loss reads only the clean final latents."""
+    """Steps a group runs with the scheme (even with sampler.untrained_steps = ode): every member's
+    trained steps and, with alignment on, every step any member may train (alignment compares
+    members' next latents there). Which steps each member stores is its own trained steps alone
+    (`sample_group`). None with grpo.loss=nft: its loss reads only the clean final latents."""
     if cfg.grpo.loss == "nft":
         return []
     steps = set().union(*map(set, trained)) if trained else set()
@@ -187,37 +187,46 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     G = cfg.sampler.group_size
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
-    # 1. Schedule, scheme, each member's trained steps, the steps the group records and runs
+    # 1. Schedule, scheme, each member's trained steps, the steps run with the scheme, the plan
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)
     trained = draw_trained_steps(schedule, scheme, cfg.sampler, seed, G, model, policy_version, cfg.train.seed)
-    recorded = recorded_steps(trained, schedule, scheme, cfg, model)
-    plan = plan_steps(schedule, scheme, recorded, cfg)
+    noisy = recorded_steps(trained, schedule, scheme, cfg, model)
+    plan = plan_steps(schedule, scheme, noisy, cfg)
+    stored = [sorted(t) for t in trained] if noisy else [[] for _ in range(G)]  # NFT: none
 
-    # 2. Encode the condition once; every member shares it
-    image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
-    cond = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
-                        **negative_kwargs([condition])).repeat(G)
+    # 2. Encode the condition once; every member shares it, and it travels with the group
+    cond = _encode(model, condition, cfg)
 
     # 3. Initial noise, 4. the planned steps, 5. decode
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
     x = _initial_noise(model, condition, cfg, gen)
-    x, steps = _denoise(model, x, cond, plan, set(recorded), cfg, gen)
+    x, steps = _denoise(model, x, cond.to(model.device).repeat(G), plan, set().union(*map(set, stored)),
+                        cfg, gen)
     frames = model.decode(x)  # uint8 [G, F, H, W, 3]
 
-    # 6. One Trajectory per member (each stacks its own K steps: one copy), stamped with the full
-    # spec of the scheme its recorded steps ran with, on the configured schedule (a compressed
-    # tail is never recorded), so the learner replays it exactly; NFT's rollouts are ODE throughout
+    # 6. One Trajectory per member with the steps it trains alone (each stacks its own K steps:
+    # one copy), stamped with the full spec of the scheme its steps ran with, on the configured
+    # schedule (a compressed tail is never recorded), so the learner replays it exactly, and with
+    # the encoded condition (one object for the group); NFT's rollouts are ODE throughout
     ran = ODE() if cfg.grpo.loss == "nft" else scheme
     spec, store = ran.spec(schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
                    guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
-                   step_indices=list(recorded), trained_steps=list(trained[i]) if recorded else None,
-                   **steps.member(i), final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu())
+                   step_indices=stored[i], **steps.member(i, stored[i]),
+                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu(), cond=cond)
         for i in range(G)
     ]
     return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
+
+
+def _encode(model: VideoModel, condition: Condition, cfg: RunConfig) -> Cond:
+    """The condition encoded once (one row, on the CPU), named by what encoded it."""
+    image = condition_image(condition, cfg.model.height, cfg.model.width)  # I2V: read from image_path here
+    c = model.encode([condition.prompt], None if image is None else image.unsqueeze(0),
+                     **negative_kwargs([condition])).to("cpu")
+    return Cond(c.tensors, c.uncond, encoder_fingerprint(cfg.model, condition.negative_prompt))
 
 
 def _initial_noise(model: VideoModel, condition: Condition, cfg: RunConfig, gen: torch.Generator) -> Tensor:
@@ -233,26 +242,34 @@ def _initial_noise(model: VideoModel, condition: Condition, cfg: RunConfig, gen:
 
 @dataclass
 class _Recorded:
-    """The transitions of the recorded steps, one [G, ...] tensor per step, in step order."""
+    """The transitions of the steps some member trains, one [G, ...] tensor per step, in step order."""
 
+    steps: list[int] = field(default_factory=list)
     x: list[Tensor] = field(default_factory=list)
     x_next: list[Tensor] = field(default_factory=list)
     logp: list[Tensor] = field(default_factory=list)
     mu: list[Tensor] | None = None       # None: μ_old not kept
 
-    def member(self, i: int) -> dict[str, Tensor | None]:
-        """Member i's Trajectory tensors: x, x_next [K, C, F, H, W], logp_old [K], mu_old or None;
-        all None when no step is recorded (a stepless Trajectory: its final latents only)."""
-        if not self.x:
+    def member(self, i: int, trained: list[int]) -> dict[str, Tensor | None]:
+        """Member i's Trajectory tensors at its trained steps alone: x, x_next [K, C, F, H, W],
+        logp_old [K], mu_old or None; all None when it trains none (a stepless Trajectory: its
+        final latents only)."""
+        mine = set(trained)
+        own = [j for j, k in enumerate(self.steps) if k in mine]
+        if not own:
             return {"x": None, "x_next": None, "logp_old": None, "mu_old": None}
-        return {"x": torch.stack([t[i] for t in self.x]), "x_next": torch.stack([t[i] for t in self.x_next]),
-                "logp_old": torch.stack([t[i] for t in self.logp]).float(),
-                "mu_old": torch.stack([m[i] for m in self.mu]) if self.mu else None}
+
+        def stack(ts: list[Tensor]) -> Tensor:
+            return torch.stack([ts[j][i] for j in own])
+
+        return {"x": stack(self.x), "x_next": stack(self.x_next), "logp_old": stack(self.logp).float(),
+                "mu_old": stack(self.mu) if self.mu else None}
 
 
 def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], recorded: set[int],
              cfg: RunConfig, gen: torch.Generator) -> tuple[Tensor, _Recorded]:
-    """Run the plan from x [G, C, F, H, W]; returns the final latents and the recorded steps.
+    """Run the plan from x [G, C, F, H, W]; returns the final latents and the `recorded` steps
+    (those some member trains).
 
     The state keeps the stored dtype's values, so a stored step replays exactly. A dpm2 step
     (after the last recorded one) takes DPM-Solver++(2M), which every other step feeds its x̂_0.
@@ -274,6 +291,7 @@ def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], 
             x_next = mu = p.rule.mean(x, v, p.sigma, p.sigma_next)
         x_next = _round(x_next, store)
         if p.k in recorded:
+            out.steps.append(p.k)
             out.logp.append(p.rule.log_prob(x_next, mu, std).cpu())  # [G], from exactly the stored tensors
             out.x.append(x.to(store).cpu())
             out.x_next.append(x_next.to(store).cpu())

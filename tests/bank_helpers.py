@@ -1,18 +1,29 @@
-"""Small scored groups for the memory-bank tests (K=3 trained steps of [C=4, F=6, 16, 16])."""
+"""Small scored groups for the memory-bank tests (K=3 trained steps of [C=4, F=6, 16, 16]),
+each with its encoded condition (text [1, 5, 8] fp32, a bool mask, an unconditional text)."""
 
 from __future__ import annotations
 
 import torch
 
 from common.sde import Sage, Schedule
-from common.types import Condition, Group, Scores, Trajectory
+from common.types import Cond, Condition, Group, Scores, Trajectory
 
 SHAPE = (4, 6, 16, 16)   # [C, F, H, W]
 HEADS = ["vq", "mq", "ta"]
 
 
+def make_cond(cid: str, encoder: str = "test-encoder") -> Cond:
+    """A condition's encoding, a function of its id (so two groups of one condition share it)."""
+    import zlib
+
+    gen = torch.Generator().manual_seed(zlib.crc32(cid.encode()))
+    return Cond({"text": torch.randn(1, 5, 8, generator=gen), "mask": torch.ones(1, 5, dtype=torch.bool)},
+                {"text": torch.randn(1, 5, 8, generator=gen)}, encoder)
+
+
 def make_traj(cond: Condition, group_id: str, member: int, version: int, gen: torch.Generator,
-              k: int = 3, shape: tuple[int, ...] = SHAPE, dtype=torch.float32) -> Trajectory:
+              k: int = 3, shape: tuple[int, ...] = SHAPE, dtype=torch.float32, enc: Cond | None = None
+              ) -> Trajectory:
     spec = Sage(0.5).spec(Schedule.explicit(torch.linspace(1, 0, 9).tolist()))
     return Trajectory(
         condition=cond, group_id=group_id, member=member, seed=1234 + member, spec=spec,
@@ -22,6 +33,7 @@ def make_traj(cond: Condition, group_id: str, member: int, version: int, gen: to
         logp_old=torch.randn(k, generator=gen),                     # [K]
         final_latents=torch.randn(*shape, generator=gen).to(dtype),  # [C, F, H, W]
         frames=torch.randint(0, 255, (shape[1], 8, 8, 3), dtype=torch.uint8, generator=gen),
+        cond=enc,
     )
 
 
@@ -31,7 +43,8 @@ def make_group(cid: str = "c0", group_id: str = "g0", version: int = 0, g: int =
     gen = torch.Generator().manual_seed(seed)
     img = torch.randint(0, 255, (8, 8, 3), dtype=torch.uint8, generator=gen) if image else None
     cond = Condition(id=cid, prompt=f"a prompt for {cid} ✓", image=img)
-    members = [make_traj(cond, group_id, i, version, gen, shape=shape) for i in range(g)]
+    enc = make_cond(cid)
+    members = [make_traj(cond, group_id, i, version, gen, shape=shape, enc=enc) for i in range(g)]
     values = torch.rand(g, len(HEADS), generator=gen)                 # [G, H]
     comp = torch.tensor(composite, dtype=torch.float32) if composite is not None else values.sum(1)
     return Group(condition=cond, group_id=group_id, policy_version=version, members=members,

@@ -13,8 +13,8 @@ from diffusers import WanTransformer3DModel
 from torch import Tensor, nn
 
 from common.sde import Schedule, make_scheme, sample_step
-from common.types import Condition, Group, Trajectory
-from rollout_worker.models.base import Cond, VideoModel
+from common.types import Cond, Condition, Group, Trajectory
+from rollout_worker.models.base import VideoModel
 
 TEXT_DIM, TEXT_LEN = 16, 4
 
@@ -72,7 +72,8 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
     scheme = make_scheme(scheme_name, eta, schedule)
     ode = make_scheme("ode")
     trained = list(range(steps - 1)) if trained is None else trained
-    cond = model.encode([condition.prompt]).repeat(group_size)
+    one = model.encode([condition.prompt])   # travels with the group, as the sampler's does
+    cond = one.repeat(group_size)
     x = model.initial_noise(1, torch.Generator().manual_seed(seed)).repeat(group_size, 1, 1, 1, 1)
     gen = torch.Generator().manual_seed(seed + 1)
     xs, xns, lps, mus = [], [], [], []
@@ -96,7 +97,7 @@ def sample_group(model: VideoModel, condition: Condition, *, group_size: int, se
                    guidance_scale=1.0, policy_version=version, step_indices=list(trained),
                    x=torch.stack([t[i] for t in xs]), x_next=torch.stack([t[i] for t in xns]),
                    logp_old=torch.stack([t[i] for t in lps]), final_latents=x[i].clone(),
-                   mu_old=torch.stack([t[i] for t in mus]))
+                   mu_old=torch.stack([t[i] for t in mus]), cond=one)
         for i in range(group_size)
     ]
     return Group(condition=condition, group_id=gid, policy_version=version, members=members)

@@ -11,15 +11,25 @@ import uuid
 import pytest
 import safetensors.torch
 import torch
-from bank_helpers import HEADS, make_group
+from bank_helpers import HEADS, make_cond, make_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.sde import SCHEMES as SCHEME_CLASSES
 from common.sde import SchemeSpec
-from common.types import Condition, Trajectory
-from memory_bank.codec import REQUIRED, SCHEMES, decode, encode
+from common.types import Cond, Condition, Trajectory
+from memory_bank.codec import (
+    REQUIRED,
+    SCHEMES,
+    cond_nbytes,
+    decode,
+    decode_cond,
+    encode,
+    encode_cond,
+)
 from memory_bank.errors import CorruptEntry
+
+CK = "0123456789abcdef" * 2   # a condition record's key (32 hex characters)
 
 
 def _encoded(image: bool = False, dtype=torch.float32):
@@ -27,13 +37,15 @@ def _encoded(image: bool = False, dtype=torch.float32):
     t = grp.members[1]
     t.x, t.x_next, t.final_latents = t.x.to(dtype), t.x_next.to(dtype), t.final_latents.to(dtype)
     eid = uuid.uuid4().hex
-    meta, blob = encode(eid, t, HEADS, grp.scores.values[1], float(grp.composite[1]))
+    meta, blob = encode(eid, t, HEADS, grp.scores.values[1], float(grp.composite[1]), cond_key=CK)
     return eid, t, grp, meta, blob
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("image", [False, True])
 def test_round_trip_bit_exact(image, dtype):
+    """An entry carries the member's trained steps and its condition record's key; the first
+    frame (I2V) and any file path are not part of it (the condition's encoding is)."""
     eid, t, grp, meta, blob = _encoded(image, dtype)
     # Redis hands back bytes keys and values.
     e = decode({k.encode(): v.encode() for k, v in meta.items()}, blob)
@@ -42,10 +54,8 @@ def test_round_trip_bit_exact(image, dtype):
     for name in ("x", "x_next", "logp_old", "final_latents"):
         a, b = getattr(t, name), getattr(r, name)
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-    if image:
-        assert torch.equal(r.condition.image, t.condition.image)
-    else:
-        assert r.condition.image is None
+    assert r.condition.image is None and r.condition.image_path is None and "image" not in meta
+    assert e.cond_key == CK and r.cond is None   # the bank sets cond from the record
     assert r.frames is None  # frames are not stored
     assert (r.condition.id, r.condition.prompt) == (t.condition.id, t.condition.prompt)
     for f in ("group_id", "member", "seed", "spec", "guidance_scale", "policy_version",
@@ -60,7 +70,8 @@ def test_round_trip_bit_exact(image, dtype):
 def test_encode_rejects_non_finite_reward():
     grp = make_group()
     with pytest.raises(ValueError, match="non-finite reward"):
-        encode(uuid.uuid4().hex, grp.members[0], HEADS, torch.tensor([1.0, float("nan"), 0.0]), 1.0)
+        encode(uuid.uuid4().hex, grp.members[0], HEADS, torch.tensor([1.0, float("nan"), 0.0]), 1.0,
+               cond_key=CK)
 
 
 @pytest.mark.parametrize("field", ["x", "version", "scores", "id"])
@@ -93,6 +104,7 @@ def test_foreign_shapes_rejected(tensor, shape, match):
 @pytest.mark.parametrize("field,value", [
     ("scheme", "ddim"), ("step_indices", "[0, 99]"), ("scores", "[1.0]"),
     ("member", "-1"), ("format", "0"), ("sigmas", '["a"]'), ("heads", "{}"),
+    ("step_indices", "[1, 0, 2]"), ("cond_key", "x" * 32),
     ("scheme_params", '{"eta": NaN, "clamp_c": 0.003}'),
     ("scheme_params", '{"eta": 0.5}'),                     # clamp_c missing: no default is guessed
     ("scheme_params", '{"clamp_c": 0.003, "eta": 0.5}'),   # not in the order encode writes
@@ -113,12 +125,86 @@ def test_entry_of_format_1_is_refused_in_one_line():
     """Format 1 stored the scheme's name and η only; the other arguments came from the learner's
     config, so such an entry cannot be replayed exactly: it is refused, not guessed at."""
     _, _, _, meta, blob = _encoded()
-    old = {k: v for k, v in meta.items() if k != "scheme_params"}
+    old = {k: v for k, v in meta.items() if k not in ("scheme_params", "cond_key")}
     old.update(format="1", eta="0.5")
     with pytest.raises(CorruptEntry) as e:
         decode(old, blob)
     assert str(e.value) == ("field 'format' is '1': an entry of an older vgrpo, which did not store its "
-                            "SDE scheme's full spec; it cannot be replayed exactly and is not read")
+                            "SDE scheme's full spec, so it cannot be replayed exactly; it is not read "
+                            "(format 3 is)")
+
+
+def test_entry_of_format_2_is_refused_in_one_line():
+    """Format 2 stored every recorded step and no encoded condition (the learner re-encoded the
+    prompt and opened the image path): without an encoder it cannot be trained, so it is refused."""
+    _, _, _, meta, blob = _encoded()
+    old = {k: v for k, v in meta.items() if k != "cond_key"}
+    old.update(format="2", image_path="/data/first.png", trained_steps="[0, 1]")
+    with pytest.raises(CorruptEntry) as e:
+        decode(old, blob)
+    assert str(e.value) == ("field 'format' is '2': an entry of an older vgrpo, which stored no encoded "
+                            "condition (the learner re-encoded it from the prompt and an image path); "
+                            "it is not read (format 3 is)")
+    assert "\n" not in str(e.value)
+
+
+# ---- encoded conditions ---------------------------------------------------------------------
+
+
+def _cond(dtype=torch.bfloat16) -> Cond:
+    gen = torch.Generator().manual_seed(7)
+    return Cond({"encoder_hidden_states": torch.randn(1, 6, 8, generator=gen).to(dtype),
+                 "encoder_attention_mask": torch.tensor([[1, 1, 1, 0, 0, 0]], dtype=torch.int64),
+                 "condition": torch.randn(1, 8, 3, 2, 2, generator=gen).to(dtype)},
+                {"encoder_hidden_states": torch.randn(1, 6, 8, generator=gen).to(dtype),
+                 "encoder_attention_mask": torch.ones(1, 6, dtype=torch.int64)}, "wan-fingerprint")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_condition_record_round_trip_bit_exact(dtype):
+    c = _cond(dtype)
+    key, fields = encode_cond("cond-α", c)
+    raw = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}  # as Redis returns
+    got_key, cid, got = decode_cond(raw)
+    assert (got_key, cid, got.encoder) == (key, "cond-α", "wan-fingerprint")
+    for side in ("tensors", "uncond"):
+        a, b = getattr(c, side), getattr(got, side)
+        assert set(a) == set(b)
+        for n in a:
+            assert _same(a[n], b[n]), (side, n)
+    assert cond_nbytes(fields) >= c.nbytes()
+    # the key names the condition, what encoded it and the bytes: the same encoding, one key
+    assert encode_cond("cond-α", _cond(dtype))[0] == key
+    assert encode_cond("cond-β", c)[0] != key
+    assert encode_cond("cond-α", Cond(c.tensors, c.uncond, "other-model"))[0] != key
+    other = Cond({**c.tensors, "condition": c.tensors["condition"] + 1}, c.uncond, c.encoder)
+    assert encode_cond("cond-α", other)[0] != key
+
+
+def test_condition_record_refuses_damage_and_foreign_shapes():
+    key, fields = encode_cond("c0", _cond())
+    flipped = bytearray(fields["blob"])
+    flipped[-3] ^= 0x40                                      # a data byte: the digest catches it
+    for spoil, match in [({"blob": bytes(flipped)}, "do not match its key"),
+                         ({"key": "f" * 32}, "do not match its key"),
+                         ({"format": "2"}, "older vgrpo"), ({"format": "9"}, "'format' is '9'"),
+                         ({"blob": b"junk"}, "do not match|safetensors")]:
+        with pytest.raises(CorruptEntry, match=match):
+            decode_cond({**fields, **spoil})
+    with pytest.raises(CorruptEntry, match="missing fields"):
+        decode_cond({k: v for k, v in fields.items() if k != "encoder"})
+    with pytest.raises(ValueError, match="one row"):
+        encode_cond("c0", Cond({"text": torch.zeros(2, 3)}))
+    with pytest.raises(ValueError, match="one row"):
+        encode_cond("c0", Cond({"text": torch.zeros(1, 3)}, {"text": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="cannot be stored"):
+        encode_cond("c0", Cond({"text": torch.zeros(1, 3)}, {"image": torch.zeros(1, 3)}))  # uncond ⊄ tensors
+    with pytest.raises(ValueError, match="cond_key"):
+        encode(uuid.uuid4().hex, make_group().members[0], HEADS, torch.zeros(3), 0.0, cond_key="")
+
+
+def test_bank_helper_conditions_are_storable():
+    assert encode_cond("c0", make_cond("c0"))[0] == encode_cond("c0", make_cond("c0"))[0]
 
 
 def test_pickle_and_garbage_blobs_rejected():
@@ -167,20 +253,18 @@ _ARG_VALUES = {"eta": _finite, "clamp_c": _finite, "sigma1": st.one_of(st.none()
 
 @st.composite
 def _trajectories(draw):
-    k = draw(st.integers(1, 3))
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    sigmas = draw(st.lists(finite, min_size=2, max_size=6))
+    steps = sorted(draw(st.sets(st.integers(0, len(sigmas) - 2), min_size=1, max_size=3)))  # trained steps
+    k = len(steps)
     shape = tuple(draw(st.lists(st.integers(0, 3), min_size=4, max_size=4)))   # [C, F, H, W]
     dtype = draw(st.sampled_from(_FLOATS))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     x = torch.randn(k, *shape, generator=gen).to(dtype)
     if x.numel() and draw(st.booleans()):      # latents may hold inf/nan; they are stored as is
         x.reshape(-1)[0] = draw(st.sampled_from([float("nan"), float("inf"), -0.0]))
-    finite = st.floats(allow_nan=False, allow_infinity=False)
-    sigmas = draw(st.lists(finite, min_size=2, max_size=6))
-    steps = draw(st.lists(st.integers(0, len(sigmas) - 2), min_size=k, max_size=k))
     heads = draw(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4))
-    image = (torch.randint(0, 256, (draw(st.integers(1, 4)), draw(st.integers(1, 4)), 3),
-                           dtype=torch.uint8, generator=gen) if draw(st.booleans()) else None)
-    cond = Condition(id=draw(st.text(max_size=20)), prompt=draw(st.text(max_size=60)), image=image)
+    cond = Condition(id=draw(st.text(max_size=20)), prompt=draw(st.text(max_size=60)))
     cls = SCHEME_CLASSES[draw(st.sampled_from(sorted(SCHEMES)))]
     args = {a: draw(_ARG_VALUES[a]) for a in cls.arg_names}
     traj = Trajectory(
@@ -201,16 +285,14 @@ def _trajectories(draw):
 def test_fuzz_valid_entries_round_trip_exactly(case):
     t, heads, scores, composite = case
     eid = uuid.uuid4().hex
-    meta, blob = encode(eid, t, heads, scores, composite, status="banked")
+    meta, blob = encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
     e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)   # as Redis returns
     r = e.trajectory
     assert (e.id, r.bank_id, e.status, e.heads, e.composite) == (eid, eid, "banked", heads, composite)
     assert _same(e.scores, scores)
     for name in ("x", "x_next", "logp_old", "final_latents"):
         assert _same(getattr(r, name), getattr(t, name)), name
-    assert (r.condition.id, r.condition.prompt) == (t.condition.id, t.condition.prompt)
-    assert (r.condition.image is None) == (t.condition.image is None)
-    assert r.condition.image is None or _same(r.condition.image, t.condition.image)
+    assert (r.condition.id, r.condition.prompt, e.cond_key) == (t.condition.id, t.condition.prompt, CK)
     for f in ("group_id", "member", "seed", "spec", "guidance_scale", "policy_version",
               "step_indices", "trained_times"):
         assert getattr(r, f) == getattr(t, f), f
@@ -223,6 +305,7 @@ def test_encode_refuses_what_decode_would_refuse():
     cases = {
         "logp_old": lambda t: setattr(t, "logp_old", torch.tensor([0.0, float("nan"), 0.0])),
         "step_indices": lambda t: setattr(t, "step_indices", [0, 1, 8]),
+        "increasing": lambda t: setattr(t, "step_indices", [2, 1, 0]),
         "member": lambda t: setattr(t, "member", -1),
         "sigmas": lambda t: setattr(t, "spec", dataclasses.replace(t.spec, sigmas=[1.0, float("nan"), 0.0])),
         "scheme_params": lambda t: setattr(t, "spec", dataclasses.replace(t.spec, params=(("eta", 0.5),))),
@@ -233,7 +316,7 @@ def test_encode_refuses_what_decode_would_refuse():
         t = make_group().members[0]
         spoil(t)
         with pytest.raises(ValueError, match=what):
-            encode(uuid.uuid4().hex, t, HEADS, grp.scores.values[0], 1.0)
+            encode(uuid.uuid4().hex, t, HEADS, grp.scores.values[0], 1.0, cond_key=CK)
 
 
 def _reference_tensors(blob: bytes, k: int):
@@ -244,14 +327,12 @@ def _reference_tensors(blob: bytes, k: int):
     except Exception:  # noqa: BLE001 — the library refuses it: not a valid blob
         return None
     names = {"x", "x_next", "logp_old", "final_latents"}
-    if not names <= set(t) <= names | {"image"}:
+    if not names <= set(t) <= names:
         return None
     x = t["x"]
     ok = (x.dim() == 5 and x.shape[0] == k and t["x_next"].shape == x.shape
           and t["logp_old"].shape == (k,) and t["final_latents"].shape == x.shape[1:]
           and all(t[n].is_floating_point() for n in names) and bool(torch.isfinite(t["logp_old"]).all()))
-    img = t.get("image")
-    ok = ok and (img is None or (img.dtype == torch.uint8 and img.dim() == 3 and img.shape[2] == 3))
     return t if ok else None
 
 
@@ -266,7 +347,6 @@ def _check_blob(blob: bytes) -> None:
     r = got.trajectory
     for name in ("x", "x_next", "logp_old", "final_latents"):
         assert _same(getattr(r, name), ref[name]), name
-    assert (r.condition.image is None) == ("image" not in ref)
 
 
 @_FUZZ
@@ -358,9 +438,11 @@ def _reference_meta(meta: dict):
             m[key] = v.decode("utf-8") if isinstance(v, bytes) else v
         except UnicodeDecodeError:
             return None
-    if any(f not in m for f in REQUIRED) or m["format"] != "2" or m["scheme"] not in SCHEMES:
+    if any(f not in m for f in REQUIRED) or m["format"] != "3" or m["scheme"] not in SCHEMES:
         return None
     if not re.fullmatch(r"[0-9a-f]{32}", m["id"]) or m["status"] not in ("fresh", "banked"):
+        return None
+    if not re.fullmatch(r"[0-9a-f]{32}", m["cond_key"]):
         return None
     out = {}
     for f in _INT_FIELDS:
@@ -383,6 +465,8 @@ def _reference_meta(meta: dict):
     if out["member"] < 0 or out["trained"] < 0 or len(out["sigmas"]) < 2 or not out["heads"]:
         return None
     if len(out["step_indices"]) != 3 or any(not 0 <= s < len(out["sigmas"]) - 1 for s in out["step_indices"]):
+        return None
+    if out["step_indices"] != sorted(set(out["step_indices"])):   # strictly increasing
         return None
     if len(out["scores"]) != len(out["heads"]):
         return None

@@ -18,7 +18,7 @@ from memory_bank.embedded import EmbeddedRedis
 
 SMALL = (2, 2, 4, 4)
 KEYS = ("fresh", "pending", "banked", "entries", "conditions", "pushed", "committed", "bytes",
-        "queued_bytes")
+        "queued_bytes", "cond_records")
 
 
 def _filled(bank: MemoryBank) -> None:
@@ -114,8 +114,9 @@ def test_step_dir_finds_the_checkpoint_under_a_root(tmp_path):
 
 
 def _as_format_1(src) -> None:
-    """Rewrite a dump's entries as bank format 1 wrote them (the scheme's name and η, no
-    scheme_params), with the index's offsets and digest made to match: a well-formed old dump."""
+    """Rewrite a dump as an older vgrpo wrote it: index format 1, entries of bank format 2 (every
+    recorded step, no condition record: `trained_steps` and `image_path` instead of `cond_key`),
+    with the offsets and digest made to match: a well-formed old dump."""
     import hashlib
 
     index_path, data_path = src / INDEX, src / DATA
@@ -123,24 +124,53 @@ def _as_format_1(src) -> None:
     out, entries = bytearray(), {}
     for eid, (off, n_meta, n_blob) in index["entries"].items():
         meta = json.loads(data[off:off + n_meta])
-        eta = json.loads(meta.pop("scheme_params"))["eta"]
-        meta.update(format="1", eta=repr(eta))
+        del meta["cond_key"]
+        meta.update(format="2", trained_steps=meta["step_indices"], image_path="/data/frame.png")
         m = json.dumps(meta).encode()
         entries[eid] = [len(out), len(m), n_blob]
         out += m + data[off + n_meta:off + n_meta + n_blob]
     data_path.write_bytes(bytes(out))
-    index.update(entries=entries, size=len(out), sha256=hashlib.sha256(out).hexdigest())
+    del index["cond_records"]
+    index.update(format=1, entries=entries, size=len(out), sha256=hashlib.sha256(out).hexdigest())
     index_path.write_text(json.dumps(index))
 
 
-def test_a_dump_of_format_1_entries_is_refused_in_one_line(bank, tmp_path):
-    """Entries written before the scheme's full spec was stored are not restored with guessed
-    arguments: the resume says why in one line and starts with an empty bank."""
+def test_a_dump_of_an_older_format_is_refused_in_one_line(bank, tmp_path):
+    """A bank written before conditions travelled with the data holds entries the learner could
+    only train by re-encoding their prompts: the resume says why in one line and starts with an
+    empty bank, writing nothing."""
     _filled(bank)
     dump_bank(bank, tmp_path)
     bank.clear()
     _as_format_1(tmp_path / DIR)
     note = restore_bank(bank, tmp_path)
     assert "\n" not in note and note.endswith("resuming with an empty bank")
-    assert "field 'format' is '1': an entry of an older vgrpo, which did not store its SDE scheme's full spec" in note
+    assert "format 1, a bank written by an older vgrpo (its entries carry no encoded condition" in note
     assert list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*")) == []
+
+
+def test_a_dump_keeps_each_condition_record_once_and_counts_it_again(tmp_path):
+    """Condition records travel in the dump once each; a restore counts their references from the
+    entries it restores, so a record leaves with the last of its entries there too."""
+    cfg = BankConfig(namespace="ckptc", capacity=2)
+    with EmbeddedRedis() as first:
+        bank = MemoryBank(first.client(), cfg)
+        _filled(bank)
+        assert bank.stats()["cond_records"] == 2
+        dump_bank(bank, tmp_path)
+        index = json.loads((tmp_path / DIR / INDEX).read_text())
+        assert len(index["cond_records"]) == 2 and len(index["entries"]) == 4 + 6   # banked + queued
+        cinfo = {k: json.loads(v) for k, v in bank.r.hgetall(bank.keys.cinfo).items()}
+    with EmbeddedRedis() as second:
+        bank = MemoryBank(second.client(), cfg)
+        restore_bank(bank, tmp_path)
+        assert {k: json.loads(v) for k, v in bank.r.hgetall(bank.keys.cinfo).items()} == cinfo
+        bytes_before = bank.stats()["bytes"]
+        batch = bank.pull(5, 1)
+        for g, b in zip(batch.fresh, batch.bank, strict=True):
+            assert all(t.cond is g.cond for t, _, _ in b)       # one object per record and pull
+        bank.commit(batch, 2)
+        bank.discard([], after_version=-1)                      # every banked entry goes
+        st = bank.stats()
+        assert (st["entries"], st["cond_records"], st["bytes"], st["queued_bytes"]) == (0, 0, 0, 0), st
+        assert bytes_before > 0 and list(bank.r.scan_iter(match="ckptc:*condrec*")) == []

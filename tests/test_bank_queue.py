@@ -26,7 +26,13 @@ def test_push_pull_round_trip_is_exact(bank):
     got = batch.fresh[0]
     assert (got.group_id, got.policy_version, got.condition.id, got.condition.prompt) == (
         "grp-1", 3, "cond-α", grp.condition.prompt)
-    assert torch.equal(got.condition.image, grp.condition.image)
+    # the condition travels encoded (one object shared by the members), never as pixels or a path
+    assert got.condition.image is None and got.condition.image_path is None
+    assert all(m.cond is got.cond for m in got.members)
+    for side in ("tensors", "uncond"):
+        a, b = getattr(grp.cond, side), getattr(got.cond, side)
+        assert set(a) == set(b) and all(torch.equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in a)
+    assert got.cond.encoder == grp.cond.encoder
     assert got.scores.heads == HEADS and torch.equal(got.scores.values, grp.scores.values)
     assert torch.equal(got.composite, grp.composite)
     for a, b in zip(grp.members, got.members, strict=True):
@@ -149,8 +155,9 @@ def test_corrupt_and_foreign_entries_are_skipped_and_counted(bank, caplog):
     # g1: a foreign member with another latent shape; g2: every member destroyed
     foreign = make_group("c", "g1", shape=(4, 6, 8, 8))
     other = [e for e in bank.r.hget(k.group("g1"), "eids").decode().split()]
-    from memory_bank.codec import encode
-    meta, blob = encode(other[2], foreign.members[2], HEADS, foreign.scores.values[2], 1.0)
+    from memory_bank.codec import encode, encode_cond
+    meta, blob = encode(other[2], foreign.members[2], HEADS, foreign.scores.values[2], 1.0,
+                        cond_key=encode_cond("c", foreign.cond)[0])
     bank.r.hset(k.meta(other[2]), mapping=meta)
     bank.r.set(k.blob(other[2]), blob)
     for eid in bank.r.hget(k.group("g2"), "eids").decode().split():

@@ -8,6 +8,7 @@ import json
 import imageio.v3 as iio
 import numpy as np
 import pytest
+import torch
 
 from cluster.driver.driver import Driver
 from cluster.runs.run_dir import RunDir
@@ -57,10 +58,19 @@ def test_i2v_driver_trains_on_a_manifest(ray_session, tmp_path):
         # the reward role scored image alignment from the files
         assert "IA" in before.heads and np.isfinite(after.values).all()
         assert before.column("IA").min() > 0.5             # the base starts its videos at the image
-        # bank entries name their first frame by path; the learner trained on them
+        # bank entries name no file: they carry the condition as the rollout encoded it from the
+        # first frame's file (the learner trained on them with no encoder)
+        from common.images import condition_image
+        from rollout_worker.models.toy import ToyVideoModel
+
         entries = [e for c in driver.conditions for e in driver.bank.entries(c.id)]
-        assert entries and all(e.trajectory.condition.image_path in {c.image_path for c in driver.conditions}
-                               and e.trajectory.condition.image is None for e in entries)
+        encoder = ToyVideoModel.from_config(cfg)
+        assert entries
+        for e in entries:
+            t, c = e.trajectory, next(c for c in driver.conditions if c.id == e.trajectory.condition.id)
+            assert t.condition.image_path is None and t.condition.image is None
+            want = encoder.encode([c.prompt], condition_image(c, cfg.model.height, cfg.model.width)[None])
+            assert all(torch.equal(t.cond.tensors[k], want.tensors[k]) for k in want.tensors)
         # the GIFs show the first frame beside the video: [F, H, W + 1 + W, 3]
         gifs = sorted(run_dir.samples.glob("*.gif"))
         assert len(gifs) == 4

@@ -36,7 +36,7 @@ def _batch(model, seed: int, groups: int = 2, version: int = 0) -> TrainBatch:
 
 def _kl_terms(tr: Trainer, rows) -> tuple[float, float]:
     mb = next(micro_batches(rows, rows.n))
-    cond = tr.encode(rows).index(mb.cond_idx)
+    cond = tr.conditions(rows).index(mb.cond_idx)
     av = tr.policy.anchor_velocity("moving", mb.x, mb.sigma, cond)
     with torch.no_grad():
         _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.loss_cfg, 1.0, rows.n,
@@ -85,7 +85,7 @@ def test_align_gradient_step_raises_winner_log_prob():
     mb = next(micro_batches(rows, rows.n))
     mb.adv.zero_()          # no policy-gradient term: the loss is γ·J_align alone
     mb.a_neg.zero_()        # only the winner's term
-    cond = tr.encode(rows).index(mb.cond_idx)
+    cond = tr.conditions(rows).index(mb.cond_idx)
     lc = LossConfig(1e-4, "none", 1.0, 0.1, "k1", gamma=1.0, align_form="loglik")
     std = rows.scheme.std(mb.sigma, mb.sigma_next)
 
@@ -109,7 +109,7 @@ def test_rank_shares_sum_to_the_full_batch_gradient():
     tr = Trainer(_cfg(), model).setup()
     tr.train_step(_batch(model, seed=0))  # make the LoRA B non-zero so every grad is informative
     rows = build_rows(_batch(model, seed=5), tr.cfg)
-    cond_all = tr.encode(rows)
+    cond_all = tr.conditions(rows)
     params = tr.policy.trainable_parameters()
 
     def grads(size, world):

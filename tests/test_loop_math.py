@@ -14,7 +14,7 @@ import torch
 from helpers_tiny import TinyVideoModel
 
 from common.config import ConfigError, RunConfig, load_config
-from common.sde import CPS, Flow, Schedule, gaussian_kl, make_scheme
+from common.sde import CPS, Flow, Schedule, gaussian_kl, make_scheme, scheme_from_config
 from common.types import Condition, TrainBatch
 from learner.advantages import group_advantages
 from learner.losses import LossConfig, compute_loss
@@ -167,26 +167,34 @@ def _group(model, cfg, cond_id: str, seed: int, version: int = 0, reward=None):
     return g
 
 
-def test_groups_record_every_step_alignment_needs_and_rows_use_them():
+def test_members_store_only_their_trained_steps_and_align_uses_them_where_trained():
+    """Group format item 3: a member stores x_k, x_{k+1}, log π_old, μ_old at the steps it trains
+    and nowhere else (alignment on or off); a row's x⁺_{k+1} is the winner's own stored step k,
+    found only where the winner trained k (and likewise the loser's)."""
     model, cfg = _Tiny(), _cfg()
     g = _group(model, cfg, "c0", seed=1)
-    every = list(range(cfg.schedule.steps))
-    for m in g.members:
-        assert m.step_indices == every                 # align on: all trainable steps recorded
-        assert len(m.trained_steps) == 2 and set(m.trained_steps) < set(every)
-        assert m.mu_old is not None and m.mu_old.shape == m.x.shape
+    sched = Schedule.from_config(cfg.schedule)
+    draws = draw_trained_steps(sched, scheme_from_config(cfg, sched), cfg.sampler, 1, 4, model)
+    for m, want in zip(g.members, draws, strict=True):
+        assert m.step_indices == sorted(want) and len(want) == 2      # floor(0.4 · 5)
+        assert m.x.shape[0] == m.x_next.shape[0] == m.logp_old.shape[0] == m.mu_old.shape[0] == 2
     rows = build_rows(TrainBatch([g]), cfg)
-    assert rows.n == 4 * 2                             # only trained (member, step) pairs are rows
-    assert rows.stats["align/rows_wanted"] == 8 and rows.stats["align/rows_used"] == 8
-    # the winner's target at each row's step is its recorded x_{k+1}, trained by it or not
-    win = int(g.composite.argmax())
-    ks = [k for m in g.members for k in m.trained_steps]
-    for r, k in enumerate(ks):
-        assert torch.equal(rows.targets[rows.pos_row[r]], g.members[win].x_next[k])
-    # without alignment, only trained steps are recorded
+    assert rows.n == 4 * 2
+    win, lose = int(g.composite.argmax()), int(g.composite.argmin())
+    ks = [(i, k) for i, m in enumerate(g.members) for k in m.step_indices]
+    for r, (_, k) in enumerate(ks):
+        for who, col in ((win, rows.pos_row), (lose, rows.neg_row)):
+            t = g.members[who]
+            if k in t.step_indices:
+                assert torch.equal(rows.x_next[col[r]], t.x_next[t.step_indices.index(k)])
+            else:
+                assert col[r] == -1
+    both = sum(k in g.members[win].step_indices and k in g.members[lose].step_indices for _, k in ks)
+    assert rows.stats["align/rows_used"] == both == rows.n_align and rows.stats["align/rows_wanted"] == 8
+    # alignment off stores the same steps, and samples the same trained transitions
     off = _group(model, _cfg(align={"enabled": False}), "c0", seed=1)
-    assert all(m.step_indices == sorted(set().union(*[set(x.trained_steps) for x in off.members]))
-               for m in off.members)
+    assert [m.step_indices for m in off.members] == [m.step_indices for m in g.members]
+    assert all(torch.equal(a.x_next, b.x_next) for a, b in zip(off.members, g.members, strict=True))
 
 
 def test_bank_winner_without_the_step_is_reported_not_silently_dropped():
@@ -211,7 +219,7 @@ def test_exact_d_step_compares_with_the_policy_that_sampled_the_row():
     tr.train_step(TrainBatch([_group(model, cfg, "c2", seed=7, version=1)]))  # now at version 2
     rows = build_rows(stale, cfg)
     mb = next(micro_batches(rows, rows.n))
-    cond = tr.encode(rows).index(mb.cond_idx)
+    cond = tr.conditions(rows).index(mb.cond_idx)
     with torch.no_grad():
         _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.loss_cfg, 1.0, rows.n, 0)
         std = rows.scheme.std(mb.sigma, mb.sigma_next)

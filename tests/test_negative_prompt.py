@@ -46,28 +46,38 @@ def test_rollout_and_bank_carry_the_negative_prompt():
     b = sample_group(model, neg, cfg, seed=1, policy_version=0)
     assert not torch.equal(a.members[0].final_latents, b.members[0].final_latents)
 
-    from memory_bank.codec import decode, encode
+    # the row's negative prompt is in the encoded condition the group carries (and names it)
+    assert not torch.equal(a.cond.uncond["text"], b.cond.uncond["text"])
+    assert torch.equal(a.cond.tensors["text"], b.cond.tensors["text"])
+    assert a.cond.encoder != b.cond.encoder and neg.negative_prompt in b.cond.encoder
+    from memory_bank.codec import decode_cond, encode_cond
 
-    t = b.members[0]
-    meta, blob = encode("0" * 32, t, ["R"], torch.tensor([1.0]), 1.0)
-    assert decode(meta, blob).trajectory.condition.negative_prompt == neg.negative_prompt
+    key, fields = encode_cond(neg.id, b.cond)
+    assert key != encode_cond(base.id, a.cond)[0]
+    assert torch.equal(decode_cond(fields)[2].uncond["text"], b.cond.uncond["text"])
 
 
-def test_learner_encodes_the_rows_negative_prompts_and_first_frames(tmp_path):
-    """The learner's Trainer.encode: first frames by path, negative prompts per row, as the rollout did."""
-    from types import SimpleNamespace
-
+def test_learner_trains_on_the_rows_negative_prompts_and_first_frames_as_encoded(tmp_path):
+    """The learner, built without encoders, gets each row's CFG text and first frame exactly as the
+    rollout encoded them (first frame by path, negative prompt per row)."""
     from PIL import Image
 
     from common import toyworld as tw
+    from common.types import TrainBatch
+    from learner.rows import build_rows
     from learner.trainer import Trainer
 
-    cfg = load_config("configs/toy_i2v.yaml", ["model.guidance_scale=3.0", "optim.finetune=full"])
+    cfg = load_config("configs/toy_i2v.yaml", ["model.guidance_scale=3.0", "optim.finetune=full",
+                                               "sampler.group_size=2", "schedule.steps=3"])
     model = ToyVideoModel.from_config(cfg)
     Image.fromarray(tw.i2v_condition("a red square moving up", 0)).save(tmp_path / "f.png")
     conds = [Condition("a", "a red square moving up", image_path=str(tmp_path / "f.png"), negative_prompt="blur"),
              Condition("b", "a red square moving up", image_path=str(tmp_path / "f.png"))]
-    got = Trainer(cfg, model).setup().encode(SimpleNamespace(conditions=conds))
+    groups = [sample_group(model, c, cfg, seed=i, policy_version=0) for i, c in enumerate(conds)]
+    for g in groups:
+        g.composite = torch.tensor([0.0, 1.0])
+    learner = ToyVideoModel.from_config(cfg, components="transformer")
+    got = Trainer(cfg, learner).setup().conditions(build_rows(TrainBatch(groups), cfg))
     img = torch.from_numpy(tw.i2v_condition("a red square moving up", 0))
     want = model.encode([c.prompt for c in conds], torch.stack([img, img]), negative_prompts=["blur", None])
     for k in ("text", "image"):

@@ -64,7 +64,7 @@ def test_bf16_replay_is_exact_and_masters_are_fp32(finetune):
     # the learner's velocities (grad on, micro-batch rows) equal the sampler's bit for bit
     rows = build_rows(batch, cfg)
     mb = next(micro_batches(rows, cfg.optim.micro_batch))
-    cond = tr.encode(rows).index(mb.cond_idx)
+    cond = tr.conditions(rows).index(mb.cond_idx)
     learner_v = pol.velocity(mb.x.float(), mb.sigma, cond)
     with torch.no_grad():
         sampler_v = torch.cat([_velocity(model, mb.x[i:i + 1].float(), float(mb.sigma[i]), cond.index([i]))

@@ -6,31 +6,35 @@ import torch
 
 from common.config import RunConfig
 from rollout_worker.models.base import DTYPES as _DTYPES
-from rollout_worker.models.base import Cond, ModelLoadError, VideoModel
+from rollout_worker.models.base import Components, Cond, ModelLoadError, VideoModel
 
-__all__ = ["Cond", "ModelLoadError", "VideoModel", "build_model", "default_device"]
+__all__ = ["Components", "Cond", "ModelLoadError", "VideoModel", "build_model", "default_device"]
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> VideoModel:
-    """The adapter for `cfg.model.family`, loaded from `cfg.model.path` (families import lazily)."""
+def build_model(cfg: RunConfig, device: torch.device | str | None = None,
+                components: Components = "all") -> VideoModel:
+    """The adapter for `cfg.model.family`, loaded from `cfg.model.path` (families import lazily).
+
+    components="transformer" loads the transformer(s) alone, without text/image encoders or VAE
+    (what the learner builds: it trains on the conditions the rollout encoded)."""
     m = cfg.model
     device = default_device() if device is None else torch.device(device)
     if m.family == "toy":
         from rollout_worker.models.toy import ToyVideoModel
 
-        return ToyVideoModel.from_config(cfg)  # CPU-sized by design
+        return ToyVideoModel.from_config(cfg, components)  # CPU-sized by design
     if m.path is None:
         raise ModelLoadError(f"model.path is required for model.family = {m.family!r} "
                              "(a local diffusers-format directory or a hub id)")
     if m.family == "wan":
         from rollout_worker.models.wan import WanVideoModel
 
-        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device)
+        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components)
     if m.family == "hunyuan15":
         from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
 
-        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device)
+        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components)
     raise ModelLoadError(f"model.family = {m.family!r} has no adapter")

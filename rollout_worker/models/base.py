@@ -8,49 +8,30 @@ Latent layout is the transformer's: [B, C, F, H, W].
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from common.errors import UserError
+from common.types import Cond  # the data contract (re-exported: adapters build it)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Components = Literal["all", "transformer"]
+"""What `build_model` loads: everything (the rollout: encoders, transformer(s), VAE), or the
+transformer(s) alone (the learner, which trains on the conditions the rollout encoded)."""
 
 
 class ModelLoadError(UserError, FileNotFoundError):
     """A model path is missing or incomplete; the message names the path and what is missing."""
 
 
-@dataclass
-class Cond:
-    """Encoded conditions for a batch: whatever tensors the family's transformer needs.
-
-    `tensors` hold the conditional inputs, `uncond` the unconditional ones for CFG (or None).
-    Every tensor has the batch as its first dim, so a Cond can be repeated and indexed.
-    """
-
-    tensors: dict[str, Tensor]
-    uncond: dict[str, Tensor] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def _map(self, fn) -> Cond:
-        return Cond({k: fn(v) for k, v in self.tensors.items()},
-                    None if self.uncond is None else {k: fn(v) for k, v in self.uncond.items()},
-                    dict(self.extra))
-
-    def repeat(self, n: int) -> Cond:
-        """Each row repeated n times in place: [B, ...] → [B·n, ...]."""
-        return self._map(lambda t: t.repeat_interleave(n, dim=0))
-
-    def index(self, idx) -> Cond:
-        return self._map(lambda t: t[idx])
-
-    def to(self, device) -> Cond:
-        return self._map(lambda t: t.to(device))
+class NoEncoders(RuntimeError):
+    """An encoder or the VAE was called on a model built with components='transformer'."""
 
 
 class VideoModel(ABC):
@@ -58,6 +39,8 @@ class VideoModel(ABC):
 
     family: str = "base"
     device: torch.device = torch.device("cpu")
+    components: Components = "all"
+    """"transformer": built without text/image encoders and VAE; encode and decode refuse."""
     needs_sigma_next: bool = False
     """Whether `velocity` also takes the step's end, `sigma_next=[B]` (MeanFlow checkpoints read it)."""
 
@@ -130,6 +113,13 @@ def copy_weights(targets: dict[str, Tensor], payload: dict[str, Tensor]) -> None
         t.copy_(v)
 
 
+    def _require_encoders(self, what: str) -> None:
+        if self.components != "all":
+            raise NoEncoders(f"{self.family}: {what} needs the encoders/VAE, but this model was built with "
+                             f"components={self.components!r} (the learner's build: it trains on the "
+                             "conditions the rollout encoded, Trajectory.cond)")
+
+
 def _peft_base_key(key: str, own) -> str:
     """`a.b.weight` → `a.b.base_layer.weight` when only the latter exists (a LoRA-wrapped layer)."""
     if key in own:
@@ -137,6 +127,15 @@ def _peft_base_key(key: str, own) -> str:
     head, _, leaf = key.rpartition(".")
     wrapped = f"{head}.base_layer.{leaf}"
     return wrapped if wrapped in own else key
+
+
+def in_compute_dtype(cond: Cond, dtype: torch.dtype) -> Cond:
+    """The condition's floating tensors in the transformer's compute dtype (masks untouched): a
+    no-op where the rollout encoded them in model.dtype, as it does for the learner's own run."""
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return cond._map(cast)
 
 
 def cast_params(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -197,3 +196,15 @@ def negative_kwargs(conditions) -> dict:
     or nothing when none has one (so adapters without CFG need not take it)."""
     negs = [getattr(c, "negative_prompt", None) for c in conditions]
     return {} if all(n is None for n in negs) else {"negative_prompts": negs}
+
+
+def encoder_fingerprint(model_cfg, negative_prompt: str | None) -> str:
+    """What encodes a condition, as one stable string: the model (family, path, dtype, task,
+    resolution, text length), whether CFG runs (the unconditional text is then encoded too) and
+    the negative prompt it uses. The bank keys a stored condition by it (with its id)."""
+    m = model_cfg
+    return json.dumps({"family": m.family, "path": m.path, "dtype": m.dtype, "task": m.task,
+                       "frames": m.num_frames, "height": m.height, "width": m.width,
+                       "max_sequence_length": m.max_sequence_length, "cfg": m.guidance_scale > 1.0,
+                       "negative": m.negative_prompt if negative_prompt is None else negative_prompt},
+                      sort_keys=True)

@@ -11,6 +11,10 @@ rescale are applied, and a guidance-distilled checkpoint (guider scale 1.0: CFG 
 weights) refuses model.guidance_scale > 1, which would guide twice. MeanFlow (step-distilled)
 transformers get `timestep_r` = the step's end σ'·1000, as HunyuanVideo15ImageToVideoPipeline
 passes `timesteps[i + 1]` (0 after the last step); the T2V pipeline passes none.
+
+components="transformer" (the learner) loads the transformer and the guider's config alone: no
+Qwen2.5-VL, ByT5, SigLIP or VAE weights (the VAE's config.json gives the latent shape);
+`encode` and `decode` then refuse.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from torch import Tensor, nn
 from common.config import ModelConfig
 from rollout_worker.models.base import (
     DTYPES,
+    Components,
     Cond,
     ModelLoadError,
     VideoModel,
     cast_params,
     configure_vae,
     frames_to_uint8,
+    in_compute_dtype,
     is_local,
     require_dir,
     require_weights,
@@ -53,10 +59,15 @@ class Hunyuan15VideoModel(VideoModel):
 
     family = "hunyuan15"
 
-    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu", *, transformer=None,
+                 guider=None, vae_config=None):
+        """`pipe`: the whole pipeline; or None with the `transformer`, the `guider` and the VAE's
+        `vae_config` alone (components="transformer")."""
         self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
-        self.transformer = pipe.transformer
-        self.guider = getattr(pipe, "guider", None)
+        self.components = "all" if pipe is not None else "transformer"
+        self.transformer = pipe.transformer if pipe is not None else transformer
+        self.guider = getattr(pipe, "guider", None) if pipe is not None else guider
+        self.vae_dims = _vae_dims(pipe.vae.config if pipe is not None else vae_config)
         self.guidance_scale = cfg.guidance_scale
         _check_guidance(cfg.guidance_scale, self.guider)
         # MeanFlow: the I2V pipeline feeds the step's end as timestep_r; the T2V pipeline does not
@@ -66,41 +77,54 @@ class Hunyuan15VideoModel(VideoModel):
                              "HunyuanVideo 1.5 has one transformer")
         if cfg.train_experts != "all":
             raise ValueError("model.train_experts = 'high_noise' is a Wan 2.2 option")
-        st, ss = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+        _, st, ss = self.vae_dims
         if cfg.num_frames % st != 1:
             raise ValueError(f"model.num_frames = {cfg.num_frames}: HunyuanVideo 1.5 needs {st}·k + 1")
         if cfg.height % ss or cfg.width % ss:
             raise ValueError(f"model.height/width = {cfg.height}x{cfg.width}: need multiples of {ss}")
+        cast_params(self.transformer, DTYPES[cfg.dtype])
+        if pipe is None:
+            self.transformer.to(self.device)
+            return
         for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae, getattr(pipe, "image_encoder", None)):
             if m is not None:
                 m.requires_grad_(False)
-        cast_params(self.transformer, DTYPES[cfg.dtype])
         configure_vae(pipe.vae, cfg)
         pipe.to(self.device)
 
     # --- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu") -> Hunyuan15VideoModel:
-        """From built modules (keys as HunyuanVideo15Pipeline's: transformer, vae, text_encoder, …)."""
+    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu",
+                        parts: Components = "all") -> Hunyuan15VideoModel:
+        """From built modules (keys as HunyuanVideo15Pipeline's: transformer, vae, text_encoder, …);
+        parts="transformer" keeps the transformer, the guider and the VAE's config only."""
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.guiders import ClassifierFreeGuidance
 
         comps = dict(components)
         comps.setdefault("scheduler", FlowMatchEulerDiscreteScheduler())  # unused: the sampler owns the loop
         comps.setdefault("guider", ClassifierFreeGuidance(guidance_scale=max(cfg.guidance_scale, 1.0)))
+        if parts == "transformer":
+            return cls(None, cfg, device, transformer=comps["transformer"], guider=comps["guider"],
+                       vae_config=dict(comps["vae"].config))
         return cls(_pipeline_class(cfg.task)(**comps), cfg, device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                        device="cpu") -> Hunyuan15VideoModel:
-        """Load a diffusers-format HunyuanVideo 1.5 checkpoint (local directory or hub id) in `dtype`."""
+                        device="cpu", components: Components = "all") -> Hunyuan15VideoModel:
+        """Load a diffusers-format HunyuanVideo 1.5 checkpoint (local directory or hub id) in `dtype`;
+        components="transformer": the transformer and the guider only (the VAE's config, not its weights)."""
         path = str(path)
+        lean = components == "transformer"
         if is_local(path):
-            root = require_dir(path, _NEEDED + (_NEEDED_I2V if cfg.task == "i2v" else []), "hunyuan15")
-            require_weights(root, ["transformer", "vae", "text_encoder", "text_encoder_2", "image_encoder"],
-                            "hunyuan15")
+            needed = _NEEDED[:3] if lean else _NEEDED + (_NEEDED_I2V if cfg.task == "i2v" else [])
+            root = require_dir(path, needed, "hunyuan15")
+            require_weights(root, ["transformer"] if lean else
+                            ["transformer", "vae", "text_encoder", "text_encoder_2", "image_encoder"], "hunyuan15")
         try:
+            if lean:
+                return cls(None, cfg, device, **_load_transformer_only(path, cfg.task, dtype))
             pipe = _pipeline_class(cfg.task).from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"hunyuan15: could not load model path {path!r}: {e}") from e
@@ -116,9 +140,8 @@ class Hunyuan15VideoModel(VideoModel):
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
-        c, p = self.cfg, self.pipe
-        return (p.vae.config.latent_channels, (c.num_frames - 1) // p.vae_scale_factor_temporal + 1,
-                c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
+        c, (z, st, ss) = self.cfg, self.vae_dims
+        return z, (c.num_frames - 1) // st + 1, c.height // ss, c.width // ss
 
     def _text(self, prompts: list[str]) -> dict[str, Tensor]:
         out = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype,
@@ -128,6 +151,7 @@ class Hunyuan15VideoModel(VideoModel):
     @torch.no_grad()
     def encode(self, prompts: list[str], images: Tensor | None = None,
                negative_prompts: list[str | None] | None = None) -> Cond:
+        self._require_encoders("encode")
         B, shape = len(prompts), self.latent_shape
         # 1. Text, and the negative prompt (per row, else model.negative_prompt) when CFG runs
         tensors = self._text(list(prompts))
@@ -165,6 +189,7 @@ class Hunyuan15VideoModel(VideoModel):
                 raise ValueError("this MeanFlow checkpoint needs sigma_next (the step's end) for timestep_r")
             t_r = torch.as_tensor(sigma_next, dtype=torch.float32, device=self.device).reshape(-1).expand(n) * 1000.0
             extra["timestep_r"] = t_r.to(self.dtype)
+        cond = in_compute_dtype(cond, self.dtype)
         c = cond.tensors
         x_in = torch.cat([x.to(self.device, self.dtype), c["cond_latents"], c["mask"]], dim=1)  # [B, 2C+1, F, H, W]
         kw = {k: c[k] for k in _TEXT_KEYS}
@@ -184,6 +209,7 @@ class Hunyuan15VideoModel(VideoModel):
     def decode(self, latents: Tensor) -> Tensor:
         """One video at a time: the VAE's causal attention mask ([B, L, L] against [B, 1, L, C]
         queries) only broadcasts for B = 1 in diffusers' AutoencoderKLHunyuanVideo15."""
+        self._require_encoders("decode")
         vae = self.pipe.vae
         z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor
         video = torch.cat([vae.decode(z[i:i + 1], return_dict=False)[0] for i in range(len(z))])
@@ -191,6 +217,27 @@ class Hunyuan15VideoModel(VideoModel):
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
+
+
+def _vae_dims(config) -> tuple[int, int, int]:
+    """(latent channels, temporal factor, spatial factor) from the VAE's config (a config.json
+    read without the model may omit them: AutoencoderKLHunyuanVideo15's defaults, 32, 4, 16)."""
+    return (int(config.get("latent_channels", 32)), int(config.get("temporal_compression_ratio", 4)),
+            int(config.get("spatial_compression_ratio", 16)))
+
+
+def _load_transformer_only(path: str, task: str, dtype: torch.dtype) -> dict:
+    """The transformer (in `dtype`), the guider model_index.json names, and the VAE's config."""
+    import diffusers.guiders
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
+
+    index = _pipeline_class(task).load_config(path)  # model_index.json
+    guider_cls = (index.get("guider") or [None, None])[1]
+    guider = None if guider_cls is None else \
+        getattr(diffusers.guiders, guider_cls).from_pretrained(path, subfolder="guider")
+    return {"transformer": HunyuanVideo15Transformer3DModel.from_pretrained(path, subfolder="transformer",
+                                                                           torch_dtype=dtype),
+            "guider": guider, "vae_config": AutoencoderKLHunyuanVideo15.load_config(path, subfolder="vae")}
 
 
 def _check_guidance(scale: float, guider) -> None:

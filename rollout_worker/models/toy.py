@@ -16,6 +16,7 @@
   A T2V row (no image) is all zeros in both layouts, so one checkpoint serves T2V and I2V.
 - A checkpoint is `NAME.safetensors` (transformer weights) + `NAME.json` (configs and the
   pretraining record). `from_pretrained(None)` loads the committed one in assets/.
+- components="transformer" (the learner): no word encoder; `encode` and `decode` refuse.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from rollout_worker.models.base import Cond, ModelLoadError, VideoModel
+from rollout_worker.models.base import Components, Cond, ModelLoadError, VideoModel
 
 ASSETS = Path(__file__).parent / "assets"
 BASE_CHECKPOINT = ASSETS / "toy_base.safetensors"
@@ -105,7 +106,7 @@ class ToyVideoModel(VideoModel):
     def __init__(self, transformer_cfg: dict[str, Any] | None = None, text_cfg: dict[str, Any] | None = None,
                  world: dict[str, Any] | None = None, guidance_scale: float = 1.0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 i2v_layout: str = "first_frame"):
+                 i2v_layout: str = "first_frame", components: Components = "all"):
         if i2v_layout not in I2V_LAYOUTS:
             raise ModelLoadError(f"toy model: i2v_layout {i2v_layout!r} is not one of {list(I2V_LAYOUTS)}")
         self.i2v_layout = i2v_layout
@@ -116,7 +117,8 @@ class ToyVideoModel(VideoModel):
         self.dtype = dtype
         self.device = torch.device(device)
         self.meta: dict[str, Any] = {}
-        self.text_encoder = WordEncoder(**self.text_cfg)
+        self.components = components
+        self.text_encoder = WordEncoder(**self.text_cfg) if components == "all" else None
         self.transformer = _build_transformer(self.transformer_cfg).to(self.device)
         if dtype != torch.float32:
             self.transformer.to(dtype)
@@ -126,13 +128,14 @@ class ToyVideoModel(VideoModel):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                        guidance_scale: float = 1.0, device: str | torch.device = "cpu") -> ToyVideoModel:
+                        guidance_scale: float = 1.0, device: str | torch.device = "cpu",
+                        components: Components = "all") -> ToyVideoModel:
         """Load NAME.safetensors + NAME.json (or a directory holding toy.safetensors + toy.json)."""
         weights, meta_path = _resolve(path)
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
             model = cls(meta["transformer"], meta["text"], meta["world"], guidance_scale, dtype, device,
-                        meta.get("i2v_layout", "broadcast"))
+                        meta.get("i2v_layout", "broadcast"), components)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"toy model: sidecar {str(meta_path)!r} is malformed ({e})") from None
         try:
@@ -153,11 +156,11 @@ class ToyVideoModel(VideoModel):
         return model
 
     @classmethod
-    def from_config(cls, cfg) -> ToyVideoModel:
+    def from_config(cls, cfg, components: Components = "all") -> ToyVideoModel:
         """From a common.config.RunConfig: its model.path, dtype and guidance_scale."""
         m = cfg.model
         path = cls.checkpoint_path(cfg)
-        model = cls.from_pretrained(path, getattr(torch, m.dtype), m.guidance_scale)
+        model = cls.from_pretrained(path, getattr(torch, m.dtype), m.guidance_scale, components=components)
         want = {"num_frames": m.num_frames, "height": m.height, "width": m.width}
         if want != {k: model.world[k] for k in want}:
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
@@ -210,6 +213,7 @@ class ToyVideoModel(VideoModel):
 
     def encode(self, prompts: list[str], images: Tensor | None = None,
                negative_prompts: list[str | None] | None = None) -> Cond:
+        self._require_encoders("encode")
         B, (_, _, H, W) = len(prompts), self.latent_shape
         text = self.text_encoder(prompts)                                  # [B, L, D]
         image = torch.zeros(B, 4, H, W)                                    # rgb + mask
@@ -253,6 +257,7 @@ class ToyVideoModel(VideoModel):
         return v_u + self.guidance_scale * (v_c - v_u)
 
     def decode(self, latents: Tensor) -> Tensor:
+        self._require_encoders("decode")
         x = latents.detach().float().clamp(-1, 1)
         return ((x + 1.0) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu()  # [B, F, H, W, 3]
 

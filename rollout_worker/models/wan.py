@@ -11,6 +11,9 @@ sampler owns the loop. Conventions follow `WanPipeline.__call__`:
 
 Precision: the VAE loads in fp32 (as diffusers documents for Wan; a bf16 load would round its
 weights), the transformer(s) hold every weight in `model.dtype` (see `base.cast_params`).
+
+components="transformer" (the learner) loads the transformer(s) alone: no UMT5, no CLIP, no VAE
+weights (the VAE's config.json gives the latent shape); `encode` and `decode` then refuse.
 """
 
 from __future__ import annotations
@@ -25,41 +28,63 @@ from torch import Tensor, nn
 from common.config import ModelConfig
 from rollout_worker.models.base import (
     DTYPES,
+    Components,
     Cond,
     ModelLoadError,
     VideoModel,
     cast_params,
     configure_vae,
     frames_to_uint8,
+    in_compute_dtype,
     is_local,
     require_dir,
     require_weights,
 )
 
 _NEEDED = ["model_index.json", "vae/config.json", "text_encoder/config.json", "tokenizer"]
+_ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
+"""The pipeline's components a transformer-only build leaves out (with the VAE)."""
 
 
-def _check_local(path: str, task: str) -> None:
+def _check_local(path: str, task: str, components: Components = "all") -> None:
     """Name the first missing piece of a local Wan checkpoint before diffusers fails obscurely."""
-    root = require_dir(path, _NEEDED, "wan")
+    root = require_dir(path, _NEEDED if components == "all" else _NEEDED[:2], "wan")
     index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
     parts = [k for k in ("transformer", "transformer_2") if (index.get(k) or [None])[0] is not None]
-    if task == "i2v" and (index.get("image_encoder") or [None])[0] is not None:
+    if task == "i2v" and components == "all" and (index.get("image_encoder") or [None])[0] is not None:
         parts += ["image_encoder", "image_processor"]
     if not any(p.startswith("transformer") for p in parts):
         raise ModelLoadError(f"wan: model path {path!r} is incomplete; model_index.json names no transformer")
     require_dir(root, [f"{p}/{'preprocessor_config.json' if p == 'image_processor' else 'config.json'}"
                        for p in parts], "wan")
-    require_weights(root, ["transformer", "transformer_2", "vae", "text_encoder"], "wan")
+    require_weights(root, ["transformer", "transformer_2"] + (["vae", "text_encoder"] if components == "all" else []),
+                    "wan")
+
+
+def _skipped(task: str) -> dict[str, None]:
+    """The encoders a transformer-only build passes as None (the I2V pipeline also has CLIP's)."""
+    return {k: None for k in _ENCODERS if task == "i2v" or k in ("text_encoder", "tokenizer")}
+
+
+def _vae_dims(config) -> tuple[int, int, int]:
+    """(latent channels, temporal factor, spatial factor) from the VAE's config (a config.json
+    read without the model may omit the factors: AutoencoderKLWan's defaults, 4 and 8)."""
+    return (int(config["z_dim"]), int(config.get("scale_factor_temporal", 4)),
+            int(config.get("scale_factor_spatial", 8)))
 
 
 class WanVideoModel(VideoModel):
-    """Wan 2.x adapter. Build with `from_pretrained` (a checkpoint) or `from_components` (tests)."""
+    """Wan 2.x adapter. Build with `from_pretrained` (a checkpoint) or `from_components` (tests).
+
+    `vae_config` stands in for the VAE's own config when the pipeline holds no VAE
+    (components="transformer")."""
 
     family = "wan"
 
-    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu", vae_config=None):
         self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
+        self.components = "all" if pipe.vae is not None else "transformer"
+        self.vae_dims = _vae_dims(pipe.vae.config if pipe.vae is not None else vae_config)
         if pipe.config.get("expand_timesteps", False):
             raise ModelLoadError("wan: Wan 2.2 TI2V-5B (expand_timesteps) is not supported by this adapter")
         self.transformer, self.transformer_2 = pipe.transformer, pipe.transformer_2
@@ -79,7 +104,8 @@ class WanVideoModel(VideoModel):
         for t in (self.transformer, self.transformer_2):
             if t is not None:
                 cast_params(t, DTYPES[cfg.dtype])
-        configure_vae(pipe.vae, cfg)
+        if pipe.vae is not None:
+            configure_vae(pipe.vae, cfg)
         self._check_shapes()
         self._freeze()
         pipe.to(self.device)
@@ -87,26 +113,37 @@ class WanVideoModel(VideoModel):
     # --- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu") -> WanVideoModel:
-        """From built modules (keys as WanPipeline's: transformer, vae, text_encoder, tokenizer, …)."""
+    def from_components(cls, components: dict, cfg: ModelConfig, device="cpu",
+                        parts: Components = "all") -> WanVideoModel:
+        """From built modules (keys as WanPipeline's: transformer, vae, text_encoder, tokenizer, …);
+        parts="transformer" drops the encoders and the VAE (keeping only the VAE's config)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
 
         comps = dict(components)
         comps.setdefault("scheduler", FlowMatchEulerDiscreteScheduler())  # unused: the sampler owns the loop
+        vae_config = None
+        if parts == "transformer":
+            vae_config = dict(comps["vae"].config)
+            comps.update(_skipped(cfg.task), vae=None)
         pipe_cls = WanImageToVideoPipeline if cfg.task == "i2v" else WanPipeline
-        return cls(pipe_cls(**comps), cfg, device)
+        return cls(pipe_cls(**comps), cfg, device, vae_config)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                        device="cpu") -> WanVideoModel:
-        """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; the VAE in fp32."""
+                        device="cpu", components: Components = "all") -> WanVideoModel:
+        """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; the VAE in
+        fp32. components="transformer": the transformer(s) only (the VAE's config, not its weights)."""
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
         path = str(path)
         if is_local(path):
-            _check_local(path, cfg.task)
+            _check_local(path, cfg.task, components)
         pipe_cls = WanImageToVideoPipeline if cfg.task == "i2v" else WanPipeline
         try:
+            if components == "transformer":
+                vae_config = AutoencoderKLWan.load_config(path, subfolder="vae")
+                pipe = pipe_cls.from_pretrained(path, vae=None, torch_dtype=dtype, **_skipped(cfg.task))
+                return cls(pipe, cfg, device, vae_config)
             # the VAE loads in fp32 from the file: upcasting a bf16 load would keep its rounded weights
             vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
             pipe = pipe_cls.from_pretrained(path, vae=vae, torch_dtype=dtype)
@@ -116,14 +153,13 @@ class WanVideoModel(VideoModel):
 
     def _check_shapes(self) -> None:
         c = self.cfg
-        st, ss = self.pipe.vae_scale_factor_temporal, self.pipe.vae_scale_factor_spatial
+        z, st, ss = self.vae_dims
         if c.num_frames % st != 1:
             raise ValueError(f"model.num_frames = {c.num_frames}: Wan needs num_frames = {st}·k + 1")
         mult = ss * self.transformer.config.patch_size[1]
         if c.height % mult or c.width % mult:
             raise ValueError(f"model.height/width = {c.height}x{c.width}: Wan needs multiples of {mult}")
-        z = self.pipe.vae.config.z_dim
-        want = z if c.task == "t2v" else 2 * z + self.pipe.vae_scale_factor_temporal
+        want = z if c.task == "t2v" else 2 * z + st
         for name, t in (("transformer", self.transformer), ("transformer_2", self.transformer_2)):
             if t is not None and t.config.in_channels != want:
                 raise ModelLoadError(f"wan: {name} takes {t.config.in_channels} channels, but model.task = "
@@ -147,13 +183,13 @@ class WanVideoModel(VideoModel):
 
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
-        c, p = self.cfg, self.pipe
-        return (p.vae.config.z_dim, (c.num_frames - 1) // p.vae_scale_factor_temporal + 1,
-                c.height // p.vae_scale_factor_spatial, c.width // p.vae_scale_factor_spatial)
+        c, (z, st, ss) = self.cfg, self.vae_dims
+        return z, (c.num_frames - 1) // st + 1, c.height // ss, c.width // ss
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: Tensor | None = None,
                negative_prompts: list[str | None] | None = None) -> Cond:
+        self._require_encoders("encode")
         # 1. Text (and the negative prompt when CFG runs), as WanPipeline.encode_prompt does
         do_cfg = self.guidance_scale > 1.0
         negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * len(prompts))]
@@ -204,7 +240,7 @@ class WanVideoModel(VideoModel):
 
     def _guided(self, model: nn.Module, scale: float, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
         """One batched forward over [cond; uncond] and the CFG mix, in fp32. [B, C, F, H, W]"""
-        x_in = x.to(self.device, self.dtype)
+        x_in, cond = x.to(self.device, self.dtype), in_compute_dtype(cond, self.dtype)
         if "condition" in cond.tensors:
             x_in = torch.cat([x_in, cond.tensors["condition"]], dim=1)  # [B, 2C + 4, F, H, W]
         kw = {k: v for k, v in cond.tensors.items() if k != "condition"}
@@ -221,6 +257,7 @@ class WanVideoModel(VideoModel):
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
+        self._require_encoders("decode")
         vae = self.pipe.vae
         z = latents.to(self.device, vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)

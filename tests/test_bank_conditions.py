@@ -1,0 +1,183 @@
+"""Encoded conditions in the bank (the group format's item 2), on a real redis-server: one record
+per condition and encoding, not per member; counted in the bytes and the byte bound; deleted
+with the last entry that names it, whatever removes that entry (FIFO, SDU, the byte bound, a
+skipped step, a dropped group, a discard); one object per record in a pull.
+
+Every test ends with `_check_accounting`, which recomputes each record's references and the
+byte counters from the raw Redis structures (einfo, the group records, the queue lists) and
+compares them with what the scripts keep."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from bank_helpers import make_cond, make_group
+
+from common.types import Cond
+from memory_bank.bank import MemoryBank
+from memory_bank.codec import cond_nbytes, encode_cond
+from memory_bank.errors import BankFull, DuplicateGroup
+
+SMALL = (2, 2, 4, 4)
+
+
+def _json_hash(bank: MemoryBank, key: str) -> dict[str, dict]:
+    return {a.decode(): json.loads(b) for a, b in bank.r.hgetall(key).items()}
+
+
+def _queued_groups(bank: MemoryBank) -> list[str]:
+    k = bank.keys
+    gids = [g.decode() for g in bank.r.lrange(k.fresh, 0, -1)]
+    for c in bank.r.smembers(k.consumers):
+        gids += [g.decode() for g in bank.r.lrange(k.pending(c.decode()), 0, -1)]
+    return gids
+
+
+def _check_accounting(bank: MemoryBank) -> dict[str, dict]:
+    """Every record's (n, q), `bytes`, `qbytes` and the record keys, recomputed independently."""
+    k = bank.keys
+    einfo, cinfo = _json_hash(bank, k.einfo), _json_hash(bank, k.cinfo)
+    queued = {e for g in _queued_groups(bank) for e in bank.r.hget(k.group(g), "eids").decode().split()}
+    refs = Counter(d["k"] for d in einfo.values())
+    qrefs = Counter(d["k"] for e, d in einfo.items() if e in queued)
+    assert {c: (d["n"], d["q"]) for c, d in cinfo.items()} == {c: (refs[c], qrefs[c]) for c in refs}
+    records = {key.decode().rsplit(":", 1)[1] for key in bank.r.scan_iter(match=f"{k.namespace}:*condrec:*")}
+    assert records == set(cinfo)
+    for c, d in cinfo.items():   # a record's bytes are what it holds in Redis
+        assert d["b"] == cond_nbytes({a.decode(): v if a == b"blob" else v.decode()
+                                      for a, v in bank.r.hgetall(k.cond_record(c)).items()})
+    group_bytes = sum(int(bank.r.hget(k.group(g), "bytes")) for g in _queued_groups(bank))
+    assert bank.bytes_used() == sum(d["b"] for d in einfo.values()) + sum(d["b"] for d in cinfo.values())
+    assert bank.queued_bytes() == group_bytes + sum(d["b"] for d in cinfo.values() if d["q"])
+    return cinfo
+
+
+def test_a_condition_is_stored_once_for_all_its_groups(bank):
+    groups = [make_group("c0", f"g{i}", g=4, seed=i, shape=SMALL) for i in range(3)]
+    for g in groups:
+        bank.push_group(g)
+    cinfo = _check_accounting(bank)
+    key, fields = encode_cond("c0", groups[0].cond)
+    assert list(cinfo) == [key] and cinfo[key]["n"] == cinfo[key]["q"] == 12
+    assert cinfo[key]["b"] == cond_nbytes(fields) > groups[0].cond.nbytes()
+    st = bank.stats()
+    assert st["cond_records"] == 1 and st["entries"] == 12
+    # one pull: every trajectory of the condition shares one Cond, equal to what was encoded
+    batch = bank.pull(2, 0)
+    bank.commit(batch, 1)
+    batch = bank.pull(1, 0)
+    conds = {id(t.cond) for t in batch.fresh[0].members} | {id(t.cond) for t, _, _ in batch.bank[0]}
+    assert len(conds) == 1 and len(batch.bank[0]) == 8
+    got = batch.fresh[0].cond
+    assert all(torch.equal(got.tensors[n], groups[0].cond.tensors[n]) for n in got.tensors)
+    assert all(torch.equal(got.uncond[n], groups[0].cond.uncond[n]) for n in got.uncond)
+    _check_accounting(bank)
+
+
+def test_another_encoding_of_a_condition_is_another_record(bank):
+    a = make_group("c0", "ga", g=2, seed=1, shape=SMALL)
+    b = make_group("c0", "gb", g=2, seed=2, shape=SMALL)
+    other = make_cond("c0", encoder="another-model")
+    for m in b.members:
+        m.cond = other
+    bank.push_group(a)
+    bank.push_group(b)
+    assert len(_check_accounting(bank)) == 2
+    first = bank.pull(1, 0)
+    bank.commit(first, 1)
+    batch = bank.pull(1, 0)
+    assert batch.fresh[0].cond.encoder == "another-model"
+    assert {t.cond.encoder for t, _, _ in batch.bank[0]} == {"test-encoder"}   # each its own
+    _check_accounting(bank)
+
+
+@pytest.mark.parametrize("bank", [{"capacity": 2, "strategy": "fifo"}, {"capacity": 2, "strategy": "sdu"},
+                                  {"enabled": False}], indirect=True)
+def test_a_record_goes_with_the_last_entry_that_names_it(bank):
+    """FIFO and SDU trims, and a bank that banks nothing: when no entry names a record, it goes."""
+    bank.push_group(make_group("c0", "g0", g=3, seed=0, shape=SMALL))
+    bank.push_group(make_group("c1", "g1", g=3, seed=1, shape=SMALL))
+    bank.commit(bank.pull(2, 0), 1)
+    cinfo = _check_accounting(bank)
+    kept = 0 if not bank.cfg.enabled else 2
+    assert sorted(d["n"] for d in cinfo.values()) == ([kept, kept] if kept else [])
+    assert all(d["q"] == 0 for d in cinfo.values())
+    bank.discard([], after_version=-1)                 # every banked entry: the records go too
+    assert _check_accounting(bank) == {} and bank.bytes_used() == 0 == bank.queued_bytes()
+
+
+def test_the_byte_bound_evicts_records_with_their_entries(bank):
+    probe = make_group("c0", "probe", g=2, seed=0, shape=SMALL)
+    bank.push_group(probe)
+    per_group = bank.group_bytes                       # entries + the record: what one group adds
+    bank.commit(bank.pull(1, 0), 1)
+    bank.cfg = bank.cfg.model_copy(update={"max_bytes": int(per_group * 2.5)})
+    for i in range(1, 6):                              # a new condition each: old ones must go
+        bank.push_group(make_group(f"c{i}", f"g{i}", g=2, seed=i, shape=SMALL))
+        bank.commit(bank.pull(1, 0), i + 1)
+        _check_accounting(bank)
+        assert bank.bytes_used() <= bank.cfg.max_bytes
+    left = {d["cond"] for d in _check_accounting(bank).values()}
+    assert "c0" not in left and left <= {f"c{i}" for i in range(1, 6)}
+
+
+def test_a_full_bank_counts_the_condition_a_group_brings(bank):
+    """A push that fits only without its condition record is refused: the record is queued
+    bytes too, and the refused push leaves no record behind."""
+    g = make_group("c0", "g0", g=2, seed=0, shape=SMALL)
+    bank.cfg = bank.cfg.model_copy(update={"max_bytes": 1 << 20})
+    bank.push_group(g)
+    need = bank.queued_bytes()
+    bank.clear()
+    entries_only = need - cond_nbytes(encode_cond("c0", g.cond)[1])
+    bank.cfg = bank.cfg.model_copy(update={"max_bytes": entries_only})
+    with pytest.raises(BankFull, match=f"needs {need} more"):
+        bank.push_group(make_group("c0", "g1", g=2, seed=0, shape=SMALL))
+    assert _check_accounting(bank) == {} and bank.stats()["entries"] == 0
+
+
+def test_a_refused_duplicate_leaves_no_record(bank):
+    bank.push_group(make_group("c0", "dup", g=2, shape=SMALL))
+    bank.r.delete(bank.keys.fresh)                     # the group record stays: a duplicate id
+    with pytest.raises(DuplicateGroup):
+        bank.push_group(make_group("c9", "dup", g=2, shape=SMALL))
+    assert [d["cond"] for d in _json_hash(bank, bank.keys.cinfo).values()] == ["c0"]
+    assert len(list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*condrec:*"))) == 1
+
+
+def test_a_record_dropped_during_a_push_is_written_again(bank, monkeypatch):
+    """The producer skips writing a record cinfo already counts; if its last entries are evicted
+    before the push script runs, the script answers 'missing' and the producer writes it again."""
+    g = make_group("c0", "g0", g=2, shape=SMALL)
+    real = bank.r.hexists
+    monkeypatch.setattr(bank.r, "hexists", lambda key, field: True if key == bank.keys.cinfo else real(key, field))
+    bank.push_group(g)                                 # first try: no record, refused; second: written
+    monkeypatch.undo()
+    batch = bank.pull(1, 0)
+    assert batch.fresh[0].size == 2 and torch.equal(batch.fresh[0].cond.tensors["text"], g.cond.tensors["text"])
+    _check_accounting(bank)
+
+
+def test_a_damaged_record_drops_its_group_and_entries(bank):
+    bank.push_group(make_group("c0", "g0", g=2, shape=SMALL))
+    ck = next(iter(_json_hash(bank, bank.keys.cinfo)))
+    blob = bytearray(bank.r.hget(bank.keys.cond_record(ck), "blob"))
+    blob[-1] ^= 0x01
+    bank.r.hset(bank.keys.cond_record(ck), "blob", bytes(blob))
+    batch = bank.pull(1, 0)
+    assert batch.fresh == [] and bank.dropped_ids == ["g0"] and bank.stats()["corrupt"] >= 1
+    assert _check_accounting(bank) == {}
+
+
+def test_members_must_share_an_encoded_condition(bank):
+    g = make_group("c0", "g0", g=2, shape=SMALL)
+    g.members[1].cond = Cond(dict(g.cond.tensors), None, g.cond.encoder)
+    with pytest.raises(ValueError, match="member 1: no encoded condition shared"):
+        bank.push_group(g)
+    g.members[1].cond = None
+    with pytest.raises(ValueError, match="Trajectory.cond"):
+        bank.push_group(g)
+    assert bank.stats()["entries"] == 0
