@@ -115,25 +115,7 @@ class MemoryBank:
     def push_group(self, group: Group) -> str:
         """Store a scored group and queue it as fresh; returns its group id."""
         # 1. Validate: scored, one condition, shapes agree.
-        gid, g = group.group_id, group.size
-        if not isinstance(gid, str) or not gid or len(gid) > 256:
-            raise ValueError(f"group_id {gid!r} must be a non-empty string of at most 256 chars")
-        if group.scores is None or group.composite is None:
-            raise UnscoredGroup(f"group {gid!r} has no scores/composite: run the reward role "
-                                "before push_group")
-        heads = list(group.scores.heads)
-        if g == 0 or tuple(group.scores.values.shape) != (g, len(heads)):
-            raise ValueError(f"group {gid!r}: scores.values shape {tuple(group.scores.values.shape)}"
-                             f" != [G={g}, H={len(heads)}]")
-        if tuple(group.composite.shape) != (g,):
-            raise ValueError(f"group {gid!r}: composite shape {tuple(group.composite.shape)} != [{g}]")
-        for m in group.members:
-            if m.condition.id != group.condition.id:
-                raise ValueError(f"group {gid!r} member {m.member}: condition {m.condition.id!r} "
-                                 f"!= group condition {group.condition.id!r}")
-            if m.cond is None or m.cond is not group.cond:
-                raise ValueError(f"group {gid!r} member {m.member}: no encoded condition shared with the "
-                                 "group (Trajectory.cond, set by sample_group): the bank stores it once")
+        gid, heads = group.group_id, _checked_heads(group)
         # 2. Encode the condition once and the members (frames are not stored).
         ck, record = codec.encode_cond(group.condition.id, group.cond)
         cbytes = codec.cond_nbytes(record)
@@ -643,6 +625,30 @@ class MemoryBank:
     def _corrupt(self, what: str) -> None:
         log.error("bank: skipped %s", what)
         self.r.hincrby(self.keys.counts, "corrupt", 1)
+
+
+def _checked_heads(group: Group) -> list[str]:
+    """A group push_group accepts: an id, scores [G, H] and composite [G], one condition, and one
+    encoded condition its members share; returns its heads."""
+    gid, g = group.group_id, group.size
+    if not isinstance(gid, str) or not gid or len(gid) > 256:
+        raise ValueError(f"group_id {gid!r} must be a non-empty string of at most 256 chars")
+    if group.scores is None or group.composite is None:
+        raise UnscoredGroup(f"group {gid!r} has no scores/composite: run the reward role before push_group")
+    heads = list(group.scores.heads)
+    if g == 0 or tuple(group.scores.values.shape) != (g, len(heads)):
+        raise ValueError(f"group {gid!r}: scores.values shape {tuple(group.scores.values.shape)}"
+                         f" != [G={g}, H={len(heads)}]")
+    if tuple(group.composite.shape) != (g,):
+        raise ValueError(f"group {gid!r}: composite shape {tuple(group.composite.shape)} != [{g}]")
+    for m in group.members:
+        if m.condition.id != group.condition.id:
+            raise ValueError(f"group {gid!r} member {m.member}: condition {m.condition.id!r} "
+                             f"!= group condition {group.condition.id!r}")
+        if m.cond is None or m.cond is not group.cond:
+            raise ValueError(f"group {gid!r} member {m.member}: no encoded condition shared with the "
+                             "group (Trajectory.cond, set by sample_group): the bank stores it once")
+    return heads
 
 
 def _s(v: bytes | str) -> str:
