@@ -1,10 +1,10 @@
 """Condition images (I2V first frames): decode, check, and fit to the model's resolution.
 
-A condition's image travels by reference: `Condition.image_path` names a file every role
-can read (shared storage, like model.path). Each role decodes it when it needs it — the
-rollout actor once per group, the reward actor once per scored group, the learner once per
-batch — through `condition_image`, cached per process, so the pixels never pass through the
-driver.
+A condition's image travels by reference: `Condition.image_path` names a file the rollout and
+reward roles can read (shared storage, like model.path). Each decodes it when it needs it — the
+rollout actor once per group (and encodes it: the learner trains on that encoding and never
+opens the file), the reward actor once per scored group — through `condition_image`, cached per
+process, so the pixels never pass through the driver.
 
 Fitting follows HunyuanVideo 1.5's I2V pipeline (VaeImageProcessor.resize, resize_mode
 "crop"): scale the image, keeping its aspect ratio, until it covers the target, resample
