@@ -263,10 +263,10 @@ def _write(bank: MemoryBank, index: dict[str, Any], records: dict[str, tuple[dic
         pipe.hset(k.meta(eid), mapping=meta).set(k.blob(eid), blob)
         if n % BATCH == 0:
             pipe.execute()
-    for ck, fields in index["cond_fields"].items():
-        pipe.hset(k.cond_record(ck), mapping=fields)
-    pipe.execute()
     cinfo = _cinfo(index)
+    for ck in cinfo:   # a record no restored entry names stays out (it would be an orphan)
+        pipe.hset(k.cond_record(ck), mapping=index["cond_fields"][ck])
+    pipe.execute()
     total = sum(int(json.loads(v)["b"]) for v in index["einfo"].values())
     total += sum(c["b"] for c in cinfo.values())
     queued = sum(int(g["fields"].get("bytes") or 0) for g in index["groups"])

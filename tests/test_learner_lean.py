@@ -131,3 +131,20 @@ def test_a_learner_rank_trains_a_banked_i2v_group_without_encoders_or_its_image_
     assert calls == [] and stats["version"] == 1.0 and stats["num_rows"] == 2 * 3
     assert any(not torch.equal(p, before[n]) for n, p in rank.trainer.policy.params.items())
     assert stats["logratio_first_absmax"] < 1e-5        # replayed with the rollout's own encoding
+
+
+def test_a_batch_without_its_encoded_conditions_is_refused_in_one_line():
+    from learner.trainer import Trainer
+
+    cfg = load_config("configs/quickstart.yaml", ["sampler.group_size=2", "schedule.steps=3"])
+    group = sample_group(build_model(cfg), Condition("c0", "a red square moving left"), cfg, seed=0,
+                         policy_version=0)
+    group.composite = torch.tensor([0.0, 1.0])
+    trainer = Trainer(cfg, build_model(cfg, components="transformer")).setup()
+    for m in group.members:
+        m.cond = None
+    with pytest.raises(ValueError, match=r"carry no encoded condition \(Trajectory.cond\)"):
+        trainer.train_step(TrainBatch([group]))
+    group.members[0].cond = build_model(cfg).encode(["a red square moving left"])
+    with pytest.raises(ValueError, match="mixes trajectories with and without"):
+        trainer.train_step(TrainBatch([group]))
