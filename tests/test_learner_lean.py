@@ -139,7 +139,8 @@ def test_a_batch_without_its_encoded_conditions_is_refused_in_one_line():
     cfg = load_config("configs/quickstart.yaml", ["sampler.group_size=2", "schedule.steps=3"])
     group = sample_group(build_model(cfg), Condition("c0", "a red square moving left"), cfg, seed=0,
                          policy_version=0)
-    group.composite = torch.tensor([0.0, 1.0])
+    group.scores = Scores(["VQ", "MQ", "TA"], torch.tensor([[0.0, 0.1, 0.2], [1.0, 0.5, 0.2]]))
+    group.composite = group.scores.values.sum(1)
     trainer = Trainer(cfg, build_model(cfg, components="transformer")).setup()
     for m in group.members:
         m.cond = None
