@@ -68,7 +68,7 @@ def test_flash_group_runs_the_sde_at_its_step_only():
     cfg = flash_cfg(schedule={"steps": 6, "shift": 3.0})
     g = sample_group(model, Condition("c", "a prompt"), cfg, seed=4, policy_version=0)
     k = g.members[0].step_indices
-    assert len(k) == 1 and all(t.step_indices == k and t.trained_steps == k for t in g.members)
+    assert len(k) == 1 and all(t.step_indices == k for t in g.members)
     assert not torch.allclose(g.members[0].final_latents, g.members[1].final_latents)
     s = Schedule.from_config(cfg.schedule)  # the spec carries the σ bounds the rollout's g used
     assert g.members[0].spec == make_scheme("flash", None, s).spec(s)
@@ -114,7 +114,7 @@ def _batch(sched, W_old) -> TrainBatch:
         members = [Trajectory(condition=cond, group_id=f"g{gi}", member=i, seed=0, spec=scheme.spec(sched),
                               guidance_scale=1.0, policy_version=0, step_indices=[k],
                               x=x[i:i + 1].clone(), x_next=xn[i:i + 1], logp_old=lp[i:i + 1],
-                              final_latents=torch.zeros(SHAPE), trained_steps=[k]) for i in range(4)]
+                              final_latents=torch.zeros(SHAPE)) for i in range(4)]
         r = torch.randn(4, generator=g)
         fresh.append(Group(cond, f"g{gi}", 0, members, Scores(["h"], r.view(-1, 1)), r))
     return TrainBatch(fresh)

@@ -87,7 +87,7 @@ def test_sde_only_inside_the_window_and_the_window_moves_with_the_version():
     for version, window in ((0, [0, 1]), (2, [2, 3]), (9, [4, 5])):
         g = sample_group(model, cond, cfg, seed=5, policy_version=version)
         m = g.members
-        assert m[0].step_indices == window and all(t.trained_steps == window for t in m)
+        assert m[0].step_indices == window and all(t.step_indices == window for t in m)
         # shared noise and ODE before the window: every member reaches it at the same latent
         # (up to the transformer's batch-row rounding)
         assert all(torch.allclose(t.x[0], m[0].x[0], atol=1e-5) for t in m)

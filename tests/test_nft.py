@@ -187,11 +187,11 @@ def test_nft_rollouts_are_ode_record_no_step_and_store_only_final_latents():
         x = solver.step(x, model.velocity(x, torch.tensor([s.sigmas[k]]), cond), *s.pair(k))
     assert torch.allclose(x[0], m.final_latents, atol=1e-5)
     # the bank stores the final latents and nothing of the SDE fields
-    meta, blob = encode("0123456789abcdef0123456789abcdef", m, ["h"], torch.tensor([0.5]), 0.5)
+    meta, blob = encode("0123456789abcdef0123456789abcdef", m, ["h"], torch.tensor([0.5]), 0.5, cond_key="f" * 32)
     assert set(loads(blob)) == {"final_latents"} and meta["step_indices"] == "[]"
     back = decode(meta, blob).trajectory
     assert back.x is None and back.logp_old is None and torch.equal(back.final_latents, m.final_latents)
-    assert back.spec == m.spec and back.step_indices == [] and back.trained_steps is None
+    assert back.spec == m.spec and back.step_indices == []
     assert m.nbytes() == m.final_latents.numel() * 4 + m.frames.numel()
     # an entry without steps that carries step tensors anyway is corrupt
     with pytest.raises(CorruptEntry, match="without steps"):

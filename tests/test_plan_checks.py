@@ -46,7 +46,7 @@ def test_stored_steps_per_member_are_the_steps_the_real_sampler_trains(case):
     model = tiny_wan_model(cfg.model.model_dump(), variant)
     image = torch.zeros(16, 16, 3, dtype=torch.uint8) if cfg.model.task == "i2v" else None
     group = sample_group(model, Condition(id="c", prompt="a cat", image=image), cfg, seed=3, policy_version=0)
-    trained = [len(m.trained_steps) for m in group.members]
+    trained = [len(m.step_indices) for m in group.members]
     k = stored_steps_per_member(cfg)
     assert trained == [k] * cfg.sampler.group_size
     assert 0 < k < cfg.schedule.steps  # each rule leaves some steps untrained

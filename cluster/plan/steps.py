@@ -41,10 +41,8 @@ def stored_steps_per_member(cfg) -> int:
     the sampler draws them (rollout_worker/sampler.draw_trained_steps over trainable_steps:
     never a step without noise, one of the last `ode_last_steps`, or one a frozen expert serves).
 
-    This is the agreed group format ("each member stores only the steps it trains"). Today's
-    sampler (sampler.recorded_steps) still stores in every member the union of its group's
-    trained steps, and every trainable step with alignment on; the format change makes the
-    two equal. To size today's format instead, count len(recorded_steps(draws, ...)) here."""
+    This is the group format: each member stores only the steps it trains (rollout_worker/
+    sampler.sample_group), whatever else alignment makes the group run with the scheme."""
     from common.sde import Schedule, scheme_from_config
     from rollout_worker.sampler import draw_trained_steps
 

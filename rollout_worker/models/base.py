@@ -100,6 +100,12 @@ class VideoModel(ABC):
             raise KeyError(f"weights payload has keys the model lacks: {unknown[:5]}")
         return out
 
+    def _require_encoders(self, what: str) -> None:
+        if self.components != "all":
+            raise NoEncoders(f"{self.family}: {what} needs the encoders/VAE, but this model was built with "
+                             f"components={self.components!r} (the learner's build: it trains on the "
+                             "conditions the rollout encoded, Trajectory.cond)")
+
 
 @torch.no_grad()
 def copy_weights(targets: dict[str, Tensor], payload: dict[str, Tensor]) -> None:
@@ -111,13 +117,6 @@ def copy_weights(targets: dict[str, Tensor], payload: dict[str, Tensor]) -> None
         if t.shape != v.shape:
             raise ValueError(f"weights payload {k!r}: shape {tuple(v.shape)}, the model's is {tuple(t.shape)}")
         t.copy_(v)
-
-
-    def _require_encoders(self, what: str) -> None:
-        if self.components != "all":
-            raise NoEncoders(f"{self.family}: {what} needs the encoders/VAE, but this model was built with "
-                             f"components={self.components!r} (the learner's build: it trains on the "
-                             "conditions the rollout encoded, Trajectory.cond)")
 
 
 def _peft_base_key(key: str, own) -> str:
