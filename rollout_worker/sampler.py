@@ -41,6 +41,12 @@ def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None) 
     return model.velocity(x.to(model.device, torch.float32), sig.to(model.device), cond, **kw)
 
 
+def samples_per_forward(n: int, rows_per_sample: int, max_rows: int | None) -> int:
+    """Samples of a batch of n in one transformer forward with sampler.forward_batch_size =
+    max_rows: all n (None), else max_rows // rows_per_sample (2 with CFG), at least one."""
+    return n if max_rows is None else min(n, max(1, max_rows // rows_per_sample))
+
+
 def _batched_velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None,
                       max_rows: int | None = None) -> Tensor:
     """`_velocity` over micro-batches of at most `max_rows` transformer rows (None: one forward).
@@ -50,7 +56,7 @@ def _batched_velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_nex
     sample's velocity is the one forward's wherever the kernels are batch-invariant.
     """
     n = x.shape[0]
-    per = n if max_rows is None else max(1, max_rows // (2 if cond.uncond is not None else 1))
+    per = samples_per_forward(n, 2 if cond.uncond is not None else 1, max_rows)
     if per >= n:
         return _velocity(model, x, sigma, cond, sigma_next)
     sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n)
