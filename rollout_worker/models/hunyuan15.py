@@ -33,6 +33,7 @@ from rollout_worker.models.base import (
     require_dir,
     require_weights,
 )
+from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
 from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
@@ -75,6 +76,7 @@ class Hunyuan15VideoModel(VideoModel):
             if m is not None:
                 m.requires_grad_(False)
         cast_params(self.transformer, DTYPES[cfg.dtype])
+        use_key_mask_attention(self.transformer)  # no dense S×S mask; none at all where nothing is padded
         configure_vae(pipe.vae, cfg)
         pipe.to(self.device)
 
@@ -174,6 +176,7 @@ class Hunyuan15VideoModel(VideoModel):
             kw = {k: torch.cat([v, cond.uncond[k]]) for k, v in kw.items()}
             x_in, t, image_embeds = torch.cat([x_in, x_in]), torch.cat([t, t]), torch.cat([image_embeds] * 2)
             extra = {k: torch.cat([v, v]) for k, v in extra.items()}
+        kw, image_embeds = _without_padding(kw, image_embeds, self.cfg.task)
         out = self.transformer(hidden_states=x_in, image_embeds=image_embeds, timestep=t.to(self.dtype),
                                return_dict=False, **kw, **extra)[0].float()
         if not do_cfg:
@@ -191,6 +194,21 @@ class Hunyuan15VideoModel(VideoModel):
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
+
+
+def _without_padding(kw: dict[str, Tensor], image_embeds: Tensor, task: str) -> tuple[dict[str, Tensor], Tensor]:
+    """The forward's encoder inputs without the tokens no row attends to: text columns that are
+    padding in every row, and T2V's image tokens (zeros, which the transformer masks out). A
+    padded token never reaches a valid one, so the video tokens' output is unchanged; where every
+    row then has the same lengths nothing is padded and attention runs without a mask
+    (hunyuan15_attention.py)."""
+    out = dict(kw)
+    for states, mask in (("encoder_hidden_states", "encoder_attention_mask"),
+                         ("encoder_hidden_states_2", "encoder_attention_mask_2")):
+        keep = out[mask].bool().any(dim=0)  # [L]: a token some row attends to
+        if not bool(keep.all()):
+            out[states], out[mask] = out[states][:, keep], out[mask][:, keep]
+    return out, (image_embeds[:, :0] if task == "t2v" else image_embeds)
 
 
 def _check_guidance(scale: float, guider) -> None:
