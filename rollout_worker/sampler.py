@@ -43,7 +43,7 @@ def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None) 
 
 def samples_per_forward(n: int, rows_per_sample: int, max_rows: int | None) -> int:
     """Samples of a batch of n in one transformer forward with sampler.forward_batch_size =
-    max_rows: all n (None), else max_rows // rows_per_sample (2 with CFG), at least one."""
+    max_rows: all n (None), else max_rows // rows_per_sample, at least one."""
     return n if max_rows is None else min(n, max(1, max_rows // rows_per_sample))
 
 
@@ -51,12 +51,12 @@ def _batched_velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_nex
                       max_rows: int | None = None) -> Tensor:
     """`_velocity` over micro-batches of at most `max_rows` transformer rows (None: one forward).
 
-    With CFG a sample takes two rows (its cond and uncond run in one forward), so a micro-batch
-    holds max_rows // 2 samples, at least one. Rows never interact in a forward, so each
-    sample's velocity is the one forward's wherever the kernels are batch-invariant.
+    A sample takes `model.rows_per_sample` rows (2 where CFG's cond and uncond run in one
+    forward), so a micro-batch holds max_rows // that samples, at least one. Rows never interact
+    in a forward, so each sample's velocity is the one forward's where the kernels are batch-invariant.
     """
     n = x.shape[0]
-    per = samples_per_forward(n, 2 if cond.uncond is not None else 1, max_rows)
+    per = samples_per_forward(n, model.rows_per_sample(cond), max_rows)
     if per >= n:
         return _velocity(model, x, sigma, cond, sigma_next)
     sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n)

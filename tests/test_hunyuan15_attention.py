@@ -103,13 +103,15 @@ def reference_velocity(model: Hunyuan15VideoModel, ref, x, sigma: float, cond) -
     return out[n:] + model.guidance_scale * (out[:n] - out[n:])
 
 
-@pytest.mark.parametrize(("task", "guidance", "masked"), [("t2v", 1.0, False), ("i2v", 1.0, False),
-                                                          ("t2v", 3.0, True), ("i2v", 3.0, True)])
+@pytest.mark.parametrize(("task", "guidance", "prompts"), [
+    ("t2v", 1.0, ["a red cat"] * 2), ("i2v", 1.0, ["a red cat"] * 2), ("t2v", 3.0, ["a red cat"] * 2),
+    ("i2v", 3.0, ["a red cat"] * 2), ("t2v", 3.0, ["a red cat", "a dog running on the beach"])])
 @torch.no_grad()
-def test_adapter_drops_padding_and_matches_diffusers(masks_seen, task, guidance, masked):
-    """A group's rows share one prompt: without CFG nothing is left padded once the adapter drops
-    the text padding and T2V's image tokens, so no block gets a mask; with CFG the negative
-    prompt's other length keeps a key mask. Both equal diffusers' dense-mask forward."""
+def test_adapter_drops_padding_and_matches_diffusers(masks_seen, task, guidance, prompts):
+    """The adapter runs one forward per set of rows with the same text masks (a group's cond rows,
+    the uncond rows, each prompt of an evaluation share), without the text padding and T2V's
+    image tokens: nothing is padded, so no block gets a mask. The result equals diffusers'
+    dense-mask forward over all rows with their padding."""
     from diffusers.models.transformers.transformer_hunyuan_video15 import (
         HunyuanVideo15AttnProcessor2_0,
     )
@@ -119,12 +121,15 @@ def test_adapter_drops_padding_and_matches_diffusers(masks_seen, task, guidance,
     for mod in ref.modules():
         if isinstance(getattr(mod, "processor", None), hattn.KeyMaskJointAttnProcessor):
             mod.set_processor(HunyuanVideo15AttnProcessor2_0())
-    images = torch.randint(0, 256, (1, 16, 16, 3), dtype=torch.uint8) if task == "i2v" else None
-    cond = model.encode(["a red cat"], images, negative_prompts=["blurry, low quality, static"]).repeat(2)
+    images = torch.randint(0, 256, (2, 16, 16, 3), dtype=torch.uint8) if task == "i2v" else None
+    cond = model.encode(prompts, images, negative_prompts=["blurry, low quality, static"] * 2)
     assert cond.tensors["encoder_attention_mask"].float().mean() < 0.5  # mostly padding, as encoded
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(1))
     got = model.velocity(x, torch.tensor([0.7, 0.7]), cond)
-    assert masks_seen and all((m is not None) == masked for m in masks_seen)
+    # a forward per distinct prompt, then (CFG) one for the uncond rows (one negative prompt)
+    forwards = len(set(prompts)) + (1 if guidance > 1 else 0)
+    assert len(masks_seen) == forwards * len(model.transformer.transformer_blocks)
+    assert all(m is None for m in masks_seen)
     masks_seen.clear()
     want = reference_velocity(model, ref, x, 0.7, cond)
     assert not masks_seen  # the reference ran diffusers' own processor
@@ -146,5 +151,32 @@ def test_gradients_match_diffusers_on_padded_rows():
     for t in (ref, ours):
         t(**x, return_dict=False)[0].square().mean().backward()
     for (name, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters(), strict=True):
+        if a.grad is not None or b.grad is not None:
+            assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_adapter_gradients_match_diffusers_on_rows_of_two_prompts():
+    """A learner micro-batch mixes conditions: the adapter's per-text forwards are differentiable
+    and give diffusers' weight gradients (dense-mask forward over all rows)."""
+    from diffusers.models.transformers.transformer_hunyuan_video15 import (
+        HunyuanVideo15AttnProcessor2_0,
+    )
+
+    model = hy_model("t2v", 3.0)
+    ref = copy.deepcopy(model.transformer)
+    for mod in ref.modules():
+        if isinstance(getattr(mod, "processor", None), hattn.KeyMaskJointAttnProcessor):
+            mod.set_processor(HunyuanVideo15AttnProcessor2_0())
+    cond = model.encode(["a red cat", "a dog running on the beach"])
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(2))
+    model.velocity(x, torch.tensor([0.7, 0.4]), cond).square().mean().backward()
+    c, u = cond.tensors, cond.uncond
+    x_in = torch.cat([x, c["cond_latents"], c["mask"]], dim=1)
+    keys = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
+    out = ref(hidden_states=torch.cat([x_in, x_in]), image_embeds=torch.cat([c["image_embeds"]] * 2),
+              timestep=torch.tensor([700.0, 400.0, 700.0, 400.0]), return_dict=False,
+              **{k: torch.cat([c[k], u[k]]) for k in keys})[0]
+    (out[2:] + 3.0 * (out[:2] - out[2:])).square().mean().backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.transformer.named_parameters(), strict=True):
         if a.grad is not None or b.grad is not None:
             assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-4), name

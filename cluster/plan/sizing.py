@@ -219,11 +219,12 @@ def learner_peak(mem: dict[str, float], checkpointing: bool) -> float:
 
 
 def rollout_rows(cfg) -> int:
-    """Transformer rows in one rollout forward: the group's G samples (x2 with CFG), or as many as
+    """Transformer rows in one rollout forward: the group's G samples (x2 where CFG's cond and
+    uncond share a forward: Wan; HunyuanVideo 1.5 runs them apart), or as many as
     sampler.forward_batch_size lets through, by the sampler's own rule."""
     from rollout_worker.sampler import samples_per_forward
 
-    per = 2 if cfg.model.guidance_scale > 1.0 else 1
+    per = 2 if cfg.model.guidance_scale > 1.0 and cfg.model.family != "hunyuan15" else 1
     return per * samples_per_forward(cfg.sampler.group_size, per, cfg.sampler.forward_batch_size)
 
 

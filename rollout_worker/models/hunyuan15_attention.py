@@ -69,7 +69,7 @@ class KeyMaskJointAttnProcessor:
         out = out.flatten(2, 3).to(q.dtype)
         # 4. Split the streams and project each out
         split = out.shape[1] - encoder_hidden_states.shape[1]
-        video, context = out[:, :split], out[:, split:]
+        video, context = out[:, :split].contiguous(), out[:, split:].contiguous()
         return attn.to_out[1](attn.to_out[0](video)), attn.to_add_out(context)
 
 
