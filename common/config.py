@@ -171,6 +171,12 @@ class SamplerConfig(Section):
     timeout_s: float = Field(900.0, gt=0.0)
     """A group not generated within this time counts as a failed rollout: its actor is
     restarted (and reloads the current weights) and the group is drawn again."""
+    forward_batch_size: int | None = Field(None, ge=1)
+    """Transformer rows per forward, for a group's rollouts and each evaluation share (a sample
+    with CFG takes two rows, cond and uncond, which stay in one forward, except on HunyuanVideo
+    1.5, which runs them apart; a micro-batch holds at least one sample); None: the whole batch. Bounds the rollout's activation peak
+    (`vgrpo plan`). Every row's velocity is the one forward's bit for bit where the kernels are
+    batch-invariant (on CPU: bf16 always, fp32 from 4 rows; docs/plan.md)."""
 
 
 class GRPOConfig(Section):
@@ -651,6 +657,10 @@ def _sampler_conflict(cfg: RunConfig) -> str | None:
     if s.post_compress < 1.0 and cfg.schedule.sigmas is not None:
         return ("sampler.post_compress < 1 rebuilds the tail with schedule.shift: use schedule.steps and "
                 "schedule.shift, not schedule.sigmas (or post_compress=1)")
+    if s.forward_batch_size == 1 and cfg.model.guidance_scale > 1.0 and cfg.model.family != "hunyuan15":
+        return (f"sampler.forward_batch_size=1 is below the 2 rows a sample takes with CFG (model.guidance_scale="
+                f"{cfg.model.guidance_scale}: its cond and uncond rows run in one forward); set it to 2 or more, "
+                "or null for the whole group")
     n = cfg.schedule.steps if cfg.schedule.sigmas is None else len(cfg.schedule.sigmas) - 1
     if s.train_steps == "window" and s.window.width > n - s.ode_last_steps:
         return (f"sampler.window.width={s.window.width} is more than the {n - s.ode_last_steps} steps that "

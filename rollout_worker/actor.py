@@ -245,7 +245,8 @@ class RolloutWorker:
 
         m = self.cfg.model
         return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
-                             images=resolve_images(images, len(prompts), m.height, m.width))
+                             images=resolve_images(images, len(prompts), m.height, m.width),
+                             forward_batch_size=self.cfg.sampler.forward_batch_size)
 
     def evaluate_pairs(self, prompts: list[str], seeds: list[int], images: list[str] | None = None,
                        keep: Sequence[int] = ()) -> tuple[Scores, dict[int, Tensor]]:

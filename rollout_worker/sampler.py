@@ -41,6 +41,30 @@ def _velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None) 
     return model.velocity(x.to(model.device, torch.float32), sig.to(model.device), cond, **kw)
 
 
+def samples_per_forward(n: int, rows_per_sample: int, max_rows: int | None) -> int:
+    """Samples of a batch of n in one transformer forward with sampler.forward_batch_size =
+    max_rows: all n (None), else max_rows // rows_per_sample, at least one."""
+    return n if max_rows is None else min(n, max(1, max_rows // rows_per_sample))
+
+
+def _batched_velocity(model: VideoModel, x: Tensor, sigma, cond: Cond, sigma_next=None,
+                      max_rows: int | None = None) -> Tensor:
+    """`_velocity` over micro-batches of at most `max_rows` transformer rows (None: one forward).
+
+    A sample takes `model.rows_per_sample` rows (2 where CFG's cond and uncond run in one
+    forward), so a micro-batch holds max_rows // that samples, at least one. Rows never interact
+    in a forward, so each sample's velocity is the one forward's where the kernels are batch-invariant.
+    """
+    n = x.shape[0]
+    per = samples_per_forward(n, model.rows_per_sample(cond), max_rows)
+    if per >= n:
+        return _velocity(model, x, sigma, cond, sigma_next)
+    sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).expand(n)
+    nxt = None if sigma_next is None else torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).expand(n)
+    return torch.cat([_velocity(model, x[i:i + per], sig[i:i + per], cond.index(slice(i, i + per)),
+                                None if nxt is None else nxt[i:i + per]) for i in range(0, n, per)])
+
+
 def transition_log_prob(model: VideoModel, scheme: Scheme, x: Tensor, x_next: Tensor, sigma, sigma_next,
                         cond: Cond) -> tuple[Tensor, Tensor]:
     """log π(x' | x) averaged over elements, and μ: velocity → scheme.mean → log_prob. ([B], [B, ...])
@@ -278,7 +302,8 @@ def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], 
     out = _Recorded(mu=[] if cfg.records_mu_old else None)
     dpm = DPMSolver2M() if any(p.rule == "dpm2" for p in plan) else None
     for p in plan:
-        v = _velocity(model, x, p.sigma, cond, p.sigma_next)  # [G, C, F, H, W], CFG inside
+        # [G, C, F, H, W], CFG inside, in micro-batches of sampler.forward_batch_size rows
+        v = _batched_velocity(model, x, p.sigma, cond, p.sigma_next, cfg.sampler.forward_batch_size)
         if p.rule == "dpm2":
             x = _round(dpm.step(x, v, p.sigma, p.sigma_next), store)
             continue
@@ -303,8 +328,10 @@ def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], 
 
 @torch.no_grad()
 def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], schedule: Schedule,
-                  scheme_name: str = "ode", eta: float | None = None, images: Tensor | None = None) -> Tensor:
-    """Evaluation videos, one per (prompt, seed), independent of batch composition. uint8 [B, F, H, W, 3]"""
+                  scheme_name: str = "ode", eta: float | None = None, images: Tensor | None = None,
+                  forward_batch_size: int | None = None) -> Tensor:
+    """Evaluation videos, one per (prompt, seed), independent of batch composition; at most
+    `forward_batch_size` transformer rows per forward (sampler.forward_batch_size). uint8 [B, F, H, W, 3]"""
     if len(prompts) != len(seeds):
         raise ValueError(f"sample_videos: {len(prompts)} prompts but {len(seeds)} seeds")
     scheme = make_scheme(scheme_name, eta, schedule)
@@ -315,7 +342,7 @@ def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], sched
     # 2. Denoising loop
     for k in range(schedule.steps):
         sigma, sigma_next = schedule.pair(k)
-        v = _velocity(model, x, sigma, cond, sigma_next)
+        v = _batched_velocity(model, x, sigma, cond, sigma_next, forward_batch_size)
         if _has_noise(scheme, sigma, sigma_next):
             x = torch.cat([sample_step(scheme, x[i:i + 1], v[i:i + 1], sigma, sigma_next, generator=g)[0]
                            for i, g in enumerate(gens)])

@@ -99,3 +99,29 @@ def test_plan_shows_the_rollout_peak_while_receiving_below_the_one_while_generat
     out = capsys.readouterr().out
     assert "peak while generating" in out and "peak while receiving weights" in out
     assert "2 receive buckets of" in out.split("peak while receiving weights")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml"])
+def test_rollout_activations_follow_forward_batch_size_and_fit_an_h100(config, capsys):
+    """The rollout's activations are those of one forward: with sampler.forward_batch_size null the
+    group's 16 rows on Wan (G 8, cond and uncond in one forward), 8 on HunyuanVideo 1.5 (it runs
+    them apart), the config's 4 with it; so the rollout rank fits 80 GiB."""
+    from cluster.plan.sizing import GB, plan, rollout_peaks, rollout_rows
+
+    cfg = load_config(ROOT / config)
+    whole = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"forward_batch_size": None})})
+    odd = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"forward_batch_size": 7})})
+    wan = cfg.model.family == "wan"
+    # 7 rows: 3 Wan samples with CFG (6 rows), or 7 HunyuanVideo 1.5 rows
+    assert (rollout_rows(whole), rollout_rows(cfg), rollout_rows(odd)) == ((16, 4, 6) if wan else (8, 4, 7))
+    p, q = plan(cfg, "H100"), plan(whole, "H100")
+    assert p.rollout["activations"] == pytest.approx(q.rollout["activations"] * 4 / rollout_rows(whole))
+    assert {k: v for k, v in p.rollout.items() if k != "activations"} == \
+        {k: v for k, v in q.rollout.items() if k != "activations"}
+    assert rollout_peaks(cfg, p)["generating"] < 80 * GB
+    if wan:  # A14B: 16 rows in one forward do not fit an H100
+        assert rollout_peaks(whole, q)["generating"] > 80 * GB
+    assert main(["plan", "-c", str(ROOT / config), "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    line = out.split("peak while generating")[1].splitlines()[0]
+    assert "(fits)" in line and "4 rows per forward: sampler.forward_batch_size 4" in out

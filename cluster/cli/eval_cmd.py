@@ -136,7 +136,7 @@ def cmd_sample(args) -> int:
         raise ConfigError(f"--image: {e}") from None
     model = load_policy(cfg, ckpt)
     frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme,
-                           images=images)
+                           images=images, forward_batch_size=cfg.sampler.forward_batch_size)
     shown = frames[0].numpy() if images is None else np.concatenate(  # the first frame to the left
         [np.broadcast_to(images.numpy(), frames[0].shape), np.full((*frames.shape[1:3], 1, 3), 128, np.uint8),
          frames[0].numpy()], axis=2)

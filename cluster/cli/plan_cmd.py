@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.plan.sizing import GB, GPUS, MFU, Plan, learner_peak, plan, rollout_peaks
+from cluster.plan.sizing import GB, GPUS, MFU, Plan, learner_peak, plan, rollout_peaks, rollout_rows
 
 
 def render(cfg, p: Plan, source: str) -> str:
@@ -22,7 +22,10 @@ def render(cfg, p: Plan, source: str) -> str:
         peak = learner_peak(p.learner, ck)
         lines.append(f"  {'peak, ' + ('with' if ck else 'without') + ' checkpointing':<32}{peak / GB:9.1f} GiB"
                      f"{'  (fits)' if peak < cap * GB else '  (does NOT fit)'}")
-    lines.append(f"rollout rank (G = {cfg.sampler.group_size} per batch):")
+    fbs = cfg.sampler.forward_batch_size
+    lines.append(f"rollout rank (G = {cfg.sampler.group_size}, {rollout_rows(cfg)} rows per forward: "
+                 + ("the whole group, sampler.forward_batch_size null):" if fbs is None
+                    else f"sampler.forward_batch_size {fbs}):"))
     for k, v in p.rollout.items():
         lines.append(f"  {k:<32}{v / GB:9.1f} GiB")
     peaks = rollout_peaks(cfg, p)

@@ -150,6 +150,6 @@ def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: s
     images = condition_images(list(evals.conditions), cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
     frames = sample_videos(model, evals.prompts, list(evals.seeds), Schedule.from_config(cfg.schedule),
-                           images=images)
+                           images=images, forward_batch_size=cfg.sampler.forward_batch_size)
     scores, composite = score(cfg, frames, evals.prompts, images)
     return EvalResult(scores.heads, scores.values.numpy(), composite.numpy()), frames, evals

@@ -218,10 +218,20 @@ def learner_peak(mem: dict[str, float], checkpointing: bool) -> float:
     return sum(v for k, v in mem.items() if not k.startswith("activations")) + act
 
 
+def rollout_rows(cfg) -> int:
+    """Transformer rows in one rollout forward: the group's G samples (x2 where CFG's cond and
+    uncond share a forward: Wan; HunyuanVideo 1.5 runs them apart), or as many as
+    sampler.forward_batch_size lets through, by the sampler's own rule."""
+    from rollout_worker.sampler import samples_per_forward
+
+    per = 2 if cfg.model.guidance_scale > 1.0 and cfg.model.family != "hunyuan15" else 1
+    return per * samples_per_forward(cfg.sampler.group_size, per, cfg.sampler.forward_batch_size)
+
+
 def rollout_memory(cfg, a: Arch) -> dict[str, float]:
     m = cfg.model
     c = 4 if m.dtype == "float32" else 2
-    rows = cfg.sampler.group_size * (2 if m.guidance_scale > 1.0 else 1)
+    rows = rollout_rows(cfg)  # activations scale with the rows of one forward, not with G
     seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
     return {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
             "frozen modules": sum((4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()),

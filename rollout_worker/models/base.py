@@ -72,6 +72,11 @@ class VideoModel(ABC):
         """Whether a step at σ_k runs a trainable module (False where a frozen expert runs it)."""
         return True
 
+    def rows_per_sample(self, cond: Cond) -> int:
+        """Transformer rows one sample takes in a forward: 2 where CFG's cond and uncond inputs
+        run in one forward (the default, when `cond` has uncond inputs), else 1."""
+        return 1 if cond.uncond is None else 2
+
     def initial_noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """ε ~ N(0, I), drawn on the CPU from `generator` so it is the same on every device. [B, C, F, H, W]"""
         return torch.randn((batch, *self.latent_shape), generator=generator,

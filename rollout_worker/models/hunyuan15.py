@@ -3,7 +3,8 @@
 As in `HunyuanVideo15Pipeline.__call__`: the transformer takes [x, condition latents, mask]
 along channels, timestep t = σ·1000, the Qwen2.5-VL and ByT5 text states with their masks,
 and SigLIP image states (zeros for T2V, which the transformer reads as "no image"). CFG is
-uncond + g·(cond - uncond), run only when guidance_scale > 1. Latents are divided by the
+uncond + g·(cond - uncond), run only when guidance_scale > 1, with the cond and the uncond rows
+in forwards of their own as the pipeline's guider runs them. Latents are divided by the
 VAE's scaling_factor before decoding.
 
 The pipeline's guider (the checkpoint's `guider/` config) is honoured: its formulation and
@@ -39,6 +40,7 @@ from rollout_worker.models.base import (
     require_dir,
     require_weights,
 )
+from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
 from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
@@ -83,6 +85,7 @@ class Hunyuan15VideoModel(VideoModel):
         if cfg.height % ss or cfg.width % ss:
             raise ValueError(f"model.height/width = {cfg.height}x{cfg.width}: need multiples of {ss}")
         cast_params(self.transformer, DTYPES[cfg.dtype])
+        use_key_mask_attention(self.transformer)  # no dense S×S mask; none at all where nothing is padded
         if pipe is None:
             self.transformer.to(self.device)
             return
@@ -192,18 +195,35 @@ class Hunyuan15VideoModel(VideoModel):
         cond = in_compute_dtype(cond, self.dtype)
         c = cond.tensors
         x_in = torch.cat([x.to(self.device, self.dtype), c["cond_latents"], c["mask"]], dim=1)  # [B, 2C+1, F, H, W]
-        kw = {k: c[k] for k in _TEXT_KEYS}
-        image_embeds = c["image_embeds"]
-        do_cfg = self.guidance_scale > 1.0 and cond.uncond is not None
-        if do_cfg:  # one forward over [cond; uncond]
-            kw = {k: torch.cat([v, cond.uncond[k]]) for k, v in kw.items()}
-            x_in, t, image_embeds = torch.cat([x_in, x_in]), torch.cat([t, t]), torch.cat([image_embeds] * 2)
-            extra = {k: torch.cat([v, v]) for k, v in extra.items()}
-        out = self.transformer(hidden_states=x_in, image_embeds=image_embeds, timestep=t.to(self.dtype),
-                               return_dict=False, **kw, **extra)[0].float()
-        if not do_cfg:
-            return out
-        return _guide(self.guider, self.guidance_scale, out[:n], out[n:])
+        v_cond = self._forward(x_in, t, c["image_embeds"], {k: c[k] for k in _TEXT_KEYS}, extra)
+        if self.guidance_scale <= 1.0 or cond.uncond is None:
+            return v_cond
+        # the unconditional rows in a forward of their own, as HunyuanVideo15Pipeline's guider runs
+        # them: a group's rows then share one text length, so nothing is padded (no attention mask)
+        v_uncond = self._forward(x_in, t, c["image_embeds"], {k: cond.uncond[k] for k in _TEXT_KEYS}, extra)
+        return _guide(self.guider, self.guidance_scale, v_cond, v_uncond)
+
+    def _forward(self, x_in: Tensor, t: Tensor, image_embeds: Tensor, text: dict[str, Tensor],
+                 extra: dict[str, Tensor]) -> Tensor:
+        """The transformer over the rows of x_in, one forward per set of rows with the same text
+        masks (a group's rows are one), each without its padding, so no forward needs an
+        attention mask and a row's result does not depend on its batch mates' texts. fp32"""
+        sets = _rows_by_text_mask(text)
+        if len(sets) == 1:
+            return self._unpadded(x_in, t, image_embeds, text, extra)
+        out = None
+        for rows in sets:
+            part = self._unpadded(x_in[rows], t[rows], image_embeds[rows], {k: v[rows] for k, v in text.items()},
+                                  {k: v[rows] for k, v in extra.items()})
+            out = part.new_empty((x_in.shape[0], *part.shape[1:])) if out is None else out
+            out[rows] = part
+        return out
+
+    def _unpadded(self, x_in: Tensor, t: Tensor, image_embeds: Tensor, text: dict[str, Tensor],
+                  extra: dict[str, Tensor]) -> Tensor:
+        text, image_embeds = _without_padding(text, image_embeds, self.cfg.task)
+        return self.transformer(hidden_states=x_in, image_embeds=image_embeds, timestep=t.to(self.dtype),
+                                return_dict=False, **text, **extra)[0].float()
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -217,6 +237,29 @@ class Hunyuan15VideoModel(VideoModel):
 
     def trainable_module(self) -> nn.Module:
         return self.transformer
+
+    def rows_per_sample(self, cond: Cond) -> int:
+        return 1  # CFG's cond and uncond rows run in forwards of their own (velocity)
+
+
+def _rows_by_text_mask(text: dict[str, Tensor]) -> list[Tensor]:
+    """Row indices grouped by equal (Qwen, ByT5) attention masks, in a fixed order."""
+    masks = torch.cat([text["encoder_attention_mask"], text["encoder_attention_mask_2"]], dim=1)
+    kinds, which = torch.unique(masks, dim=0, return_inverse=True)
+    return [torch.nonzero(which == i).flatten() for i in range(len(kinds))]
+
+
+def _without_padding(kw: dict[str, Tensor], image_embeds: Tensor, task: str) -> tuple[dict[str, Tensor], Tensor]:
+    """Encoder inputs of rows with the same text masks without the tokens no row attends to: the
+    text padding, and T2V's image tokens (zeros, which the transformer masks out). Nothing is then
+    padded, so attention runs without a mask (hunyuan15_attention.py); a padded token never
+    reaches a valid one, so the video tokens' output is the padded forward's."""
+    out = dict(kw)
+    for states, mask in (("encoder_hidden_states", "encoder_attention_mask"),
+                         ("encoder_hidden_states_2", "encoder_attention_mask_2")):
+        keep = out[mask][0].bool()  # [L]: the tokens every row attends to (the rows' masks are equal)
+        out[states], out[mask] = out[states][:, keep], out[mask][:, keep]
+    return out, (image_embeds[:, :0] if task == "t2v" else image_embeds)
 
 
 def _vae_dims(config) -> tuple[int, int, int]:
