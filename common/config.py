@@ -421,6 +421,10 @@ class LearnerConfig(Section):
     before the first collective), and how long the driver waits for the group to form."""
     checkpoint_timeout_s: float = Field(1800.0, gt=0.0)
     """How long ranks wait for the slowest rank's checkpoint shard write (or read, on resume)."""
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy: each rank's fp32 master shard, its gradients and the AdamW state
+    live in host memory and the optimizer steps there; the GPU holds only the gathered blocks
+    and activations (`vgrpo plan` counts the host RAM it takes)."""
 
 
 GpuName = Literal["H100", "H200", "A100"]

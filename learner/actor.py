@@ -54,9 +54,40 @@ def learner_components(cfg: RunConfig) -> str:
     return "transformer"
 
 
-def _shard_trainer(trainer: Trainer, mesh) -> None:
-    """Shard the policy's module in place; the Trainer re-points its Policy and optimizer (Trainer.shard)."""
-    trainer.shard(mesh)
+def lean_setup(cfg: RunConfig, mesh, model_factory: ModelFactory | None = None) -> bool:
+    """Whether the ranks build the trained module on meta, shard it and read their own rows from
+    the checkpoint's safetensors (learner/shard_load.py: no rank holds the whole model): a sharded
+    group of a diffusers family. One rank, and test models given as a factory, take the reference
+    path (the whole module loaded, fp32 masters copied, broadcast, then sharded)."""
+    return mesh is not None and model_factory is None and cfg.model.family in ("wan", "hunyuan15")
+
+
+def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory: ModelFactory | None = None,
+                 lean: bool | None = None) -> Trainer:
+    """This rank's Trainer, sharded over `mesh` when given (lean: see `lean_setup`, its default)."""
+    from rollout_worker.models import build_model
+    from rollout_worker.models.base import DTYPES
+
+    lean = lean_setup(cfg, mesh, model_factory) if lean is None else lean
+    if model_factory is not None:
+        model = model_factory()
+    else:  # the transformer(s) alone: the batch carries the conditions the rollout encoded
+        model = build_model(cfg, device, components=learner_components(cfg), empty=lean)
+    if lean:
+        from learner.shard_load import lean_sharder
+
+        sharder = lean_sharder(cfg.model.path, mesh, device, DTYPES[cfg.model.dtype], cfg.learner.cpu_offload)
+        trainer = Trainer(cfg, model, device=device).setup(sharder)
+        # every rank read its shard: the first collective must not wait on the slowest reader
+        fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "read its shard of the model")
+        return trainer
+    trainer = Trainer(cfg, model, device=device).setup()
+    if mesh is not None:
+        # wait for the slowest rank's read, then shard per transformer block (its broadcast is
+        # the group's first collective)
+        fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "loaded its model")
+        trainer.shard(mesh)
+    return trainer
 
 
 class LearnerRank:
@@ -87,20 +118,8 @@ class LearnerRank:
         if self.world_size > 1:
             mesh = fsdp.init_distributed(self.rank, self.world_size, master_addr, master_port,
                                          self.device, cfg.learner.collective_timeout_s)
-        # 2. the model and the Trainer (LoRA injection happens in Trainer.setup); no collective yet
-        if self.model_factory is not None:
-            model = self.model_factory()
-        else:
-            from rollout_worker.models import build_model
-
-            # the transformer(s) alone: the batch carries the conditions the rollout encoded
-            model = build_model(cfg, self.device, components=learner_components(cfg))
-        self.trainer = Trainer(cfg, model, device=self.device).setup()
-        # 3. wait for the slowest rank's read, then shard per transformer block (its broadcast
-        #    is the group's first collective)
-        if mesh is not None:
-            fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "loaded its model")
-            _shard_trainer(self.trainer, mesh)
+        # 2. the model, the Trainer (LoRA injection happens in Trainer.setup) and its sharding
+        self.trainer = make_trainer(cfg, self.device, mesh, self.model_factory)
         return self.trainer.version
 
     # --- verbs -------------------------------------------------------------------------

@@ -28,7 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from common.weight_group import backend_for
 
@@ -90,11 +95,13 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(module: nn.Module, mesh: DeviceMesh, *,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
     """Apply FSDP2 `fully_shard` to each transformer block, then to the root (in place).
 
     Call after LoRA injection, so adapter weights are sharded with their block, and before
     anything keeps references to the parameters (fully_shard replaces them with DTensors).
+    offload (learner.cpu_offload): FSDP2's CPUOffloadPolicy, the sharded parameters, their
+    gradients and the optimizer state in host memory, the optimizer step on the CPU.
     """
     blocks = transformer_blocks(module)
     if not blocks:
@@ -111,15 +118,17 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
         # embedding to bf16 would compute other velocities than the sampler's.
         cast_forward_inputs=False,
     )
+    # pinned host memory copies faster to and from the GPU; a CPU-only process has none to pin
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for block in blocks:
         # One FSDP unit per block: its all-gather overlaps the previous block's compute, and
         # only one block's full weights are alive at a time.
         # reshard_after_forward=True frees the gathered weights after forward and gathers again
         # in backward (ZeRO-3): memory, not bandwidth, bounds 14B video transformers.
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp, offload_policy=policy)
     # The root holds what is left (patch/time/text embeddings, the head). Its weights are the
     # first needed in backward, right after forward, so keeping them gathered saves a re-gather.
-    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=policy)
     return module
 
 

@@ -21,7 +21,7 @@ sharded fp32 parameters are the masters and MixedPrecisionPolicy makes the compu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal
 
@@ -48,9 +48,18 @@ def enable_checkpointing(module: torch.nn.Module) -> None:
 AnchorName = Literal["pi0", "moving", "ema", "old"]
 
 
+Sharder = Callable[[torch.nn.Module, list[str]], "torch.dtype | None"]
+"""Shards a module built on meta and fills each rank's shard, the trained weights in fp32
+(learner/shard_load.lean_sharder); given the trained parameters' names, returns FSDP2's param_dtype."""
+
+
 class Policy:
     def __init__(self, model: VideoModel, optim: OptimConfig, anchors: Sequence[AnchorName] = ("pi0", "moving"),
-                 checkpointing: bool = False, seed: int = 0):
+                 checkpointing: bool = False, seed: int = 0, sharder: Sharder | None = None):
+        """sharder: the lean sharded setup (the module is on meta): it shards and loads the module,
+        whose sharded fp32 parameters are then the masters, and the anchors are taken per shard.
+        Without it the module holds its weights and fp32 masters are copied here (the reference
+        path; Trainer.shard may shard it after)."""
         self.model = model
         self.finetune = optim.finetune
         self.module = model.trainable_module()
@@ -65,8 +74,13 @@ class Policy:
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         if not self.params:
             raise ValueError(f"the {model.family!r} trainable module has no trainable parameters")
-        self.master = self._make_master()
         self.compute_dtype: torch.dtype | None = None  # FSDP2's param_dtype, once sharded
+        if sharder is not None:
+            self.compute_dtype = sharder(self.module, list(self.params))
+            self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+            self.master = {}
+        else:
+            self.master = self._make_master()
         self.anchors: dict[str, dict[str, Tensor]] = {a: self._snapshot_for(a) for a in anchors}
         self.device = next(iter(self.params.values())).device
 

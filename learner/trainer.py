@@ -34,7 +34,7 @@ from learner.nft import (
     nft_loss,
     nft_micro_batches,
 )
-from learner.policy import Policy
+from learner.policy import Policy, Sharder
 from learner.rows import MicroBatch, Rows, build_rows, micro_batches
 from rollout_worker.models.base import VideoModel
 
@@ -49,7 +49,9 @@ class Trainer:
         self.device = torch.device(device) if device is not None else torch.device(model.device)
         self.version = 0  # optimizer steps taken; the policy version of the current weights
 
-    def setup(self) -> Trainer:
+    def setup(self, sharder: Sharder | None = None) -> Trainer:
+        """sharder: the lean sharded setup (learner/shard_load.py; the model was built empty): the
+        Policy shards and loads the module before any master or anchor is made."""
         cfg = self.cfg
         # 1. losses and the anchors they need (LoRA anchors are cheap: keep π_0 and moving)
         self.loss_cfg = LossConfig.from_run(cfg)
@@ -61,9 +63,12 @@ class Trainer:
             anchors |= {"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())
         if cfg.optim.ema_decay > 0:
             anchors.add("ema")
-        self.model.trainable_module().to(self.device)
+        if sharder is None:
+            self.model.trainable_module().to(self.device)
         self.policy = Policy(self.model, cfg.optim, sorted(anchors), checkpointing=cfg.model.gradient_checkpointing,
-                             seed=cfg.train.seed)
+                             seed=cfg.train.seed, sharder=sharder)
+        if sharder is not None:
+            self._after_sharding()
         # 2. optimizer (authors' defaults: lr 1e-5, weight decay 0.01), over fp32 master weights
         self.optimizer = torch.optim.AdamW(self.policy.optim_parameters(), lr=cfg.optim.lr,
                                            weight_decay=cfg.optim.weight_decay, betas=cfg.optim.betas)
@@ -223,12 +228,18 @@ class Trainer:
         # Identical starting weights on every rank (LoRA's A is drawn from each process's RNG).
         for t in policy.module.state_dict().values():
             dist.broadcast(t.data, src=0)
-        fsdp.shard_model(policy.module, mesh, param_dtype=param_dtype)
+        fsdp.shard_model(policy.module, mesh, param_dtype=param_dtype, offload=self.cfg.learner.cpu_offload)
         policy.rebind()
+        self._after_sharding()
+        opt.param_groups[0]["params"] = policy.optim_parameters()
+
+    def _after_sharding(self) -> None:
+        from learner import fsdp
+
+        policy = self.policy
         # the root stays gathered after a forward (reshard_after_forward=False): after an anchor's
         # weights are swapped into the shards, that copy would be the anchor's in the next forward
         policy.after_swap = lambda: fsdp.reshard(policy.module)
-        opt.param_groups[0]["params"] = policy.optim_parameters()
 
     # --- weights and checkpoints -------------------------------------------------------
 

@@ -35,3 +35,44 @@ def save_on_two_ranks(rank: int, port: int, root: str, timeout_s: float | None, 
     with open(f"{out}.{rank}", "w", encoding="utf-8") as f:
         f.write(result)
     fsdp.shutdown_process_group("barrier_only")
+
+
+def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str | None, out: str) -> None:
+    """Rank `rank` of 2 (gloo) sets up the learner both ways, the reference path (the whole
+    transformer loaded, fp32 masters, broadcast, then sharded) and the lean one (built on meta,
+    sharded, each rank reading its own rows), measuring the tensor bytes each setup holds at its
+    peak; with a batch, both train one step on it. Rank 0 writes what it saw to `out`.RANK
+    (torch.save), every rank its own peaks."""
+    import torch
+
+    from common.config import RunConfig
+    from common.tensor_bytes import LiveTensorBytes
+    from learner import fsdp
+    from learner.actor import make_trainer
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120)
+    batch = torch.load(batch_path, weights_only=False) if batch_path else None
+    result = {}
+    for name, lean in (("reference", False), ("lean", True)):
+        with LiveTensorBytes() as probe:
+            trainer = make_trainer(cfg, torch.device("cpu"), mesh, lean=lean)
+        policy = trainer.policy
+        entry = {"setup_peak": probe.peak, "sharded": all(hasattr(p, "full_tensor") for p in policy.params.values()),
+                 "master_dtypes": sorted({str(p.dtype) for p in policy.params.values()}),
+                 "anchors": sorted(policy.anchors),
+                 "experts": [e for e in ("transformer", "transformer_2") if getattr(trainer.model, e, None) is not None],
+                 "before": {n: fsdp.full_value(p.detach()).clone() for n, p in policy.params.items()}}
+        if batch is not None:
+            def reduce(t):
+                t = t.clone()
+                torch.distributed.all_reduce(t)
+                return t
+            entry["stats"] = trainer.train_step(batch, rank=rank, world_size=2, reduce=reduce).values
+            entry["after"] = {n: fsdp.full_value(p.detach()) for n, p in policy.params.items()}
+            entry["anchor_values"] = {a: {n: fsdp.full_value(t) for n, t in s.items()}
+                                      for a, s in policy.anchors.items()}
+        result[name] = entry
+        del trainer, policy
+    torch.save(result, f"{out}.{rank}")
+    fsdp.shutdown_process_group("barrier_only")

@@ -15,13 +15,18 @@ def default_device() -> torch.device:
 
 
 def build_model(cfg: RunConfig, device: torch.device | str | None = None,
-                components: Components = "all") -> VideoModel:
+                components: Components = "all", empty: bool = False) -> VideoModel:
     """The adapter for `cfg.model.family`, loaded from `cfg.model.path` (families import lazily).
 
     components="transformer" loads the transformer(s) alone, without text/image encoders or VAE
-    (what the learner builds: it trains on the conditions the rollout encoded)."""
+    (what the learner builds: it trains on the conditions the rollout encoded). empty (with it):
+    their parameters on the meta device, no weights read: the sharded learner reads each rank's
+    own rows from the checkpoint's files (learner/shard_load.py)."""
     m = cfg.model
     device = default_device() if device is None else torch.device(device)
+    if empty and (m.family == "toy" or components != "transformer"):
+        raise ValueError("build_model(empty=True) builds a diffusers transformer alone "
+                         "(components='transformer', model.family wan or hunyuan15)")
     if m.family == "toy":
         from rollout_worker.models.toy import ToyVideoModel
 
@@ -32,9 +37,9 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None,
     if m.family == "wan":
         from rollout_worker.models.wan import WanVideoModel
 
-        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components)
+        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components, empty)
     if m.family == "hunyuan15":
         from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
 
-        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components)
+        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components, empty)
     raise ModelLoadError(f"model.family = {m.family!r} has no adapter")

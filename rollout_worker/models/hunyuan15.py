@@ -41,6 +41,7 @@ from rollout_worker.models.base import (
     require_weights,
 )
 from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
+from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
@@ -87,7 +88,8 @@ class Hunyuan15VideoModel(VideoModel):
         cast_params(self.transformer, DTYPES[cfg.dtype])
         use_key_mask_attention(self.transformer)  # no dense S×S mask; none at all where nothing is padded
         if pipe is None:
-            self.transformer.to(self.device)
+            if not has_meta_parameters(self.transformer):  # an empty build waits for the learner's load
+                self.transformer.to(self.device)
             return
         for m in (pipe.text_encoder, pipe.text_encoder_2, pipe.vae, getattr(pipe, "image_encoder", None)):
             if m is not None:
@@ -115,11 +117,15 @@ class Hunyuan15VideoModel(VideoModel):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                        device="cpu", components: Components = "all") -> Hunyuan15VideoModel:
+                        device="cpu", components: Components = "all", empty: bool = False) -> Hunyuan15VideoModel:
         """Load a diffusers-format HunyuanVideo 1.5 checkpoint (local directory or hub id) in `dtype`;
-        components="transformer": the transformer and the guider only (the VAE's config, not its weights)."""
+        components="transformer": the transformer and the guider only (the VAE's config, not its weights).
+        empty: the transformer with its parameters on the meta device, built from its config; the
+        learner loads each rank's shard (learner/shard_load.py)."""
         path = str(path)
         lean = components == "transformer"
+        if empty and not lean:
+            raise ValueError("an empty build is of the transformer alone (components='transformer')")
         if is_local(path):
             needed = _NEEDED[:3] if lean else _NEEDED + (_NEEDED_I2V if cfg.task == "i2v" else [])
             root = require_dir(path, needed, "hunyuan15")
@@ -127,7 +133,7 @@ class Hunyuan15VideoModel(VideoModel):
                             ["transformer", "vae", "text_encoder", "text_encoder_2", "image_encoder"], "hunyuan15")
         try:
             if lean:
-                return cls(None, cfg, device, **_load_transformer_only(path, cfg.task, dtype))
+                return cls(None, cfg, device, **_load_transformer_only(path, cfg.task, dtype, empty))
             pipe = _pipeline_class(cfg.task).from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"hunyuan15: could not load model path {path!r}: {e}") from e
@@ -269,8 +275,9 @@ def _vae_dims(config) -> tuple[int, int, int]:
             int(config.get("spatial_compression_ratio", 16)))
 
 
-def _load_transformer_only(path: str, task: str, dtype: torch.dtype) -> dict:
-    """The transformer (in `dtype`), the guider model_index.json names, and the VAE's config."""
+def _load_transformer_only(path: str, task: str, dtype: torch.dtype, empty: bool = False) -> dict:
+    """The transformer (in `dtype`; empty: parameters on meta, no weights read), the guider
+    model_index.json names, and the VAE's config."""
     import diffusers.guiders
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
 
@@ -278,8 +285,14 @@ def _load_transformer_only(path: str, task: str, dtype: torch.dtype) -> dict:
     guider_cls = (index.get("guider") or [None, None])[1]
     guider = None if guider_cls is None else \
         getattr(diffusers.guiders, guider_cls).from_pretrained(path, subfolder="guider")
-    return {"transformer": HunyuanVideo15Transformer3DModel.from_pretrained(path, subfolder="transformer",
-                                                                           torch_dtype=dtype),
+    if empty:
+        with parameters_on_meta():
+            transformer = HunyuanVideo15Transformer3DModel.from_config(
+                HunyuanVideo15Transformer3DModel.load_config(path, subfolder="transformer"))
+    else:
+        transformer = HunyuanVideo15Transformer3DModel.from_pretrained(path, subfolder="transformer",
+                                                                       torch_dtype=dtype)
+    return {"transformer": transformer,
             "guider": guider, "vae_config": AutoencoderKLHunyuanVideo15.load_config(path, subfolder="vae")}
 
 

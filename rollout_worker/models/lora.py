@@ -7,6 +7,9 @@ injected module's keys, e.g. `blocks.0.attn1.to_q.lora_A.default.weight`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
@@ -49,13 +52,33 @@ def inject_lora(module: nn.Module, family: str, optim: OptimConfig, seed: int = 
                      lora_dropout=0.0, init_lora_weights=True)
     # peft draws lora_A from torch's global RNG, whose state differs per process: seeded here, a
     # run is reproducible from its config (the learner passes train.seed), on any device
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), _adapters_on_cpu(any(p.is_meta for p in module.parameters())):
         torch.manual_seed(seed)
         module = inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
     for name, p in module.named_parameters():
         if is_lora_key(name) and p.dtype != torch.float32:
             p.data = p.data.float()
     return module
+
+
+@contextmanager
+def _adapters_on_cpu(on: bool) -> Iterator[None]:
+    """On a module built on meta (the sharded learner's), peft would move each new adapter to its
+    base layer's device, meta, losing the seeded values: keep them on the CPU instead, cast to the
+    base layer's dtype as the move casts them (so they round as on a loaded model). The learner
+    then shards them with their block (learner/shard_load.py)."""
+    if not on:
+        yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = \
+        lambda self, name, device=None: move(self, name, device=torch.device("cpu"))
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
 
 
 def is_lora_key(name: str) -> bool:

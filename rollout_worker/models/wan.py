@@ -40,6 +40,7 @@ from rollout_worker.models.base import (
     require_dir,
     require_weights,
 )
+from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 
 _NEEDED = ["model_index.json", "vae/config.json", "text_encoder/config.json", "tokenizer"]
 _ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
@@ -66,6 +67,28 @@ def _skipped(task: str) -> dict[str, None]:
     return {k: None for k in _ENCODERS if task == "i2v" or k in ("text_encoder", "tokenizer")}
 
 
+def _has_part(index: dict, name: str) -> bool:
+    return (index.get(name) or [None])[0] is not None
+
+
+def _empty_transformer(path: str, subfolder: str):
+    """The expert in `subfolder` built from its config.json, parameters on meta (no weights read)."""
+    from diffusers import WanTransformer3DModel
+
+    config = WanTransformer3DModel.load_config(path, subfolder=subfolder)
+    with parameters_on_meta():
+        return WanTransformer3DModel.from_config(config)
+
+
+def _container(pipe_cls, index: dict, parts: dict, task: str):
+    """The pipeline object holding `parts` (no encoders, no VAE), configured as model_index.json."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    kw = {"boundary_ratio": index.get("boundary_ratio"), "expand_timesteps": index.get("expand_timesteps", False)}
+    return pipe_cls(vae=None, scheduler=FlowMatchEulerDiscreteScheduler(), transformer=parts["transformer"],
+                    transformer_2=parts.get("transformer_2"), **_skipped(task), **kw)
+
+
 def _vae_dims(config) -> tuple[int, int, int]:
     """(latent channels, temporal factor, spatial factor) from the VAE's config (a config.json
     read without the model may omit the factors: AutoencoderKLWan's defaults, 4 and 8)."""
@@ -81,8 +104,12 @@ class WanVideoModel(VideoModel):
 
     family = "wan"
 
-    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu", vae_config=None):
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu", vae_config=None,
+                 low_noise_left_out: bool = False):
+        """low_noise_left_out: the checkpoint has a low-noise expert the learner does not build
+        (train_experts=high_noise; `velocity` then refuses rows below the boundary)."""
         self.cfg, self.pipe, self.device = cfg, pipe, torch.device(device)
+        self.low_noise_left_out = low_noise_left_out
         self.components = "all" if pipe.vae is not None else "transformer"
         self.vae_dims = _vae_dims(pipe.vae.config if pipe.vae is not None else vae_config)
         if pipe.config.get("expand_timesteps", False):
@@ -92,13 +119,14 @@ class WanVideoModel(VideoModel):
             raise ModelLoadError("wan: the checkpoint has no `transformer` (the high-noise expert); "
                                  "boundary_ratio=1.0 checkpoints are not supported")
         boundary = cfg.boundary_ratio if cfg.boundary_ratio is not None else pipe.config.get("boundary_ratio")
-        if self.transformer_2 is not None and boundary is None:
+        two = self.transformer_2 is not None or low_noise_left_out
+        if two and boundary is None:
             raise ModelLoadError("wan: two experts need model.boundary_ratio (none in config or checkpoint)")
-        if self.transformer_2 is None and cfg.boundary_ratio is not None:
+        if not two and cfg.boundary_ratio is not None:
             raise ValueError("model.boundary_ratio is set but the checkpoint has one expert (no transformer_2)")
-        if cfg.train_experts == "high_noise" and self.transformer_2 is None:
+        if cfg.train_experts == "high_noise" and not two:
             raise ValueError("model.train_experts=high_noise needs a Wan 2.2 checkpoint with transformer_2")
-        self.boundary_timestep = None if self.transformer_2 is None else boundary * 1000.0
+        self.boundary_timestep = None if not two else boundary * 1000.0
         self.guidance_scale = cfg.guidance_scale
         self.guidance_scale_2 = cfg.guidance_scale if cfg.guidance_scale_2 is None else cfg.guidance_scale_2
         for t in (self.transformer, self.transformer_2):
@@ -108,7 +136,8 @@ class WanVideoModel(VideoModel):
             configure_vae(pipe.vae, cfg)
         self._check_shapes()
         self._freeze()
-        pipe.to(self.device)
+        if not any(has_meta_parameters(t) for t in (self.transformer, self.transformer_2) if t is not None):
+            pipe.to(self.device)  # an empty build stays on meta until the learner shards and loads it
 
     # --- construction ------------------------------------------------------------------
 
@@ -130,9 +159,12 @@ class WanVideoModel(VideoModel):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                        device="cpu", components: Components = "all") -> WanVideoModel:
+                        device="cpu", components: Components = "all", empty: bool = False) -> WanVideoModel:
         """Load a diffusers-format Wan checkpoint (local directory or hub id) in `dtype`; the VAE in
-        fp32. components="transformer": the transformer(s) only (the VAE's config, not its weights)."""
+        fp32. components="transformer": the transformer(s) only (the VAE's config, not its weights),
+        and with train_experts=high_noise the high-noise expert alone (the only one a trained row
+        runs). empty: those transformer(s) with their parameters on the meta device, built from
+        their configs; the learner loads each rank's shard (learner/shard_load.py)."""
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
         path = str(path)
@@ -142,8 +174,19 @@ class WanVideoModel(VideoModel):
         try:
             if components == "transformer":
                 vae_config = AutoencoderKLWan.load_config(path, subfolder="vae")
-                pipe = pipe_cls.from_pretrained(path, vae=None, torch_dtype=dtype, **_skipped(cfg.task))
-                return cls(pipe, cfg, device, vae_config)
+                index = pipe_cls.load_config(path)  # model_index.json
+                left_out = cfg.train_experts == "high_noise" and _has_part(index, "transformer_2")
+                experts = ["transformer"] + (["transformer_2"] if _has_part(index, "transformer_2") and not left_out
+                                             else [])
+                if empty:
+                    parts = {k: _empty_transformer(path, k) for k in experts}
+                    pipe = _container(pipe_cls, index, parts, cfg.task)
+                else:
+                    skip = {"transformer_2": None} if left_out else {}
+                    pipe = pipe_cls.from_pretrained(path, vae=None, torch_dtype=dtype, **_skipped(cfg.task), **skip)
+                return cls(pipe, cfg, device, vae_config, low_noise_left_out=left_out)
+            if empty:
+                raise ValueError("an empty build is of the transformer(s) alone (components='transformer')")
             # the VAE loads in fp32 from the file: upcasting a bf16 load would keep its rounded weights
             vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", torch_dtype=torch.float32)
             pipe = pipe_cls.from_pretrained(path, vae=vae, torch_dtype=dtype)
@@ -226,6 +269,10 @@ class WanVideoModel(VideoModel):
     def velocity(self, x: Tensor, sigma: Tensor, cond: Cond) -> Tensor:
         t = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).reshape(-1).expand(x.shape[0]) * 1000.0
         if self.transformer_2 is None:
+            if self.low_noise_left_out and not bool((t >= self.boundary_timestep).all()):
+                raise ValueError(f"wan: a row at t = {float(t.min()):g} < {self.boundary_timestep:g} runs the "
+                                 "low-noise expert, which this learner does not build (model.train_experts="
+                                 "high_noise trains only rows at or above model.boundary_ratio)")
             return self._guided(self.transformer, self.guidance_scale, x, t, cond)
         high = t >= self.boundary_timestep  # [B] which samples the high-noise expert serves
         if bool(high.all()):
