@@ -26,8 +26,9 @@ from torch import Tensor
 from common import storage
 from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
 from common.actors import kill_and_wait
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
 from common.dispatch import verb
+from common.experts import rows_on_frozen_expert
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
@@ -73,6 +74,10 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
         model = model_factory()
     else:  # the transformer(s) alone: the batch carries the conditions the rollout encoded
         model = build_model(cfg, device, components=learner_components(cfg), empty=lean)
+    boundary = getattr(model, "boundary_timestep", None)   # the checkpoint's, when the config has none
+    msg = rows_on_frozen_expert(cfg, None if boundary is None else boundary / 1000.0)
+    if msg is not None:
+        raise ConfigError(f"{cfg.model.path}: {msg}")
     if lean:
         from learner.shard_load import lean_sharder
 

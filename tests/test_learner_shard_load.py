@@ -20,8 +20,9 @@ from diffusers import (
 from helpers_dist import lean_against_reference
 from test_learner_lean import _save
 
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig, load_config
 from common.types import Condition, Scores, TrainBatch
+from learner.actor import make_trainer
 from rollout_worker.models import build_model
 from rollout_worker.models.tiny import tiny_wan_components
 from rollout_worker.sampler import sample_group
@@ -120,3 +121,31 @@ def test_a_lean_rank_holds_half_the_model_during_setup(tmp_path):
         assert r["lean"]["setup_peak"] <= 0.5 * full_fp32 + 3 * 4 * largest, (r["lean"]["setup_peak"], full_fp32)
         assert r["lean"]["setup_peak"] <= 0.6 * full_fp32
         assert r["lean"]["setup_peak"] >= 0.45 * full_fp32       # the probe does see the rank's shard
+
+
+def test_a_threshold_on_the_frozen_expert_is_refused_in_one_line(tmp_path):
+    """Wan 2.2, train_experts=high_noise: a σ threshold below the boundary asks to train steps the
+    frozen low-noise expert runs (the learner does not even build it). Refused naming the field:
+    by `vgrpo train`'s preflight from the config's boundary (or a local checkpoint's), and by
+    the learner from the checkpoint's when it builds."""
+    from cluster.driver.preflight import check_experts
+
+    tagrpo = load_config("configs/wan22_i2v_tagrpo.yaml")        # threshold 0.9 = boundary 0.9: fine
+    assert tagrpo.sampler.sigma_threshold == tagrpo.model.boundary_ratio == 0.9
+    check_experts(tagrpo)
+    low = load_config(overrides=["model.family=wan", "model.boundary_ratio=0.9", "model.train_experts=high_noise",
+                                 "sampler.train_steps=threshold", "sampler.sigma_threshold=0.5",
+                                 "schedule.steps=4", "schedule.shift=1.0"])
+    with pytest.raises(ConfigError, match=r"^sampler\.sigma_threshold = 0\.5 asks to train steps at σ = "
+                                          r"0\.75, .* the frozen low-noise expert .*model\.train_experts=all$"):
+        check_experts(low)
+    check_experts(low.model_copy(update={"model": low.model.model_copy(update={"train_experts": "all"})}))
+    _save("wan", "i2v_a14b", tmp_path / "ckpt")                  # boundary_ratio 0.6 in model_index.json
+    cfg = _cfg("wan", tmp_path / "ckpt", sampler={"group_size": 2, "train_steps": "threshold",
+                                                  "sigma_threshold": 0.3})
+    for refuse in (lambda: check_experts(cfg), lambda: make_trainer(cfg, torch.device("cpu"))):
+        with pytest.raises(ConfigError, match=r"sampler\.sigma_threshold = 0\.3 asks to train steps at σ = 0\.333.*"
+                                              r"boundary_ratio 0\.6\)"):
+            refuse()
+    ok = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"sigma_threshold": 0.6})})
+    assert make_trainer(ok, torch.device("cpu")).version == 0

@@ -65,6 +65,23 @@ def check_model_path(cfg: RunConfig) -> None:
         require_dir(path, ["model_index.json"], f"model.family = {cfg.model.family!r}")
 
 
+def check_experts(cfg: RunConfig) -> None:
+    """Wan 2.2 with train_experts=high_noise: no trained step on the frozen low-noise expert, by
+    the config's model.boundary_ratio or, without one, a local checkpoint's model_index.json
+    (the learner checks a hub checkpoint's when it builds)."""
+    import json
+
+    from common.experts import rows_on_frozen_expert
+
+    boundary = cfg.model.boundary_ratio
+    index = Path(cfg.model.path or "") / "model_index.json"
+    if boundary is None and cfg.model.family == "wan" and index.is_file():
+        boundary = json.loads(index.read_text(encoding="utf-8")).get("boundary_ratio")
+    msg = rows_on_frozen_expert(cfg, boundary)
+    if msg is not None:
+        raise ConfigError(msg)
+
+
 PLANNED = ("wan", "hunyuan15")  # model families `vgrpo plan` can size (cluster/plan/sizing.py)
 
 
@@ -91,6 +108,7 @@ def preflight(cfg: RunConfig) -> None:
     check_installed(cfg)
     check_prompts(cfg)
     check_model_path(cfg)
+    check_experts(cfg)
     check_rewards(cfg)
     check_plan(cfg)
 
