@@ -52,7 +52,7 @@ def inject_lora(module: nn.Module, family: str, optim: OptimConfig, seed: int = 
                      lora_dropout=0.0, init_lora_weights=True)
     # peft draws lora_A from torch's global RNG, whose state differs per process: seeded here, a
     # run is reproducible from its config (the learner passes train.seed), on any device
-    with torch.random.fork_rng(), _adapters_on_cpu(any(p.is_meta for p in module.parameters())):
+    with torch.random.fork_rng(), _adapters_on_cpu(any(p.is_meta for p in module.parameters()), module):
         torch.manual_seed(seed)
         module = inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
     for name, p in module.named_parameters():
@@ -62,23 +62,29 @@ def inject_lora(module: nn.Module, family: str, optim: OptimConfig, seed: int = 
 
 
 @contextmanager
-def _adapters_on_cpu(on: bool) -> Iterator[None]:
-    """On a module built on meta (the sharded learner's), peft would move each new adapter to its
-    base layer's device, meta, losing the seeded values: keep them on the CPU instead, cast to the
-    base layer's dtype as the move casts them (so they round as on a loaded model). The learner
-    then shards them with their block (learner/shard_load.py)."""
+def _adapters_on_cpu(on: bool, module: nn.Module) -> Iterator[None]:
+    """On a module built on meta (the sharded learner's), peft would put each new adapter on its
+    base layer's device, meta, losing the seeded values. For the injection, each meta `weight`
+    is stood in for by a CPU tensor of its shape and dtype that takes no memory (a stride-0
+    expand): peft then keeps the adapters on the CPU, cast to the base dtype exactly as on a
+    loaded model. The meta weights are put back after; the learner shards the adapters with
+    their block (learner/shard_load.py)."""
     if not on:
         yield
         return
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = \
-        lambda self, name, device=None: move(self, name, device=torch.device("cpu"))
+    real = {}
+    for m in module.modules():
+        w = m._parameters.get("weight")
+        if w is not None and w.is_meta:
+            real[m] = w
+            m._parameters["weight"] = nn.Parameter(torch.zeros((), dtype=w.dtype).expand(w.shape),
+                                                   requires_grad=False)
     try:
         yield
     finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        for m, w in real.items():
+            w.requires_grad_(m._parameters["weight"].requires_grad)  # peft froze the stand-in
+            m._parameters["weight"] = w
 
 
 def is_lora_key(name: str) -> bool:
