@@ -37,12 +37,13 @@ def save_on_two_ranks(rank: int, port: int, root: str, timeout_s: float | None, 
     fsdp.shutdown_process_group("barrier_only")
 
 
-def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str | None, out: str) -> None:
+def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str | None, out: str,
+                           offload: bool = False) -> None:
     """Rank `rank` of 2 (gloo) sets up the learner both ways, the reference path (the whole
     transformer loaded, fp32 masters, broadcast, then sharded) and the lean one (built on meta,
     sharded, each rank reading its own rows), measuring the tensor bytes each setup holds at its
     peak; with a batch, both train one step on it. Rank 0 writes what it saw to `out`.RANK
-    (torch.save), every rank its own peaks."""
+    (torch.save), every rank its own peaks. offload: also the lean path with learner.cpu_offload."""
     import torch
 
     from common.config import RunConfig
@@ -54,11 +55,15 @@ def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str 
     mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120)
     batch = torch.load(batch_path, weights_only=False) if batch_path else None
     result = {}
-    for name, lean in (("reference", False), ("lean", True)):
+    variants = [("reference", False, cfg), ("lean", True, cfg)]
+    if offload:
+        variants.append(("lean_offload", True, cfg.model_copy(
+            update={"learner": cfg.learner.model_copy(update={"cpu_offload": True})})))
+    for name, lean, c in variants:
         with LiveTensorBytes() as probe:
-            trainer = make_trainer(cfg, torch.device("cpu"), mesh, lean=lean)
+            trainer = make_trainer(c, torch.device("cpu"), mesh, lean=lean)
         policy = trainer.policy
-        entry = {"setup_peak": probe.peak, "sharded": all(hasattr(p, "full_tensor") for p in policy.params.values()),
+        entry = {"setup_peak": probe.peak, "offload": _offload_policies(policy.module), "sharded": all(hasattr(p, "full_tensor") for p in policy.params.values()),
                  "master_dtypes": sorted({str(p.dtype) for p in policy.params.values()}),
                  "anchors": sorted(policy.anchors),
                  "experts": [e for e in ("transformer", "transformer_2") if getattr(trainer.model, e, None) is not None],
@@ -76,3 +81,11 @@ def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str 
         del trainer, policy
     torch.save(result, f"{out}.{rank}")
     fsdp.shutdown_process_group("barrier_only")
+
+
+def _offload_policies(module) -> list[str]:
+    """The offload policy class of each FSDP2 unit in `module` (FSDP2 keeps it on the unit's group)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in module.modules() if isinstance(m, FSDPModule)]
+    return sorted({type(g.offload_policy).__name__ for g in groups if g is not None})

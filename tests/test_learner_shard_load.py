@@ -57,12 +57,13 @@ def _batch(cfg: RunConfig, path) -> None:
     torch.save(TrainBatch([group], version=0), path)
 
 
-def _two_ranks(cfg: RunConfig, batch_path, tmp_path) -> list[dict]:
+def _two_ranks(cfg: RunConfig, batch_path, tmp_path, offload: bool = False) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "result")
-    mp.start_processes(lean_against_reference, args=(port, cfg.model_dump_json(), batch_path and str(batch_path), out),
+    mp.start_processes(lean_against_reference,
+                       args=(port, cfg.model_dump_json(), batch_path and str(batch_path), out, offload),
                        nprocs=2, start_method="spawn", join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
 
@@ -78,6 +79,10 @@ def test_a_lean_step_equals_the_reference_step(tmp_path, family, variant, finetu
         cfg.optim = cfg.optim.model_copy(update={"finetune": "lora", "lora_rank": 4})
     _batch(cfg, tmp_path / "batch.pt")
     ref, lean = _two_ranks(cfg, tmp_path / "batch.pt", tmp_path)[0].values()
+    _same_step(ref, lean, family, finetune)
+
+
+def _same_step(ref: dict, lean: dict, family: str, finetune: str) -> None:
     anchors = ["ema", "pi0"] if finetune == "full" else ["ema", "moving", "pi0"]
     assert lean["sharded"] and lean["master_dtypes"] == ["torch.float32"] and lean["anchors"] == anchors
     # Wan 2.2: the frozen low-noise expert, which the checkpoint has, is built by neither path
@@ -97,6 +102,18 @@ def test_a_lean_step_equals_the_reference_step(tmp_path, family, variant, finetu
     for a in ("ema", "pi0"):
         for n, w in ref["anchor_values"][a].items():
             torch.testing.assert_close(lean["anchor_values"][a][n], w, rtol=0, atol=1e-6)
+
+
+def test_cpu_offload_gives_the_same_step(tmp_path):
+    """learner.cpu_offload: every FSDP2 unit under CPUOffloadPolicy (the masters, grads and AdamW
+    state in host memory), and the step is the reference path's."""
+    _save("wan", "i2v_a14b", tmp_path / "ckpt")
+    cfg = _cfg("wan", tmp_path / "ckpt")
+    _batch(cfg, tmp_path / "batch.pt")
+    got = _two_ranks(cfg, tmp_path / "batch.pt", tmp_path, offload=True)[0]
+    assert got["lean"]["offload"] == got["reference"]["offload"] == ["OffloadPolicy"]
+    assert got["lean_offload"]["offload"] == ["CPUOffloadPolicy"]
+    _same_step(got["reference"], got["lean_offload"], "wan", "full")
 
 
 def _wide_wan(path) -> tuple[int, int]:
