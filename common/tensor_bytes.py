@@ -29,13 +29,12 @@ class LiveTensorBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         self.now -= self._live.pop(key, 0)
 
-    def _track(self, t: torch.Tensor) -> None:
-        local = getattr(t, "_local_tensor", t)  # a DTensor's bytes are its shard's
-        if not isinstance(local, torch.Tensor) or local.is_meta or type(local) is not torch.Tensor:
+    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        st = _storage(t)
+        if st is None:
             return
-        st = local.untyped_storage()
         key = st._cdata
-        if key in self._live:
+        if key in self._live or key in inputs:  # a view or an in-place result: no new bytes
             return
         n = st.nbytes()
         self._live[key] = n
@@ -44,8 +43,19 @@ class LiveTensorBytes(TorchDispatchMode):
         weakref.finalize(st, self._free, key)  # storages keep their Python object while alive
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        inputs = {st._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                  for st in [_storage(t)] if st is not None}
+        out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, inputs)
         return out
+
+
+def _storage(t: torch.Tensor):
+    """The storage holding `t`'s bytes (a DTensor's: its shard's), None on meta."""
+    local = getattr(t, "_local_tensor", t)
+    if not isinstance(local, torch.Tensor) or local.is_meta or type(local) is not torch.Tensor:
+        return None
+    return local.untyped_storage()

@@ -279,7 +279,8 @@ class LearnerRank:
     def load_checkpoint(self, dir: str) -> dict:
         if self.world_size == 1:
             return self.trainer.load_checkpoint(dir)
-        state, extra, _ = dist_checkpoint.load(dir, self.trainer.state_dict())
+        state, extra, _ = dist_checkpoint.load(dir, self.trainer.state_dict(),
+                                               self.trainer.optimizer.param_groups[0]["params"])
         self.trainer.load_state_dict(state)
         # every rank read its shard: the next collective must not wait on the slowest reader
         fsdp.barrier(self.cfg.learner.checkpoint_timeout_s, "learner.checkpoint_timeout_s",

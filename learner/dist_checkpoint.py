@@ -45,9 +45,12 @@ def shard_file(rank: int) -> str:
 
 
 def to_local(tree: Any) -> Any:
-    """DTensors → their local shards, recursively through dicts, lists and tuples."""
+    """DTensors → their local shards (references, no copy: torch.save moves one storage at a
+    time to the host), recursively through dicts, lists and tuples. A parameter's shard is a
+    view of FSDP2's padded storage, so the file holds its few padding rows too; the layout a
+    loader sees (plain tensors, the same tree) is the one earlier checkpoints have."""
     if isinstance(tree, DTensor):
-        return tree.to_local().detach().clone()
+        return tree.to_local().detach()
     if isinstance(tree, dict):
         return {k: to_local(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -139,8 +142,11 @@ def _save_objects(root: storage.Uri, step: int, state: dict, extra: dict, keep: 
     return final
 
 
-def load(path: str | os.PathLike, template: dict) -> tuple[dict, dict, Path]:
-    """This rank's (state rebuilt on `template`'s DTensors, extra, dir). Not a collective."""
+def load(path: str | os.PathLike, template: dict,
+         params: list[torch.Tensor] | None = None) -> tuple[dict, dict, Path]:
+    """This rank's (state rebuilt on `template`'s DTensors, extra, dir). Not a collective.
+    params: the optimizer's parameters, in its order, for a resume before any step, whose
+    optimizer has no state yet to rebuild the saved one on (`_with_optimizer_state`)."""
     p = storage.location(path)
     if not (p / META_FILE).is_file():
         found = list_sharded(p)
@@ -151,7 +157,25 @@ def load(path: str | os.PathLike, template: dict) -> tuple[dict, dict, Path]:
     rank, world = dist.get_rank(), dist.get_world_size()
     read_meta(p, world)
     loaded = load_state_file(p / shard_file(rank))
+    if params is not None:
+        template = _with_optimizer_state(template, loaded, params)
     return from_local(template, loaded), read_extra(p / EXTRA_FILE), p
+
+
+def _with_optimizer_state(template: dict, loaded: dict, params: list[torch.Tensor]) -> dict:
+    """A template whose optimizer state models the saved one: a fresh optimizer has none, so each
+    parameter's own state tensors (AdamW's moments, shaped as its shard) take its placement;
+    scalars (the step count) stay plain tensors, as the optimizer keeps them."""
+    saved = (loaded.get("optimizer") or {}).get("state") or {}
+    live = (template.get("optimizer") or {}).get("state")
+    if not saved or live:
+        return template
+    state = {}
+    for i, entry in saved.items():
+        local = params[i].to_local() if isinstance(params[i], DTensor) else params[i]
+        state[i] = {k: params[i] for k, v in entry.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local.shape}
+    return {**template, "optimizer": {**template["optimizer"], "state": state}}
 
 
 def read_meta(d: Path, world_size: int) -> dict:

@@ -241,8 +241,10 @@ class Policy:
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.payload_tensors().items()}
 
     def state_dict(self) -> dict:
-        """The fp32 master values (so a resume loses no precision) and the anchors."""
-        params = {n: self.master.get(n, p).detach().clone() for n, p in self.params.items()}
+        """The fp32 master values (so a resume loses no precision) and the anchors, as references:
+        a checkpoint writes them as they are (a copy of every shard would double the trained
+        state's memory for the save); read or write them before the next step changes them."""
+        params = {n: self.master.get(n, p).detach() for n, p in self.params.items()}
         return {"params": params, "anchors": {a: dict(s) for a, s in self.anchors.items()}}
 
     @torch.no_grad()

@@ -89,3 +89,88 @@ def _offload_policies(module) -> list[str]:
 
     groups = [m._get_fsdp_state()._fsdp_param_group for m in module.modules() if isinstance(m, FSDPModule)]
     return sorted({type(g.offload_policy).__name__ for g in groups if g is not None})
+
+
+def _cloning_to_local(tree):
+    """The sharded checkpoint writer's tree walk as it was before the lean learner: every DTensor's
+    local shard cloned (the file layout is the same: plain tensors in the same tree)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach().clone()
+    if isinstance(tree, dict):
+        return {k: _cloning_to_local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cloning_to_local(v) for v in tree)
+    return tree
+
+
+def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, root: str, out: str) -> None:
+    """Rank `rank` of 2 (gloo): the reference path steps once and saves the way checkpoints were
+    written before the lean learner (cloned shards), steps again; a lean trainer resumes from
+    that checkpoint and takes the same second step. The lean trainer then saves (measuring the
+    tensor bytes the save allocates), steps, and a fresh lean trainer resumes and steps alike."""
+    import torch
+
+    from common.config import RunConfig
+    from common.tensor_bytes import LiveTensorBytes
+    from learner import dist_checkpoint, fsdp
+    from learner.actor import make_trainer
+
+    cfg = RunConfig.model_validate_json(cfg_json)
+    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120)
+    batch = torch.load(batch_path, weights_only=False)
+    cpu = torch.device("cpu")
+
+    def reduce(t):
+        t = t.clone()
+        torch.distributed.all_reduce(t)
+        return t
+
+    def step(trainer):
+        return trainer.train_step(batch, rank=rank, world_size=2, reduce=reduce).values
+
+    def local_bytes(tree) -> int:
+        return sum(t.numel() * t.element_size() for t in _leaves(dist_checkpoint.to_local(tree)))
+
+    def save(trainer, sub: str, version: int):
+        with LiveTensorBytes() as probe:
+            d = dist_checkpoint.save(f"{root}/{sub}", version, trainer.state_dict(), {"cursor": 1}, keep=2)
+        return d, probe.peak
+
+    res = {}
+    ref = make_trainer(cfg, cpu, mesh, lean=False)
+    step(ref)
+    new_to_local, dist_checkpoint.to_local = dist_checkpoint.to_local, _cloning_to_local
+    try:
+        old_dir, res["old_save_peak"] = save(ref, "old", 1)
+    finally:
+        dist_checkpoint.to_local = new_to_local
+    res["state_bytes"] = local_bytes(ref.state_dict())
+    res["ref_second"] = step(ref)
+    del ref
+    lean = make_trainer(cfg, cpu, mesh, lean=True)
+    lean.load_state_dict(dist_checkpoint.load(old_dir, lean.state_dict(), lean.optimizer.param_groups[0]["params"])[0])
+    res["lean_from_old_second"] = step(lean)
+    new_dir, res["new_save_peak"] = save(lean, "new", 2)
+    res["lean_third"] = step(lean)
+    del lean
+    fresh = make_trainer(cfg, cpu, mesh, lean=True)
+    fresh.load_state_dict(dist_checkpoint.load(new_dir, fresh.state_dict(), fresh.optimizer.param_groups[0]["params"])[0])
+    res["fresh_third"] = step(fresh)
+    res["files"] = sorted(p.name for p in new_dir.iterdir())
+    torch.save(res, f"{out}.{rank}")
+    fsdp.shutdown_process_group("barrier_only")
+
+
+def _leaves(tree):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)

@@ -17,7 +17,7 @@ from diffusers import (
     WanImageToVideoPipeline,
     WanTransformer3DModel,
 )
-from helpers_dist import lean_against_reference
+from helpers_dist import lean_against_reference, resume_across_writers
 from test_learner_lean import _save
 
 from common.config import ConfigError, RunConfig, load_config
@@ -172,3 +172,27 @@ def test_a_threshold_on_the_frozen_expert_is_refused_in_one_line(tmp_path):
             refuse()
     ok = cfg.model_copy(update={"sampler": cfg.sampler.model_copy(update={"sigma_threshold": 0.6})})
     assert make_trainer(ok, torch.device("cpu")).version == 0
+
+
+def test_checkpoints_without_a_copy_and_resume_across_writers(tmp_path):
+    """A checkpoint written before the lean learner (reference path, every shard cloned) resumes
+    on the lean path to the same next step; the lean path's own save allocates no copy of the
+    shards (counted in live tensor bytes; the old writer allocates them all) and resumes alike."""
+    _save("wan", "i2v_a14b", tmp_path / "ckpt")
+    cfg = _cfg("wan", tmp_path / "ckpt")
+    _batch(cfg, tmp_path / "batch.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result")
+    mp.start_processes(resume_across_writers, args=(port, cfg.model_dump_json(), str(tmp_path / "batch.pt"),
+                                                    str(tmp_path / "runs"), out), nprocs=2, start_method="spawn",
+                       join=True)
+    for r in (torch.load(f"{out}.{k}", weights_only=False) for k in range(2)):
+        for a, b in (("ref_second", "lean_from_old_second"), ("lean_third", "fresh_third")):
+            for k in ("loss", "loss/policy", "loss/kl", "grad_norm", "version"):
+                assert r[a][k] == pytest.approx(r[b][k], abs=1e-6, rel=0), (a, k)
+        assert r["lean_third"]["version"] == 3.0
+        assert r["old_save_peak"] >= 0.9 * r["state_bytes"] > 0     # the old writer: a copy of every shard
+        assert r["new_save_peak"] <= 0.05 * r["state_bytes"]       # now: none
+        assert r["files"] == ["extra.json", "meta.json", "rank00000.pt", "rank00001.pt"]
