@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
         trainer.train_step(TrainBatch(fresh=[g]))
     grew = _peak_rss() - base  # what a step adds: grads, optimizer state, activations, transients
     mem = learner_memory(cfg, arch(cfg))
-    resident = mem["weights"] + mem["frozen modules (unsharded)"] + mem["anchors"]
+    resident = mem["weights"] + mem["frozen modules"] + mem["anchors"]
     planned = learner_peak(mem, cfg.model.gradient_checkpointing) - resident
     print(json.dumps({"measured": grew, "plan": planned, "parts": mem}))
 

@@ -125,3 +125,32 @@ def test_rollout_activations_follow_forward_batch_size_and_fit_an_h100(config, c
     out = capsys.readouterr().out
     line = out.split("peak while generating")[1].splitlines()[0]
     assert "(fits)" in line and "4 rows per forward: sampler.forward_batch_size 4" in out
+
+
+def test_the_tagrpo_learner_fits_an_h100_setup_peak_included(capsys):
+    """The lean learner (the trained expert alone, built on meta, each rank reading its rows):
+    every learner rank of configs/wan22_i2v_tagrpo.yaml fits an 80 GiB H100 at 8 ranks, at most
+    50 GiB, its setup peak its fp32 master shard; 4 ranks still fit. The setup, the offload and
+    the checkpoint terms move as the learner's code does."""
+    from cluster.plan.host import RESIDENT, host_ram, peak
+    from cluster.plan.sizing import GB, learner_peak, plan
+
+    cfg = load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml")
+    p8 = plan(cfg, "H100")
+    step8, setup8 = learner_peak(p8.learner, True), sum(p8.learner_setup.values())
+    assert p8.learner["frozen modules"] == 0 and step8 <= 50 * GB and setup8 < step8
+    assert p8.learner_setup["weights"] == pytest.approx(4 * p8.arch.params / 8)   # the fp32 master shard
+    p4 = plan(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml", ["pools.learner.num_actors=4"]), "H100")
+    assert 50 * GB < learner_peak(p4.learner, True) < 80 * GB
+    ema = plan(load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml", ["optim.ema_decay=0.99"]), "H100")
+    assert ema.learner_setup["anchors"] == pytest.approx(4 * p8.arch.params / 8)  # the EMA, per shard
+    off = load_config(ROOT / "configs/wan22_i2v_tagrpo.yaml", ["learner.cpu_offload=true"])
+    po = plan(off, "H100")
+    assert po.learner["optimizer"] == 0 and po.learner["grads"] == pytest.approx(p8.learner["grads"] - 4 * p8.arch.params / 8)
+    host = host_ram(off, po)["learner"]
+    assert host[RESIDENT] == pytest.approx(16 * p8.arch.params / 8) and peak(host) > peak(host_ram(cfg, p8)["learner"])
+    assert main(["plan", "-c", str(ROOT / "configs/wan22_i2v_tagrpo.yaml"), "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "46.0 GiB  (fits)" in out.split("peak, with checkpointing")[1].splitlines()[0]
+    assert "(fits)" in out.split("setup peak (GPU)")[1].splitlines()[0]
+    assert "checkpoint save (one storage)" in out and "pipeline load" not in out.split("learner ")[-1]

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from cluster.plan.sizing import GB, GPUS, MFU, Plan, learner_peak, plan, rollout_peaks, rollout_rows
+from cluster.plan.sizing import (
+    GB,
+    GPUS,
+    MFU,
+    Plan,
+    lean_setup,
+    learner_peak,
+    plan,
+    rollout_peaks,
+    rollout_rows,
+)
 
 
 def render(cfg, p: Plan, source: str) -> str:
@@ -22,6 +32,14 @@ def render(cfg, p: Plan, source: str) -> str:
         peak = learner_peak(p.learner, ck)
         lines.append(f"  {'peak, ' + ('with' if ck else 'without') + ' checkpointing':<32}{peak / GB:9.1f} GiB"
                      f"{'  (fits)' if peak < cap * GB else '  (does NOT fit)'}")
+    setup = sum(p.learner_setup.values())
+    where = "host" if cfg.learner.cpu_offload else "GPU"
+    how = "sharded on meta, each rank reading its own rows" if lean_setup(cfg) else "one rank: the whole module"
+    lines.append(f"  {'setup peak (' + where + ')':<32}{setup / GB:9.1f} GiB"
+                 f"{'' if where == 'host' else ('  (fits)' if setup < cap * GB else '  (does NOT fit)')}  ({how}: "
+                 + ", ".join(f"{k} {v / GB:.1f}" for k, v in p.learner_setup.items()) + " GiB)")
+    lines.append(f"  {'checkpoint save':<32}{0.0:9.1f} GiB  (no copy of the shards; torch.save moves one "
+                 "storage at a time to the host, see host RAM)")
     fbs = cfg.sampler.forward_batch_size
     lines.append(f"rollout rank (G = {cfg.sampler.group_size}, {rollout_rows(cfg)} rows per forward: "
                  + ("the whole group, sampler.forward_batch_size null):" if fbs is None

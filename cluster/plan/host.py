@@ -1,10 +1,15 @@
 """Host RAM per process and role, and the pods that must hold it (the Helm chart's values).
 
-A rollout or learner process loads its pipeline on the host in the dtypes it loads in, then
-moves it to the GPU (diffusers' from_pretrained, then .to(cuda)): its host peak is the whole
-pipeline. Learner rank 0 gathers the full fp32 payload on the host at every publish and packs
-(object store) or flattens (collective) a second copy of it. A pod holds `rayResources` such
-processes of each role plus its /dev/shm (memory-backed: it counts against the pod's limit).
+A rollout process loads its pipeline on the host in the dtypes it loads in, then moves it to
+the GPU (diffusers' from_pretrained, then .to(cuda)): its host peak is the whole pipeline. A
+sharded learner rank reads its own rows one weight at a time (learner/shard_load.py), so its
+host holds one weight's rows at once; a single learner rank loads its trained transformer(s)
+whole first. A checkpoint save moves one local storage at a time to the host (torch.save; no
+copy of the shards). Learner rank 0 gathers the full fp32 payload on the host at every publish
+and packs (object store) or flattens (collective) a second copy of it. Under
+learner.cpu_offload a learner rank's masters, gradients, optimizer state and anchors live on
+the host all run long, on top of its peak. A pod holds `rayResources` such processes of each
+role plus its /dev/shm (memory-backed: it counts against the pod's limit).
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cluster.plan.sizing import GB, Plan, _safetensors_params
+from cluster.plan.sizing import (
+    GB,
+    Plan,
+    _safetensors_params,
+    file_dtype_bytes,
+    lean_setup,
+    learner_offloaded,
+)
 from cluster.plan.timing import load_bytes, payload_bytes
 
 PROCESS_BYTES = 4 * GB
@@ -42,12 +54,33 @@ def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:
     rewards = [reward_bytes(m) for m in cfg.rewards.models] or [0.0]
     return {"rollout": {"process": PROCESS_BYTES, "pipeline load": rollout_load},
             "reward": {"process": PROCESS_BYTES, "model load": max(rewards)},
-            "learner": {"process": PROCESS_BYTES, "pipeline load": load_bytes(cfg, p),
+            "learner": {"process": PROCESS_BYTES, **learner_host(cfg, p),
                         "rank 0 at a publish (2 x payload)": 2 * payload}}
 
 
+def learner_host(cfg, p: Plan) -> dict[str, float]:
+    """A learner rank's host parts besides its process and a publish: its model read, the
+    checkpoint save's transient, and what learner.cpu_offload keeps resident."""
+    a, n = p.arch, max(1, cfg.pools.learner.num_actors)
+    if lean_setup(cfg):
+        out = {"shard read (one weight's rows)": file_dtype_bytes(cfg) * a.largest_params / n}
+    else:
+        out = {"transformer load": load_bytes(cfg, p)}
+    # torch.save copies one storage at a time to the host: the largest, a weight's fp32 shard
+    out["checkpoint save (one storage)"] = 0.0 if cfg.learner.cpu_offload else 4 * a.largest_params / n
+    offloaded = learner_offloaded(cfg, a)
+    if offloaded:
+        out[RESIDENT] = offloaded
+    return out
+
+
+RESIDENT = "resident: cpu offload"
+"""A part held all run long (added to the peak, not one of the transients it takes the max of)."""
+
+
 def peak(parts: dict[str, float]) -> float:
-    return parts["process"] + max(v for k, v in parts.items() if k != "process")
+    transient = [v for k, v in parts.items() if k not in ("process", RESIDENT)]
+    return parts["process"] + parts.get(RESIDENT, 0.0) + max(transient)
 
 
 # --- quantities ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ MFU = 0.4  # the fraction of peak a bf16 video DiT step reaches (an assumption, 
 # taken as Wan's with ffn = mlp_ratio·d.
 _ACT = {4: (90.0, 8.0), 2: (70.0, 4.0)}
 
-# Frozen modules every learner and rollout rank loads besides the transformer(s), in parameters
+# Frozen modules every rollout rank loads besides the transformer(s) (the learner builds none), in parameters
 # (published model sizes): Wan's UMT5-XXL encoder and VAE; HunyuanVideo 1.5's Qwen2.5-VL-7B text
 # model, ByT5 glyph encoder, SigLIP image encoder and VAE.
 _FROZEN = {"wan": {"text_encoder": 5.7e9, "vae (fp32)": 0.127e9},
@@ -58,6 +58,7 @@ class Arch:
     trained_experts: int
     tokens: int            # S: video tokens of one sample
     text_tokens: int
+    largest_params: int = 0  # the largest single weight (a block's FFN matrix)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Plan:
     gpu: str
     arch: Arch
     learner: dict[str, float] = field(default_factory=dict)   # bytes per learner rank
+    learner_setup: dict[str, float] = field(default_factory=dict)  # bytes per learner rank at its setup peak
     rollout: dict[str, float] = field(default_factory=dict)   # bytes per rollout rank
     flops: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -124,7 +126,7 @@ def arch(cfg, transformer=None) -> Arch:
     two = _has_two_experts(cfg)
     return Arch(m.family, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
                 experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
-                tokens=tokens, text_tokens=text)
+                tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()))
 
 
 # --- memory --------------------------------------------------------------------------
@@ -164,6 +166,19 @@ def _safetensors_params(folder: Path) -> int:
     return total
 
 
+def file_dtype_bytes(cfg) -> int:
+    """Bytes per value of the transformer's safetensors: a local checkpoint's own (its first
+    tensor's dtype, from the header), else model.dtype's (released checkpoints hold bf16)."""
+    folder = Path(cfg.model.path or "") / "transformer"
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        dtypes = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
+        if dtypes:
+            return {"F32": 4, "BF16": 2, "F16": 2}.get(dtypes[0], 4)
+    return 4 if cfg.model.dtype == "float32" else 2
+
+
 def frozen_params(cfg) -> dict[str, float]:
     """Frozen encoders and VAE in parameters: a local checkpoint's own files, else published sizes."""
     m = cfg.model
@@ -177,40 +192,87 @@ def frozen_params(cfg) -> dict[str, float]:
     return out
 
 
-def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
-    """Bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors).
+def anchor_copies(cfg) -> int:
+    """fp32 copies of the trained weights a learner rank keeps besides the masters: LoRA's π_0 and
+    moving anchors, a full fine-tune's KL anchor, the exact D_step's, and the EMA (optim.ema_decay)."""
+    o, k = cfg.optim, cfg.kl
+    n = 2 if o.finetune == "lora" else int(k.strategy in ("fixed", "moving", "dual"))
+    return n + int(k.strategy in ("step", "dual") and k.d_step == "exact") + int(o.ema_decay > 0)
 
-    `frozen`: parameters of the frozen encoders and VAE when known (default: `frozen_params`)."""
+
+def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
+    """GPU bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors).
+
+    The learner builds the trained transformer(s) alone (no encoder, no VAE, not Wan 2.2's frozen
+    expert under train_experts=high_noise): `frozen` counts frozen modules in parameters when a
+    measured run does hold some (benchmarks/gpu_check.py). learner.cpu_offload moves the fp32
+    master shard, its gradients, AdamW's moments and the anchors to host memory
+    (`learner_offloaded`); the GPU keeps the gathered blocks and the activations."""
     m, o = cfg.model, cfg.optim
     c = 4 if m.dtype == "float32" else 2
     n = max(1, cfg.pools.learner.num_actors)
     p_train = a.params * a.trained_experts
+    gathered = c * (2 * a.block_params + a.root_params) if n > 1 else 0  # one block and its prefetch
     if o.finetune == "full":
         trainable = p_train
         if n > 1:  # sharded fp32 masters; one block (and its prefetched successor) gathered in dtype
-            weights = 4 * p_train / n + c * (2 * a.block_params + a.root_params)
-            grads = 4 * p_train / n + c * a.block_params
+            weights, grads = 4 * p_train / n, 4 * p_train / n
         else:      # compute weights in dtype plus fp32 masters when dtype is lower
             weights = c * p_train + (4 * p_train if c < 4 else 0)
             grads = c * p_train + (4 * p_train if c < 4 else 0)
+        block_grad = c * a.block_params if n > 1 else 0
     else:
         trainable = a.lora_params * a.trained_experts
-        base = c * p_train / n + (c * (2 * a.block_params + a.root_params) if n > 1 else 0)
-        weights, grads = base + 4 * trainable / n, 4 * trainable / n
-    anchors = 0
-    if o.finetune == "lora":
-        anchors += 2
-    if cfg.kl.strategy in ("fixed", "moving", "dual") and o.finetune == "full":
-        anchors += 1
-    if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact":
-        anchors += 1
+        weights, grads, block_grad = c * p_train / n + 4 * trainable / n, 4 * trainable / n, 0
+    optimizer, anchors = 8 * trainable / n, anchor_copies(cfg) * (4 * trainable / n)
+    if cfg.learner.cpu_offload:  # all of it in host memory (learner_offloaded), none on the GPU
+        weights = c * p_train / n if o.finetune == "lora" else 0.0
+        grads, optimizer, anchors = 0.0, 0.0, 0.0
     rows = o.micro_batch * (2 if m.guidance_scale > 1.0 else 1)
-    frozen_b = c * a.params * (a.experts - a.trained_experts) + sum(
-        (4 if "fp32" in k else c) * v for k, v in (frozen or frozen_params(cfg)).items())
-    return {"weights": weights, "grads": grads, "optimizer": 8 * trainable / n,
-            "anchors": anchors * (4 * trainable / n), "frozen modules (unsharded)": frozen_b,
+    frozen_b = sum((4 if "fp32" in k else c) * v for k, v in (frozen or {}).items())
+    return {"weights": weights + gathered, "grads": grads + block_grad, "optimizer": optimizer,
+            "anchors": anchors, "frozen modules": frozen_b,
             "activations (checkpointing)": activation_bytes(a, rows, c, True),
             "activations (no checkpointing)": activation_bytes(a, rows, c, False)}
+
+
+def learner_offloaded(cfg, a: Arch) -> float:
+    """Host bytes of one learner rank under learner.cpu_offload: its fp32 master shard (and a LoRA
+    run's adapters), their gradients, AdamW's two moments and the anchors, resident all run long."""
+    if not cfg.learner.cpu_offload:
+        return 0.0
+    n = max(1, cfg.pools.learner.num_actors)
+    trainable = a.params * a.trained_experts if cfg.optim.finetune == "full" else a.lora_params * a.trained_experts
+    return (4 + 4 + 8 + 4 * anchor_copies(cfg)) * trainable / n
+
+
+def lean_setup(cfg) -> bool:
+    """Whether learner ranks take the lean sharded setup (learner/actor.lean_setup): more than one."""
+    return cfg.pools.learner.num_actors > 1
+
+
+def learner_setup(cfg, a: Arch) -> dict[str, float]:
+    """Bytes one learner rank holds at its setup peak, before the first step (on the GPU, or the
+    host under learner.cpu_offload).
+
+    Sharded (learner/shard_load.py): the module is built on meta, sharded, and each rank's rows
+    are read one weight at a time (the rows as the file holds them and rounded to model.dtype,
+    the file taken to hold model.dtype) into the fp32 master shard; the anchors and the EMA are
+    then copied per shard. One rank (the reference path): the whole trained module in
+    model.dtype, its fp32 masters and the anchors, unsharded."""
+    c = 4 if cfg.model.dtype == "float32" else 2
+    n = max(1, cfg.pools.learner.num_actors)
+    p_train = a.params * a.trained_experts
+    full = cfg.optim.finetune == "full"
+    trainable = p_train if full else a.lora_params * a.trained_experts
+    if lean_setup(cfg):
+        weights = 4 * p_train / n if full else c * p_train / n + 4 * trainable / n
+        f = file_dtype_bytes(cfg)
+        read = (f + (c if c != f else 0)) * a.largest_params / n
+    else:
+        weights = c * p_train + (4 * p_train if full and c < 4 else 0) + (4 * trainable if not full else 0)
+        read = 0.0
+    return {"weights": weights, "anchors": anchor_copies(cfg) * 4 * trainable / n, "weight being read": read}
 
 
 def learner_peak(mem: dict[str, float], checkpointing: bool) -> float:
@@ -289,6 +351,7 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     a = arch(cfg)
     p = Plan(gpu, a)
     p.learner, p.rollout = learner_memory(cfg, a), rollout_memory(cfg, a)
+    p.learner_setup = learner_setup(cfg, a)
     p.rollout_receive = rollout_receive_bytes(cfg, a)
     from common.sde import Schedule
 

@@ -6,7 +6,15 @@ node is slower now and then (a cold cache, a busy link, a thermally throttled GP
 
 from __future__ import annotations
 
-from cluster.plan.sizing import _FROZEN, GPUS, MFU, Plan
+from cluster.plan.sizing import (
+    _FROZEN,
+    GPUS,
+    MFU,
+    Plan,
+    anchor_copies,
+    file_dtype_bytes,
+    lean_setup,
+)
 from cluster.plan.vae import vae_flops
 
 SAFETY = 3.0
@@ -57,16 +65,18 @@ def weight_sync_seconds(cfg, p: Plan) -> dict[str, float]:
 
 
 def load_bytes(cfg, p: Plan) -> float:
-    """What one learner rank reads at start: its pipeline in the dtypes it loads in (the trained
-    transformer(s) and every frozen module the learner memory model holds)."""
-    c = 4 if cfg.model.dtype == "float32" else 2
-    return c * p.arch.params * p.arch.trained_experts + p.learner["frozen modules (unsharded)"]
+    """What one learner rank reads at start: the trained transformer(s) alone (no encoder, no
+    VAE), and with more than one rank only its own rows of them (learner/shard_load.py)."""
+    n = max(1, cfg.pools.learner.num_actors) if lean_setup(cfg) else 1
+    return file_dtype_bytes(cfg) * p.arch.params * p.arch.trained_experts / n
 
 
-def checkpoint_shard_bytes(p: Plan) -> float:
-    """One learner rank's checkpoint shard: fp32 masters, Adam's two moments and the anchors."""
-    masters = p.learner["optimizer"] / 2  # the optimizer holds 8 bytes per trainable parameter
-    return masters + p.learner["optimizer"] + p.learner["anchors"]
+def checkpoint_shard_bytes(cfg, p: Plan) -> float:
+    """One learner rank's checkpoint shard: fp32 masters, Adam's two moments and the anchors
+    (written from where they live, the GPU or, under learner.cpu_offload, the host)."""
+    a, n = p.arch, max(1, cfg.pools.learner.num_actors)
+    trainable = a.trained_experts * (a.params if cfg.optim.finetune == "full" else a.lora_params)
+    return (4 + 8 + 4 * anchor_copies(cfg)) * trainable / n
 
 
 def micro_batch_seconds(cfg, p: Plan) -> float:
@@ -80,7 +90,7 @@ def estimates(cfg, p: Plan) -> dict[str, tuple[float, dict[str, float]]]:
     """Each timeout field → (seconds of the work it waits for, the parts)."""
     storage = cfg.plan.storage_gb_s * 1e9
     group, sync = group_seconds(cfg, p), weight_sync_seconds(cfg, p)
-    load, shard = load_bytes(cfg, p), checkpoint_shard_bytes(p)
+    load, shard = load_bytes(cfg, p), checkpoint_shard_bytes(cfg, p)
     return {
         "sampler.timeout_s": (sum(group.values()), group),
         "weight_sync.timeout_s": (sum(sync.values()), sync),
