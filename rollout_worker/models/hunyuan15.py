@@ -40,8 +40,8 @@ from rollout_worker.models.base import (
     require_dir,
     require_weights,
 )
-from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
+from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
 from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
