@@ -107,7 +107,7 @@ def install_stub() -> None:
     if os.environ.get(STUB_ENV):
         import rollout_worker.models as models
 
-        models.build_model = lambda cfg, device=None, components="all": _stub_model(cfg)
+        models.build_model = lambda cfg, device=None, components="all", empty=False: _stub_model(cfg)
 
 
 # --- what the driver process takes in -------------------------------------------------------
