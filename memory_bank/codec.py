@@ -252,7 +252,7 @@ def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
     try:
         t = loads(blob, copy=copy)
     except ValueError as e:
-        raise CorruptEntry(f"blob is not safetensors: {e}") from None
+        raise CorruptEntry(f"blob rejected: {e}") from None
     return _step_tensors(t, k) if k else _final_only(t)
 
 

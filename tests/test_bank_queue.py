@@ -170,7 +170,7 @@ def test_corrupt_and_foreign_entries_are_skipped_and_counted(bank, caplog):
     assert len(batch.bank[0]) == 2                              # 4 banked - 2 corrupt
     st = bank.stats()
     assert st["corrupt"] == 2 + 1 + 4 + 1 + 1 and st["dropped"] == 1, st
-    assert "skipped" in caplog.text and "not safetensors" in caplog.text
+    assert "skipped" in caplog.text and "blob rejected" in caplog.text
     bank.commit(batch, 2)
     assert len(bank.entries("c")) == 5 and bank.stats()["corrupt"] == 9   # counted once
     assert bank.stats()["pending"] == 0
