@@ -1,0 +1,82 @@
+"""Find and delete entry keys that no index names: what a lost reply or a killed producer
+leaves behind, outside the bank's byte accounting.
+
+Two kinds. Entries evicted by a script whose caller never saw the reply stay in the `trash`
+hash (memory_bank.scripts); every later evicting call returns them, and this sweep deletes
+whatever is left. Entries written by a push whose script never ran (the producer died between
+its writes and the script, or gave up on a dropped connection) are in no index at all: a SCAN
+of the namespace's entry keys finds them. The sweep runs when a run claims its namespace on
+resume (nothing is pushing then); a live run may call it with `min_age_s` so that a push in
+flight, whose entries exist a moment before its script indexes them, is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from memory_bank.scripts import run
+
+if TYPE_CHECKING:
+    from memory_bank.bank import MemoryBank
+
+log = logging.getLogger(__name__)
+BATCH = 256
+
+
+def sweep_orphans(bank: MemoryBank, min_age_s: float = 0.0) -> dict[str, int]:
+    """Delete the trash and every entry no index names (untouched for min_age_s); returns
+    {"entries": n, "bytes": b} and counts them under the `orphans` counter."""
+    k, r = bank.keys, bank.r
+    trash = {_s(e): int(b or 0) for e, b in r.hgetall(k.trash).items()}
+    known = {_s(e) for e in r.hkeys(k.einfo)}
+    stray: set[str] = set()
+    for key in r.scan_iter(match=k.entry_pattern, count=1000):
+        eid = k.entry_id(_s(key))
+        if eid is not None and eid not in known and eid not in trash:
+            stray.add(eid)
+    stray = {e for e in stray if _idle_enough(bank, e, min_age_s)}
+    nbytes = sum(trash.values()) + sum(_size(bank, sorted(stray)))
+    ids = sorted(trash) + sorted(stray)
+    for i in range(0, len(ids), BATCH):
+        chunk = ids[i:i + BATCH]
+        cmds = [("DEL", k.meta(e), k.blob(e)) for e in chunk]
+        if done := [e for e in chunk if e in trash]:
+            cmds.append(("HDEL", k.trash, *done))
+        run(r, cmds)
+    if ids:
+        r.hincrby(k.counts, "orphans", len(ids))
+        log.warning("bank: reclaimed %d orphan entries (%d bytes) in namespace %r: %d evicted by "
+                    "calls whose reply was lost, %d written by pushes that never queued them",
+                    len(ids), nbytes, k.namespace, len(trash), len(stray))
+    return {"entries": len(ids), "bytes": nbytes}
+
+
+def _idle_enough(bank: MemoryBank, eid: str, min_age_s: float) -> bool:
+    if min_age_s <= 0:
+        return True
+    for key in (bank.keys.meta(eid), bank.keys.blob(eid)):
+        try:
+            idle = bank.r.object("idletime", key)
+        except Exception:  # noqa: BLE001 — an LFU server has no idle time: leave it be
+            return False
+        if idle is not None and idle < min_age_s:
+            return False
+    return True
+
+
+def _size(bank: MemoryBank, eids: list[str]) -> list[int]:
+    """Bytes of entries as a push counts them (blob plus metadata fields and values)."""
+    out = []
+    for i in range(0, len(eids), BATCH):
+        pipe = bank.r.pipeline(transaction=False)
+        for e in eids[i:i + BATCH]:
+            pipe.strlen(bank.keys.blob(e)).hgetall(bank.keys.meta(e))
+        got = pipe.execute()
+        out += [int(n) + sum(len(f) + len(v) for f, v in meta.items())
+                for n, meta in zip(got[::2], got[1::2], strict=True)]
+    return out
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
