@@ -384,15 +384,16 @@ class MemoryBank:
     @_reachable
     def quarantined(self) -> list[dict[str, Any]]:
         """The quarantine's records, newest first: {id, reason, time, condition, version,
-        banked} (the last QUARANTINE_CAP)."""
+        banked, seq} (the last QUARANTINE_CAP)."""
         out = []
         for eid, raw in self.r.hgetall(self.keys.quarantine).items():
             try:
                 rec = json.loads(raw)
             except ValueError:
                 rec = {"reason": "unreadable quarantine record"}
-            out.append({"id": _s(eid), **(rec if isinstance(rec, dict) else {})})
-        return sorted(out, key=lambda r: -float(r.get("time") or 0))
+            rec = rec if isinstance(rec, dict) else {}
+            out.append({"id": _s(eid), **rec, "time": _num(rec.get("time"))})
+        return sorted(out, key=lambda r: -_num(r.get("seq")))
 
     @_reachable
     def quarantine_count(self) -> int:
@@ -729,6 +730,13 @@ def _s(v: bytes | str) -> str:
 def _pairs(flat: Any) -> Any:
     """A flat HGETALL reply as a dict (an error reply stays as it is)."""
     return dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else flat
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _valid_eid(eid: str) -> bool:

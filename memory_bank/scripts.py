@@ -358,13 +358,13 @@ return 1
 # KEYS: einfo, bytes, bankz, conds, trash, quarantine, counts, qbytes, cinfo (+ lease).
 # ARGV: (fence, ttl +) eid, reason, time, cond_prefix, cap.
 # Dead letter for an entry that decodes but cannot be trained: its record (reason, time,
-# condition, version) goes to the quarantine hash; a banked entry leaves its condition's index
+# condition, version, a sequence number for order) goes to the quarantine hash; a banked entry leaves its condition's index
 # and is evicted, a member of a queued group stays until its group is committed or dropped
 # (COMMIT never banks a quarantined member). Over `cap` records, the oldest are forgotten.
 # Returns reclaim().
 QUARANTINE = FENCE + _with_evict("""
 local eid = ARGV[1]
-local rec = {reason = ARGV[2], time = tonumber(ARGV[3])}
+local rec = {reason = ARGV[2], time = ARGV[3], seq = redis.call('HINCRBY', KEYS[7], 'quarantine_seq', 1)}
 local info = redis.call('HGET', KEYS[1], eid)
 local ok, d = pcall(cjson.decode, info or '')
 if ok and type(d) == 'table' then rec['condition'] = d['cond']; rec['version'] = d['v'] end
@@ -386,7 +386,7 @@ if n > cap then
   local all, order = redis.call('HGETALL', KEYS[6]), {}
   for i = 1, #all, 2 do
     local okr, r = pcall(cjson.decode, all[i + 1])
-    order[#order + 1] = {all[i], okr and type(r) == 'table' and tonumber(r['time']) or 0}
+    order[#order + 1] = {all[i], okr and type(r) == 'table' and tonumber(r['seq']) or 0}
   end
   table.sort(order, function(a, b) return a[2] < b[2] end)
   for i = 1, n - cap do redis.call('HDEL', KEYS[6], order[i][1]) end
