@@ -63,8 +63,8 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
     bank = MemoryBank(client, BankConfig(namespace=ns, capacity=g, max_staleness=0,
                                          max_bytes=1 << 40))
     groups = [make_group(entry_mb, g, v, gen) for v in range(min(iters, 3))]
-    blobs = [[encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0,
-                     cond_key=encode_cond(grp.condition.id, grp.cond)[0])[1]
+    blobs = [[bytes(encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0,
+                           cond_key=encode_cond(grp.condition.id, grp.cond)[0])[1])
               for i, m in enumerate(grp.members)] for grp in groups]
     nbytes = sum(len(b) for b in blobs[0])       # bytes per group, as stored
     t = {"push": [], "pull": [], "commit": [], "set": [], "get": []}

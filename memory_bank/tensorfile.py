@@ -35,11 +35,12 @@ DIGEST = "xxh3_64"     # the __metadata__ key of the digest (16 hex digits)
 
 
 class Blob:
-    """A blob as the buffers it is made of (header, then each tensor's own memory), so it can
-    be sent without being joined: `bytes(blob)` joins it (one copy)."""
+    """A blob as the buffers it is made of (header, then each tensor's own memory in name
+    order), so it is sent without being joined (memory_bank.wire) and read back from its parts
+    (`loads`); `bytes(blob)` joins it (one copy)."""
 
-    def __init__(self, parts: list[memoryview]):
-        self.parts = parts
+    def __init__(self, parts: list[memoryview], names: list[str]):
+        self.parts, self.names = parts, names
         self.nbytes = sum(len(p) for p in parts)
 
     def __len__(self) -> int:
@@ -69,7 +70,7 @@ def pack(tensors: dict[str, Tensor]) -> Blob:
     header = {"__metadata__": {DIGEST: h.hexdigest()}, **table}
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)                      # keeps the data 8-byte aligned
-    return Blob([memoryview(len(head).to_bytes(8, "little") + head), *parts])
+    return Blob([memoryview(len(head).to_bytes(8, "little") + head), *parts], sorted(tensors))
 
 
 def dumps(tensors: dict[str, Tensor]) -> bytes:
@@ -81,44 +82,52 @@ def _canonical(table: dict[str, dict]) -> bytes:
     return json.dumps({n: table[n] for n in sorted(table)}, separators=(",", ":")).encode()
 
 
-def loads(blob: bytes | bytearray | memoryview, copy: bool = True, verify: bool = True
+def loads(blob: bytes | bytearray | memoryview | Blob, copy: bool = True, verify: bool = True
           ) -> dict[str, Tensor]:
     """The tensors of a blob. With copy=False and an immutable blob (`bytes`, or a read-only
     memoryview nothing else writes to) they view its memory (and keep it alive): for a caller
-    that owns the blob and only reads the tensors. verify=False skips the digest and the finite
-    check (to read a file the safetensors library wrote)."""
-    mv = memoryview(blob).cast("B")
-    if len(mv) < 8:
-        raise ValueError(f"blob of {len(mv)} bytes is shorter than the 8-byte header length")
-    n = int.from_bytes(mv[:8], "little")
-    if n > min(MAX_HEADER, len(mv) - 8):
-        raise ValueError(f"header length {n} exceeds the blob ({len(mv)} bytes)")
+    that owns the blob and only reads the tensors. A `Blob` is read from its parts, never
+    joined (the tensors view them; its digest is not recomputed). verify=False skips the digest and the finite check (to read
+    a file the safetensors library wrote)."""
+    head = memoryview(blob.parts[0] if isinstance(blob, Blob) else blob).cast("B")
+    total = blob.nbytes if isinstance(blob, Blob) else len(head)
+    if len(head) < 8:
+        raise ValueError(f"blob of {len(head)} bytes is shorter than the 8-byte header length")
+    n = int.from_bytes(head[:8], "little")
+    if n > min(MAX_HEADER, len(head) - 8):
+        raise ValueError(f"header length {n} exceeds the blob ({total} bytes)")
     try:
-        header = json.loads(bytes(mv[8:8 + n]))
+        header = json.loads(bytes(head[8:8 + n]))
     except (ValueError, RecursionError):
         raise ValueError("header is not JSON") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     meta = header.pop("__metadata__", None)
-    specs = _specs(header, len(mv) - 8 - n)
-    data = mv[8 + n:]
-    if verify:
-        _verify_digest(meta, header, data)
-    if copy or not (isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly)):
-        buf = bytearray(data)    # the one copy: writable memory the tensors own
+    specs = _specs(header, total - 8 - n)
+    if isinstance(blob, Blob):
+        if len(head) != 8 + n or sorted(header) != blob.names:
+            raise ValueError("Blob parts do not match its header")
+        bufs = dict(zip(blob.names, blob.parts[1:], strict=True))
+        if any(len(bufs[name]) != stop - begin for begin, stop, name, _, _ in specs):
+            raise ValueError("Blob parts do not match its header")
+        data = None
     else:
-        buf = data
-    out = {}
-    for begin, stop, name, dtype, shape in specs:
-        if stop == begin:
-            out[name] = torch.empty(shape, dtype=dtype)
+        data = head[8 + n:]
+        if not copy and (isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly)):
+            buf = data
         else:
-            with warnings.catch_warnings():  # "not writable": copy=False is read-only by contract
-                warnings.simplefilter("ignore", UserWarning)
-                out[name] = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape),
-                                             offset=begin).reshape(shape)
-        if verify and not finite(out[name]):
-            raise ValueError(f"tensor {name!r} has non-finite values")
+            buf = bytearray(data)    # the one copy: writable memory the tensors own
+        bufs = {name: memoryview(buf)[begin:stop] for begin, stop, name, _, _ in specs}
+    if verify and data is not None:   # a Blob's digest was just computed from these very parts
+        _verify_digest(meta, header, data)
+    out = {}
+    with warnings.catch_warnings():  # "not writable": copy=False is read-only by contract
+        warnings.simplefilter("ignore", UserWarning)
+        for begin, stop, name, dtype, shape in specs:
+            out[name] = torch.empty(shape, dtype=dtype) if stop == begin else torch.frombuffer(
+                bufs[name], dtype=dtype, count=math.prod(shape)).reshape(shape)
+            if verify and not finite(out[name]):
+                raise ValueError(f"tensor {name!r} has non-finite values")
     return out
 
 

@@ -45,7 +45,7 @@ def _encoded(image: bool = False, dtype=torch.float32):
     t.x, t.x_next, t.final_latents = t.x.to(dtype), t.x_next.to(dtype), t.final_latents.to(dtype)
     eid = uuid.uuid4().hex
     meta, blob = encode(eid, t, HEADS, grp.scores.values[1], float(grp.composite[1]), cond_key=CK)
-    return eid, t, grp, meta, blob
+    return eid, t, grp, meta, bytes(blob)      # as Redis stores it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -296,8 +296,12 @@ def test_fuzz_valid_entries_round_trip_exactly(case):
         with pytest.raises(ValueError, match="'x' has non-finite values"):
             encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
         return
-    meta, blob = encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
-    e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)   # as Redis returns
+    meta, parts = encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
+    blob = bytes(parts)
+    for stored in (blob, parts):           # as Redis returns it, and unjoined (encode's own check)
+        e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, stored)
+        assert e.id == eid
+    e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)
     r = e.trajectory
     assert (e.id, r.bank_id, e.status, e.heads, e.composite) == (eid, eid, "banked", heads, composite)
     assert _same(e.scores, scores)
@@ -541,7 +545,7 @@ def test_fuzz_random_everything(meta, blob):
 
 
 def test_blob_format_is_safetensors_both_ways():
-    from memory_bank.tensorfile import dumps, loads
+    from memory_bank.tensorfile import dumps, loads, pack
 
     t = {"a": torch.randn(2, 3), "b": torch.randn(4).to(torch.bfloat16),
          "c": torch.arange(6, dtype=torch.uint8).reshape(2, 3), "d": torch.zeros(0, 5)}
@@ -556,6 +560,10 @@ def test_blob_format_is_safetensors_both_ways():
     got = loads(ours)
     got["a"].add_(1)                                          # writable, own memory
     assert torch.equal(got["a"], t["a"] + 1)
+    parts = pack(t)                                           # unjoined: the same bytes, and
+    assert bytes(parts) == ours and len(parts) == len(ours)
+    for name, v in loads(parts).items():                      # read from the tensors' own memory
+        assert torch.equal(v, t[name]) and (v.numel() == 0 or v.data_ptr() == t[name].data_ptr())
 
 
 def test_tensorfile_without_copy_views_the_blob_bytes():
