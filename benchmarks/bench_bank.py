@@ -1,12 +1,13 @@
 """Memory-bank throughput: push+pull of realistic entries against raw SET/GET of the same
 bytes on the same server, in the same run (goal: ratio >= 0.8).
 
-    python -m benchmarks.bench_bank [--quick] [--gpu] [--json OUT.json]
+    python -m benchmarks.bench_bank [--quick] [--gpu] [--listen unix|tcp] [--json OUT.json]
 
 `--gpu` sizes entries as a GPU run stores them (16 and 64 MB per member: Wan-scale latents at the
 trained steps); the bank itself is Redis on the CPU either way.
 
-Uses $REDIS_URL when set, else an embedded redis-server. Not a test.
+Uses $REDIS_URL when set, else an embedded redis-server (`--listen`: its unix socket, the
+default, or TCP on 127.0.0.1; bank and raw use the same connection either way). Not a test.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--members", type=int, default=4, help="trajectories per group")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--gpu", action="store_true", help="GPU-run entry sizes (16 and 64 MB per member)")
+    ap.add_argument("--listen", choices=["unix", "tcp"], default="unix",
+                    help="how the embedded redis-server is reached (bank.embedded_listen)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.gpu:
@@ -149,14 +152,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         import redis
         client = redis.Redis.from_url(url)
     else:
-        server = EmbeddedRedis().start()
+        server = EmbeddedRedis(listen=args.listen).start()
         client = server.client()
     try:
         rows = [bench_size(client, mb, iters, args.members) for mb, iters in plan]
     finally:
         if server is not None:
             server.stop()
-    where = "$REDIS_URL" if url else "an embedded redis-server on loopback"
+    where = "$REDIS_URL" if url else (f"an embedded redis-server over "
+                                      f"{'its unix socket' if args.listen == 'unix' else 'TCP loopback'}")
     print(f"config: groups of {args.members} members, entry sizes {[mb for mb, _ in plan]} MB, "
           f"iterations {[n for _, n in plan]} after {WARMUP} warm-up, bank and raw alternating which goes first, against {where}; raw = SET+GET of the same encoded bytes under new keys")
     print(f"{'entry':>8} {'bank MB/s':>10} {'raw MB/s':>10} {'ratio':>6} "
