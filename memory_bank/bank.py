@@ -49,6 +49,7 @@ from memory_bank.errors import (
     UnscoredGroup,
 )
 from memory_bank.keys import DEAD_CAP, DONE_CAP, QUARANTINE_CAP, Keys, check_eid, check_name
+from memory_bank.orphans import sweep_orphans
 from memory_bank.scripts import Fence, Scripts, run, run_one
 
 log = logging.getLogger(__name__)
@@ -361,9 +362,7 @@ class MemoryBank:
     @_reachable
     def sweep_orphans(self, min_age_s: float = 0.0) -> dict[str, int]:
         """Delete entry keys no index names (memory_bank.orphans); {"entries", "bytes"}."""
-        from memory_bank.orphans import sweep_orphans
-
-        return sweep_orphans(self, min_age_s)
+        return sweep_orphans(self.r, self.keys, min_age_s)
 
     # ------------------------------------------------------------------ dead letters
     @_reachable

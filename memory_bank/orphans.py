@@ -13,21 +13,19 @@ flight, whose entries exist a moment before its script indexes them, is never to
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
+import redis
+
+from memory_bank.keys import Keys
 from memory_bank.scripts import run
-
-if TYPE_CHECKING:
-    from memory_bank.bank import MemoryBank
 
 log = logging.getLogger(__name__)
 BATCH = 256
 
 
-def sweep_orphans(bank: MemoryBank, min_age_s: float = 0.0) -> dict[str, int]:
+def sweep_orphans(r: redis.Redis, k: Keys, min_age_s: float = 0.0) -> dict[str, int]:
     """Delete the trash and every entry no index names (untouched for min_age_s); returns
     {"entries": n, "bytes": b} and counts them under the `orphans` counter."""
-    k, r = bank.keys, bank.r
     trash = {_s(e): int(b or 0) for e, b in r.hgetall(k.trash).items()}
     known = {_s(e) for e in r.hkeys(k.einfo)}
     stray: set[str] = set()
@@ -35,8 +33,8 @@ def sweep_orphans(bank: MemoryBank, min_age_s: float = 0.0) -> dict[str, int]:
         eid = k.entry_id(_s(key))
         if eid is not None and eid not in known and eid not in trash:
             stray.add(eid)
-    stray = {e for e in stray if _idle_enough(bank, e, min_age_s)}
-    nbytes = sum(trash.values()) + sum(_size(bank, sorted(stray)))
+    stray = {e for e in stray if _idle_enough(r, k, e, min_age_s)}
+    nbytes = sum(trash.values()) + sum(_size(r, k, sorted(stray)))
     ids = sorted(trash) + sorted(stray)
     for i in range(0, len(ids), BATCH):
         chunk = ids[i:i + BATCH]
@@ -52,12 +50,12 @@ def sweep_orphans(bank: MemoryBank, min_age_s: float = 0.0) -> dict[str, int]:
     return {"entries": len(ids), "bytes": nbytes}
 
 
-def _idle_enough(bank: MemoryBank, eid: str, min_age_s: float) -> bool:
+def _idle_enough(r: redis.Redis, k: Keys, eid: str, min_age_s: float) -> bool:
     if min_age_s <= 0:
         return True
-    for key in (bank.keys.meta(eid), bank.keys.blob(eid)):
+    for key in (k.meta(eid), k.blob(eid)):
         try:
-            idle = bank.r.object("idletime", key)
+            idle = r.object("idletime", key)
         except Exception:  # noqa: BLE001 — an LFU server has no idle time: leave it be
             return False
         if idle is not None and idle < min_age_s:
@@ -65,13 +63,13 @@ def _idle_enough(bank: MemoryBank, eid: str, min_age_s: float) -> bool:
     return True
 
 
-def _size(bank: MemoryBank, eids: list[str]) -> list[int]:
+def _size(r: redis.Redis, k: Keys, eids: list[str]) -> list[int]:
     """Bytes of entries as a push counts them (blob plus metadata fields and values)."""
     out = []
     for i in range(0, len(eids), BATCH):
-        pipe = bank.r.pipeline(transaction=False)
+        pipe = r.pipeline(transaction=False)
         for e in eids[i:i + BATCH]:
-            pipe.strlen(bank.keys.blob(e)).hgetall(bank.keys.meta(e))
+            pipe.strlen(k.blob(e)).hgetall(k.meta(e))
         got = pipe.execute()
         out += [int(n) + sum(len(f) + len(v) for f, v in meta.items())
                 for n, meta in zip(got[::2], got[1::2], strict=True)]
