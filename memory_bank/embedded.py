@@ -5,11 +5,11 @@ Used when no Redis URL is configured. It always has a generated password (writte
 snapshot on disk, appends to an AOF only when asked, and has the commands the bank never
 needs disabled (DISABLED_COMMANDS). It is stopped at interpreter exit.
 
-Where it listens (`bank.embedded_listen`): `unix` (the default, one node) is a unix socket in
+Where it listens (`bank.embedded_listen`, resolved by `listen_mode`): `unix` is a unix socket in
 its own 0700 directory with TCP off (`port 0`), so only this user's processes can even reach
 the password prompt; `tcp` is 127.0.0.1 on a free port, and also `host` (the node address other
-nodes reach) when the run spans a Ray cluster of several nodes. `auto` (the config's default)
-is `unix` on one node and `tcp` across nodes (`listen_mode`).
+nodes reach) when the run spans a Ray cluster of several nodes. `auto`, the default, is `unix`
+on one node and `tcp` across nodes, where actors elsewhere must reach it.
 
 Which binary (`find_redis_server`): a redis-server on PATH whose version carries the fixes for
 CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817 (PATCHED) is preferred over the one in the
@@ -37,6 +37,7 @@ from pydantic import SecretStr
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
+from common.config import ConfigError
 from memory_bank.errors import BankUnavailable, RedisBinaryNotFound
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ PATCHED = {(6, 2): (6, 2, 20), (7, 2): (7, 2, 11), (7, 4): (7, 4, 6), (8, 0): (8
            (8, 2): (8, 2, 2)}
 FIRST_ALL_PATCHED = (8, 4)
 CVES = "CVE-2024-31449, CVE-2025-21605, CVE-2025-46817"
+
+
+def listen_mode(setting: Literal["auto", "unix", "tcp"], spans_nodes: bool) -> Literal["unix", "tcp"]:
+    """Where the embedded server listens for `bank.embedded_listen`, given whether actors may run
+    on other Ray nodes: a unix socket keeps every other host out, but only this node reaches it."""
+    if setting == "auto":
+        return "tcp" if spans_nodes else "unix"
+    if setting == "unix" and spans_nodes:
+        raise ConfigError("bank.embedded_listen: 'unix' is reachable from this node only, and this "
+                          "run's Ray cluster spans nodes: set it to 'auto' or 'tcp', or give every "
+                          "node a Redis URL (bank.redis_url_env)")
+    return setting
 
 
 def client_kwargs() -> dict:

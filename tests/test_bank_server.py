@@ -16,10 +16,10 @@ from pydantic import SecretStr
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common.config import BankConfig
+from common.config import BankConfig, ConfigError
 from memory_bank import connect
 from memory_bank.bank import MemoryBank
-from memory_bank.embedded import EmbeddedRedis
+from memory_bank.embedded import EmbeddedRedis, listen_mode
 from memory_bank.errors import InsecureRedisUrl, RedisBinaryNotFound
 
 
@@ -77,6 +77,49 @@ def test_embedded_server_on_a_node_address_listens_there_and_on_loopback_only():
             assert connect.client_from_url(server.url.get_secret_value().replace("127.0.0.2", host)).ping()
         with pytest.raises(redis.ConnectionError):                 # not bound to every address
             redis.Redis(host="127.0.0.3", port=server.port, retry=once, socket_connect_timeout=2).ping()
+
+
+@pytest.mark.parametrize("setting, spans, mode", [
+    ("auto", False, "unix"), ("auto", True, "tcp"), ("unix", False, "unix"),
+    ("tcp", False, "tcp"), ("tcp", True, "tcp")])
+def test_listen_mode_is_a_unix_socket_on_one_node_and_tcp_across_nodes(setting, spans, mode):
+    assert listen_mode(setting, spans_nodes=spans) == mode
+
+
+def test_a_unix_socket_on_a_run_across_nodes_is_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^bank\.embedded_listen: 'unix' .*'auto' or 'tcp'") as e:
+        listen_mode("unix", spans_nodes=True)
+    assert "\n" not in str(e.value)
+
+
+def test_connect_bank_on_one_node_by_default_is_a_unix_socket_with_tcp_off():
+    bank, server = connect.connect_bank(BankConfig(namespace="one"))
+    try:
+        assert server.listen == "unix" and server.host is None
+        assert int(bank.r.info("server")["tcp_port"]) == 0
+        bank.push_group(make_group())
+        assert bank.stats()["fresh"] == 1
+    finally:
+        server.stop()
+
+
+def test_connect_bank_across_nodes_by_default_listens_on_the_node_address_with_a_password():
+    """What the driver does when its Ray cluster spans nodes (tests/test_multinode.py runs it on
+    real namespaced nodes): TCP on the node's address (127.0.0.2 here), password on."""
+    once = Retry(NoBackoff(), 0)
+    bank, server = connect.connect_bank(BankConfig(namespace="many"), host="127.0.0.2")
+    try:
+        assert server.listen == "tcp" and server.socket is None
+        assert "@127.0.0.2:" in server.url.get_secret_value()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.2", port=server.port, retry=once).ping()
+        worker = connect.client_from_url(server.url.get_secret_value())
+        bank.push_group(make_group())
+        assert MemoryBank(worker, BankConfig(namespace="many")).stats()["fresh"] == 1
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="bank.embedded_listen"):  # refused before any server starts
+        connect.connect_bank(BankConfig(namespace="many", embedded_listen="unix"), host="127.0.0.2")
 
 
 def test_aof_restart_recovers_bank(tmp_path):

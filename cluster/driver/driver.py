@@ -140,7 +140,7 @@ class Driver:
 
         cfg, s = self.cfg, self.started
         spans = s.ray.spans_nodes()  # an embedded Redis listens where other nodes reach it, too
-        host = _node_ip() if spans else "127.0.0.1"
+        host = _node_ip() if spans else None  # None: one node (bank.embedded_listen auto: unix)
         self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis", host=host)
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
