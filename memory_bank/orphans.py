@@ -5,7 +5,8 @@ Two kinds. Entries evicted by a script whose caller never saw the reply stay in 
 hash (memory_bank.scripts); every later evicting call returns them, and this sweep deletes
 whatever is left. Entries written by a push whose script never ran (the producer died between
 its writes and the script, or gave up on a dropped connection) are in no index at all: a SCAN
-of the namespace's entry keys finds them. The sweep runs when a run claims its namespace on
+of the namespace's entry keys finds them, and likewise the encoded-condition records such a
+push wrote first that `cinfo` never came to count. The sweep runs when a run claims its namespace on
 resume (nothing is pushing then); a live run may call it with `min_age_s` so that a push in
 flight, whose entries exist a moment before its script indexes them, is never touched.
 """
@@ -33,7 +34,11 @@ def sweep_orphans(r: redis.Redis, k: Keys, min_age_s: float = 0.0) -> dict[str, 
         eid = k.entry_id(_s(key))
         if eid is not None and eid not in known and eid not in trash:
             stray.add(eid)
-    stray = {e for e in stray if _idle_enough(r, k, e, min_age_s)}
+    stray = {e for e in stray if _idle_enough(r, k, [k.meta(e), k.blob(e)], min_age_s)}
+    counted = {_s(c) for c in r.hkeys(k.cinfo)}
+    prefix = k.cond_record("")
+    records = [key for key in (_s(x) for x in r.scan_iter(match=prefix + "*", count=1000))
+               if key[len(prefix):] not in counted and _idle_enough(r, k, [key], min_age_s)]
     nbytes = sum(trash.values()) + sum(_size(r, k, sorted(stray)))
     ids = sorted(trash) + sorted(stray)
     for i in range(0, len(ids), BATCH):
@@ -42,18 +47,21 @@ def sweep_orphans(r: redis.Redis, k: Keys, min_age_s: float = 0.0) -> dict[str, 
         if done := [e for e in chunk if e in trash]:
             cmds.append(("HDEL", k.trash, *done))
         run(r, cmds)
-    if ids:
-        r.hincrby(k.counts, "orphans", len(ids))
-        log.warning("bank: reclaimed %d orphan entries (%d bytes) in namespace %r: %d evicted by "
-                    "calls whose reply was lost, %d written by pushes that never queued them",
-                    len(ids), nbytes, k.namespace, len(trash), len(stray))
-    return {"entries": len(ids), "bytes": nbytes}
+    for i in range(0, len(records), BATCH):
+        run(r, [("DEL", *records[i:i + BATCH])])
+    if ids or records:
+        r.hincrby(k.counts, "orphans", len(ids) + len(records))
+        log.warning("bank: reclaimed %d orphan entries (%d bytes) and %d condition records in "
+                    "namespace %r: %d evicted by calls whose reply was lost, %d written by pushes "
+                    "that never queued them", len(ids), nbytes, len(records), k.namespace, len(trash),
+                    len(stray))
+    return {"entries": len(ids), "bytes": nbytes, "cond_records": len(records)}
 
 
-def _idle_enough(r: redis.Redis, k: Keys, eid: str, min_age_s: float) -> bool:
+def _idle_enough(r: redis.Redis, k: Keys, keys: list[str], min_age_s: float) -> bool:
     if min_age_s <= 0:
         return True
-    for key in (k.meta(eid), k.blob(eid)):
+    for key in keys:
         try:
             idle = r.object("idletime", key)
         except Exception:  # noqa: BLE001 — an LFU server has no idle time: leave it be

@@ -29,10 +29,16 @@ def _orphans(bank: MemoryBank) -> set[str]:
 
 
 def _assert_accounting_is_real(bank: MemoryBank) -> None:
-    """Every stored entry is indexed, and the byte counter is the indexed entries' bytes."""
+    """Every stored entry is indexed, every condition record is counted, and the byte counter is
+    the indexed entries' bytes plus their condition records'."""
     einfo = {e.decode(): json.loads(v) for e, v in bank.r.hgetall(bank.keys.einfo).items()}
+    cinfo = {c.decode(): json.loads(v) for c, v in bank.r.hgetall(bank.keys.cinfo).items()}
     assert _stored_ids(bank) == set(einfo)
-    assert int(bank.r.get(bank.keys.bytes) or 0) == sum(d["b"] for d in einfo.values())
+    assert {d["k"] for d in einfo.values()} == set(cinfo)
+    prefix = bank.keys.cond_record("")
+    records = {k.decode()[len(prefix):] for k in bank.r.scan_iter(match=prefix + "*")}
+    assert records == set(cinfo)       # no condition record outside the accounting
+    assert int(bank.r.get(bank.keys.bytes) or 0) == sum(d["b"] for d in [*einfo.values(), *cinfo.values()])
     assert bank.r.hlen(bank.keys.trash) == 0
 
 
@@ -107,16 +113,17 @@ def test_sweep_at_resume_deletes_entries_a_push_wrote_but_never_queued(redis_ser
     with monkeypatch.context() as m:
         m.setattr(wire, "execute", writes_only)
         with pytest.raises(BankUnavailable):
-            bank.push_group(make_group("c", "g1", g=3, seed=1))
+            bank.push_group(make_group("c1", "g1", g=3, seed=1))   # its condition record first
     assert len(_orphans(bank)) == 3
-    assert bank.sweep_orphans(min_age_s=3600) == {"entries": 0, "bytes": 0}  # may be in flight
+    assert bank.sweep_orphans(min_age_s=3600) == {"entries": 0, "bytes": 0, "cond_records": 0}  # in flight?
     lease.release()
     resumed = MemoryBank(redis_server.client(), cfg)
     with caplog.at_level(logging.WARNING, logger="memory_bank.orphans"):
         lease = claim_namespace(resumed, "run-o", resume=True)
-    assert "reclaimed 3 orphan entries" in caplog.text and "3 written by pushes" in caplog.text
+    assert "reclaimed 3 orphan entries" in caplog.text and "1 condition records" in caplog.text
+    assert "3 written by pushes" in caplog.text
     _assert_accounting_is_real(resumed)
-    assert resumed.stats()["orphans_reclaimed"] == 3
+    assert resumed.stats()["orphans_reclaimed"] == 4
     assert [g.group_id for g in resumed.pull(5, 0).fresh] == ["g0"]
     lease.release()
     resumed.clear()
