@@ -96,7 +96,12 @@ class Keys:
     def cond_record(self, ck: str) -> str:
         """An encoded condition's record; the scripts build the same key as cinfo's sibling
         (`ns:{ns}:condrec:` + key), so it must stay `cinfo` with `cinfo` → `condrec:`."""
-        return f"{self._g}:condrec:{check_eid(ck)}"
+        return f"{self.cond_record_prefix}{check_eid(ck)}"
+
+    @property
+    def cond_record_prefix(self) -> str:
+        """What every condition record's key starts with (the orphan sweep scans it)."""
+        return f"{self._g}:condrec:"
 
     @property
     def bankz(self) -> str:

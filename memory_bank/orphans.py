@@ -36,7 +36,7 @@ def sweep_orphans(r: redis.Redis, k: Keys, min_age_s: float = 0.0) -> dict[str, 
             stray.add(eid)
     stray = {e for e in stray if _idle_enough(r, k, [k.meta(e), k.blob(e)], min_age_s)}
     counted = {_s(c) for c in r.hkeys(k.cinfo)}
-    prefix = k.cond_record("")
+    prefix = k.cond_record_prefix
     records = [key for key in (_s(x) for x in r.scan_iter(match=prefix + "*", count=1000))
                if key[len(prefix):] not in counted and _idle_enough(r, k, [key], min_age_s)]
     nbytes = sum(trash.values()) + sum(_size(r, k, sorted(stray)))

@@ -35,7 +35,7 @@ def _assert_accounting_is_real(bank: MemoryBank) -> None:
     cinfo = {c.decode(): json.loads(v) for c, v in bank.r.hgetall(bank.keys.cinfo).items()}
     assert _stored_ids(bank) == set(einfo)
     assert {d["k"] for d in einfo.values()} == set(cinfo)
-    prefix = bank.keys.cond_record("")
+    prefix = bank.keys.cond_record_prefix
     records = {k.decode()[len(prefix):] for k in bank.r.scan_iter(match=prefix + "*")}
     assert records == set(cinfo)       # no condition record outside the accounting
     assert int(bank.r.get(bank.keys.bytes) or 0) == sum(d["b"] for d in [*einfo.values(), *cinfo.values()])
