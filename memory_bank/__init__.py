@@ -10,6 +10,7 @@ from memory_bank.errors import (
     CorruptEntry,
     DuplicateGroup,
     InsecureRedisUrl,
+    LeaseLost,
     RedisBinaryNotFound,
     UnscoredGroup,
 )
@@ -17,5 +18,5 @@ from memory_bank.errors import (
 __all__ = [
     "MemoryBank", "Entry", "connect_bank", "client_from_url", "redact_url", "EmbeddedRedis",
     "find_redis_server", "BankError", "BankUnavailable", "CorruptEntry", "DuplicateGroup",
-    "InsecureRedisUrl", "RedisBinaryNotFound", "UnscoredGroup",
+    "InsecureRedisUrl", "LeaseLost", "RedisBinaryNotFound", "UnscoredGroup",
 ]

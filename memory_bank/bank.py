@@ -45,10 +45,12 @@ from memory_bank.errors import (
     BankUnavailable,
     CorruptEntry,
     DuplicateGroup,
+    LeaseLost,
     UnscoredGroup,
 )
-from memory_bank.keys import DEAD_CAP, DONE_CAP, Keys, check_eid, check_name
-from memory_bank.scripts import Scripts
+from memory_bank.keys import DEAD_CAP, DONE_CAP, QUARANTINE_CAP, Keys, check_eid, check_name
+from memory_bank.orphans import sweep_orphans
+from memory_bank.scripts import Fence, Scripts, run, run_one
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ R = TypeVar("R")
 
 
 def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
-    """Redis connection failures (after the client's bounded retries) become BankUnavailable."""
+    """Redis connection failures (after the client's bounded retries) become BankUnavailable,
+    a fenced script's refusal (the first argument is the bank) LeaseLost."""
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kw: P.kwargs) -> R:
         try:
@@ -70,6 +73,11 @@ def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise BankUnavailable(f"memory bank: Redis unreachable during {fn.__name__}: "
                                   f"{type(e).__name__}") from None
+        except redis.ResponseError as e:
+            if not str(e).startswith("LEASELOST"):
+                raise
+            bank = args[0]
+            raise LeaseLost.from_reply(bank.keys.namespace, str(e), bool(bank.fence.value)) from None
     return wrapper
 
 
@@ -88,11 +96,14 @@ class MemoryBank:
     """Redis-backed memory bank. Any number of producers and consumers; each consumer (an id
     of [A-Za-z0-9_.-], random by default) owns its pending groups."""
 
-    def __init__(self, client: redis.Redis, cfg: BankConfig, consumer: str | None = None):
+    def __init__(self, client: redis.Redis, cfg: BankConfig, consumer: str | None = None,
+                 fence: str | None = None):
         self.r = client
         self.cfg = cfg
         self.keys = Keys(cfg.namespace)
-        self.scripts = Scripts(client)
+        # the run's lease value: every script that moves a group checks it (memory_bank.scripts)
+        self.fence = Fence(self.keys.lease, max(1, int(cfg.lease_ttl_s * 1000)), fence or "")
+        self.scripts = Scripts(self.fence)
         self.dropped_ids: list[str] = []  # fresh groups dropped as corrupt by pull, for the caller to refill
         self.consumer = check_name(consumer or uuid.uuid4().hex[:16], "consumer id")
         self.groups_per_step: int | None = None
@@ -125,19 +136,19 @@ class MemoryBank:
         # 3. Write entry keys (and the condition record unless it is stored), then queue the
         #    group atomically, in one round trip: nobody sees the entries until it is queued.
         k = self.keys
-        pipe = self.r.pipeline(transaction=False)
+        cmds: list = []
         info: list[str] = []
         total = 0
         for eid, m, (meta, blob) in zip(eids, group.members, encoded, strict=True):
-            pipe.hset(k.meta(eid), mapping=meta)
-            pipe.set(k.blob(eid), blob)
+            cmds.append(("HSET", k.meta(eid), *[x for kv in meta.items() for x in kv]))
+            cmds.append(("SET", k.blob(eid), blob))
             nbytes = len(blob) + sum(len(f) + len(v.encode()) for f, v in meta.items())
             total += nbytes
             info += [eid, json.dumps({"b": nbytes, "c": float(meta["composite"]),
                                       "v": m.policy_version, "cond": group.condition.id, "k": ck})]
         if self.groups_per_step is not None:
             check_step_fits(self.groups_per_step, total + cbytes, self.cfg.max_bytes)
-        res, out, extra = self._queue(pipe, group, ck, record, cbytes, total, info)
+        res, out, queued, extra = self._queue(cmds, group, ck, record, cbytes, total, info, eids)
         self.group_bytes = max(self.group_bytes, total + cbytes)
         if res == -1:
             self._delete_entries(eids)
@@ -149,36 +160,39 @@ class MemoryBank:
                                   "each time it was written during the push; retry")
         if res == -2:
             self._delete_entries(eids)
-            raise BankFull(f"bank {k.namespace!r} is full: queued groups hold {int(out)} bytes and "
+            raise BankFull(f"bank {k.namespace!r} is full: queued groups hold {int(queued)} bytes and "
                            f"group {gid!r} needs {total + int(extra)} more, over bank.max_bytes="
                            f"{self.cfg.max_bytes}; wait_for_space() until the learner pulls and "
                            "commits, or raise bank.max_bytes")
-        self._delete_entries([_s(e) for e in out])   # banked entries evicted to make room
         count_bank_evictions(len(out))
         return gid
 
-    def _queue(self, pipe, group: Group, ck: str, record: dict, cbytes: int, total: int,
-               info: list[str]) -> tuple[int, Any, int]:
-        """Run the PUSH script on `pipe` (which holds the entries' writes), with the condition
-        record written first unless cinfo counts it; when the record was dropped in between
-        (its last entries evicted), write it again and retry. Returns (code, evicted or queued
-        bytes, what the condition added to the queued bytes)."""
+    def _queue(self, cmds: list, group: Group, ck: str, record: dict, cbytes: int, total: int,
+               info: list[str], eids: list[str]) -> tuple[int, list, int, int]:
+        """Run the PUSH script after `cmds` (the entries' writes), in one round trip, with the
+        condition record written first unless cinfo counts it; when the record was dropped in
+        between (its last entries evicted), write it again and retry. Returns (code, the ids
+        evicted or reclaimed, queued bytes, what the condition added to the queued bytes)."""
         k, token = self.keys, uuid.uuid4().hex
+        write_record = ("HSET", k.cond_record(ck), *[x for kv in record.items() for x in kv])
         if not self.r.hexists(k.cinfo, ck):
-            pipe.hset(k.cond_record(ck), mapping=record)
+            cmds = [*cmds, write_record]
         for _ in range(3):
-            self.scripts.push(
+            replies = run(self.r, [*cmds, self.scripts.push.call(
                 keys=[k.group(group.group_id), k.fresh, k.einfo, k.bytes, k.counts, k.qbytes, k.bankz,
-                      k.conds, k.cinfo],
+                      k.conds, k.cinfo, k.trash],
                 args=[group.group_id, token, group.condition.id, group.policy_version, total, group.size,
-                      self.cfg.max_bytes, k.cond_prefix, ck, cbytes, *info],
-                client=pipe)
-            res, out, *extra = pipe.execute()[-1]
+                      self.cfg.max_bytes, k.cond_prefix, ck, cbytes, *info])])
+            if err := next((r for r in replies if isinstance(r, Exception)), None):
+                self._delete_entries(eids)   # a refused or failed script queued nothing
+                raise err
+            res, out, *rest = replies[-1]
+            self._reclaim(out)           # banked entries evicted to make room, and older trash
             if res != -3:
-                return res, out, (extra or [0])[0]
-            pipe = self.r.pipeline(transaction=False)
-            pipe.hset(k.cond_record(ck), mapping=record)
-        return -3, None, 0
+                queued, extra = [*rest, 0, 0][:2]
+                return res, out, int(queued), int(extra)
+            cmds = [write_record]
+        return -3, [], 0, 0
 
     @_reachable
     def bytes_used(self) -> int:
@@ -226,9 +240,9 @@ class MemoryBank:
         k = self.keys
         # 1. Move up to n groups fresh → pending and read their records and their
         #    conditions' bank indexes, atomically, in one round trip.
-        groups, banks = self.scripts.pull(
+        groups, banks = run_one(self.r, self.scripts.pull.call(
             keys=[k.fresh, k.pending(self.consumer), k.einfo, k.consumers],
-            args=[n, k.group_prefix, k.cond_prefix, self.consumer])
+            args=[n, k.group_prefix, k.cond_prefix, self.consumer]))
         batch = TrainBatch(fresh=[], bank=[], version=version)
         if not groups:
             return batch
@@ -262,32 +276,31 @@ class MemoryBank:
         # 1. Move each group out of pending and bank its members, atomically per group.
         low = int(cfg.max_bytes * LOW_WATERMARK)
         keeps = [[t.bank_id for t in grp.members if t.bank_id] for grp in batch.fresh]
-        pipe = self.r.pipeline(transaction=False)
-        for grp, keep in zip(batch.fresh, keeps, strict=True):
-            self.scripts.commit(
-                keys=[k.pending(self.consumer), k.group(grp.group_id), k.cond(grp.condition.id),
-                      k.einfo, k.bytes, k.counts, k.done, k.conds, k.bankz, k.qbytes, k.cinfo],
-                args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
-                      DONE_CAP, "committed", *keep], client=pipe)
-        outs = pipe.execute()
+        outs = run(self.r, [self.scripts.commit.call(
+            keys=[k.pending(self.consumer), k.group(grp.group_id), k.cond(grp.condition.id),
+                  k.einfo, k.bytes, k.counts, k.done, k.conds, k.bankz, k.qbytes, k.cinfo, k.trash,
+                  k.quarantine],
+            args=[grp.group_id, mode, cfg.capacity, grp.condition.id, low, k.cond_prefix,
+                  DONE_CAP, "committed", *keep]) for grp, keep in zip(batch.fresh, keeps, strict=True)])
+        if err := next((o for o in outs if isinstance(o, Exception)), None):
+            raise err   # LEASELOST refuses every one alike; nothing was committed
         # 2. For the groups just committed: trained counts up on what survived (the bank
         #    entries used and the members now banked), evicted entries deleted.
         evicted: set[str] = set()
         touch: dict[str, str] = {}     # eid -> new status ('' keeps it)
         bank_used = batch.bank or [[] for _ in batch.fresh]
-        for grp, keep, out, entries in zip(batch.fresh, keeps, outs, bank_used, strict=True):
-            if out is None:
+        for grp, keep, (done, out), entries in zip(batch.fresh, keeps, outs, bank_used, strict=True):
+            evicted |= {_s(e) for e in out}
+            if not done:
                 log.warning("bank: group %r was not pending (committed twice?); ignored",
                             grp.group_id)
                 continue
-            evicted |= {_s(e) for e in out}
             touch.update({t.bank_id: "" for t, _, _ in entries if t.bank_id})
             touch.update({eid: "banked" for eid in keep})
-        pipe = self.r.pipeline(transaction=False)
-        for eid, status in touch.items():
-            if eid not in evicted:   # the script never recreates a deleted entry either
-                self.scripts.touch(keys=[k.meta(eid)], args=[1, status], client=pipe)
-        self._delete_entries(sorted(evicted), pipe)
+        cmds = [self.scripts.touch.call(keys=[k.meta(eid)], args=[1, status])
+                for eid, status in touch.items()
+                if eid not in evicted]   # the script never recreates a deleted entry either
+        self._reclaim(sorted(evicted), cmds)
         # trimmed by capacity or the byte bound (members of a skipped step were never banked)
         count_bank_evictions(len(evicted - ({e for ks in keeps for e in ks} if mode in ('skip', 'drop') else set())))
 
@@ -300,7 +313,8 @@ class MemoryBank:
     def requeue_pending(self) -> int:
         """Put this consumer's groups pulled but never committed back at the head of the fresh
         queue. Other consumers' pending groups are theirs (they may be training them now)."""
-        n = int(self.scripts.requeue(keys=[self.keys.pending(self.consumer), self.keys.fresh]))
+        n = int(run_one(self.r, self.scripts.requeue.call(
+            keys=[self.keys.pending(self.consumer), self.keys.fresh])))
         if n:
             log.info("bank: requeued %d pending groups", n)
         return n
@@ -313,8 +327,8 @@ class MemoryBank:
         k = self.keys
         groups = 0
         for gid in gids:
-            if self.r.lrem(k.fresh, 0, gid):
-                self.r.rpush(k.pending(self.consumer), gid)
+            if run_one(self.r, self.scripts.discard.call(keys=[k.fresh, k.pending(self.consumer)],
+                                                          args=[gid])):
                 self._drop_group(gid)  # out of the queue into the dead list, entries deleted
                 groups += 1
         entries = 0
@@ -330,8 +344,8 @@ class MemoryBank:
         """Every consumer's pending groups back to fresh: only for the namespace's owner taking
         over from a dead run (memory_bank.ownership), when no other consumer is live."""
         k = self.keys
-        n = int(self.scripts.requeue_all(keys=[k.consumers, k.fresh, f"{k._g}:pending"],
-                                         args=[f"{k._g}:pending:"]))
+        n = int(run_one(self.r, self.scripts.requeue_all.call(
+            keys=[k.consumers, k.fresh, f"{k._g}:pending"], args=[f"{k._g}:pending:"])))
         if n:
             log.info("bank: requeued %d pending groups of earlier consumers", n)
         return n
@@ -344,6 +358,46 @@ class MemoryBank:
         for c in sorted(_s(c) for c in self.r.smembers(k.consumers)):
             out += [_s(g) for g in self.r.lrange(k.pending(c), 0, -1)]
         return out
+
+    @_reachable
+    def sweep_orphans(self, min_age_s: float = 0.0) -> dict[str, int]:
+        """Delete entry keys no index names (memory_bank.orphans); {"entries", "bytes"}."""
+        return sweep_orphans(self.r, self.keys, min_age_s)
+
+    # ------------------------------------------------------------------ dead letters
+    @_reachable
+    def quarantine(self, entry_id: str, reason: str) -> None:
+        """Dead letter for an entry that decodes but cannot be trained: its record (reason,
+        time, condition, version) is kept under the quarantine key and counted; a banked entry
+        leaves the bank (its data is deleted), a member of a queued group is never banked when
+        its group commits. The caller drops or redraws the group, as for a corrupt one."""
+        check_eid(entry_id)
+        k = self.keys
+        why = " ".join(str(reason).split())[:500] or "no reason given"
+        out = run_one(self.r, self.scripts.quarantine.call(
+            keys=[k.einfo, k.bytes, k.bankz, k.conds, k.trash, k.quarantine, k.counts, k.qbytes, k.cinfo],
+            args=[entry_id, why, repr(time.time()), k.cond_prefix, QUARANTINE_CAP]))
+        self._reclaim(out)
+        log.warning("bank: quarantined entry %s: %s", entry_id, why)
+
+    @_reachable
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The quarantine's records, newest first: {id, reason, time, condition, version,
+        banked, seq} (the last QUARANTINE_CAP)."""
+        out = []
+        for eid, raw in self.r.hgetall(self.keys.quarantine).items():
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                rec = {"reason": "unreadable quarantine record"}
+            rec = rec if isinstance(rec, dict) else {}
+            out.append({"id": _s(eid), **rec, "time": _num(rec.get("time"))})
+        return sorted(out, key=lambda r: -_num(r.get("seq")))
+
+    @_reachable
+    def quarantine_count(self) -> int:
+        """Entries ever quarantined in this namespace."""
+        return int(self.r.hget(self.keys.counts, "quarantined") or 0)
 
     # ------------------------------------------------------------------ inspection
     @_reachable
@@ -362,14 +416,16 @@ class MemoryBank:
         latency_ms = (time.perf_counter() - t0) * 1e3
         pipe = self.r.pipeline(transaction=False)
         pipe.llen(k.fresh).get(k.bytes).hgetall(k.counts)
-        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes).hlen(k.cinfo)
-        fresh, nbytes, counts, banked, conds, entries, qbytes, records = pipe.execute()
+        pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes).hlen(k.cinfo).hvals(k.trash)
+        fresh, nbytes, counts, banked, conds, entries, qbytes, records, trash = pipe.execute()
         pending = len(self.pending_ids())
         c = {_s(a): int(b) for a, b in counts.items()}
         return {
             "fresh": fresh, "pending": pending, "banked": banked, "entries": entries,
             "conditions": conds, "pushed": c.get("pushed", 0), "committed": c.get("committed", 0),
             "dropped": c.get("dropped", 0), "corrupt": c.get("corrupt", 0),
+            "quarantined": c.get("quarantined", 0), "orphans_reclaimed": c.get("orphans", 0),
+            "trash": len(trash), "trash_bytes": sum(int(b) for b in trash),
             "cond_records": records, "bytes": int(nbytes or 0), "queued_bytes": int(qbytes or 0),
             "max_bytes": self.cfg.max_bytes,
             "redis_latency_ms": latency_ms,
@@ -412,12 +468,13 @@ class MemoryBank:
         evicted: list[str] = []
         for cid in sorted(current | set(banked)):
             want = banked.get(cid, [])
-            n, gone = self.scripts.restore(
-                keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.counts, k.qbytes, k.cinfo],
-                args=[cid, *want])
+            n, gone = run_one(self.r, self.scripts.restore.call(
+                keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.counts, k.qbytes, k.cinfo,
+                      k.trash],
+                args=[cid, *want]))
             kept, missing = kept + n, missing + len(want) - n
             evicted += [_s(e) for e in gone]
-        self._delete_entries(evicted)
+        self._reclaim(evicted)
         out = {"requeued": requeued, "restored": kept, "missing": missing, "evicted": len(evicted)}
         log.info("bank: restored snapshot %s", out)
         return out
@@ -526,20 +583,27 @@ class MemoryBank:
             except ValueError:
                 self._corrupt(f"condition {cid!r}: foreign entry id {eid[:80]!r}")
                 bad.append(eid)
-        # MULTI/EXEC: no eviction's DEL can fall between an entry's meta and blob reads
-        pipe = self.r.pipeline(transaction=True)
-        for eid in good_ids:
-            pipe.hgetall(self.keys.meta(eid))
-            pipe.get(self.keys.blob(eid))
-        raw = pipe.execute() if good_ids else []
+        # MULTI/EXEC: no eviction's DEL can fall between an entry's meta and blob reads; the
+        # blobs are received straight into their own buffers (memory_bank.wire)
+        raw: list = []
+        if good_ids:
+            k = self.keys
+            cmds = [("MULTI",), *[c for eid in good_ids for c in (("HGETALL", k.meta(eid)),
+                                                                   ("GET", k.blob(eid)))], ("EXEC",)]
+            replies = run(self.r, cmds)
+            if isinstance(replies[-1], Exception):
+                raise replies[-1]
+            raw = [_pairs(r) if i % 2 == 0 else r for i, r in enumerate(replies[-1])]
         out, gone = [], []
         for i, eid in enumerate(good_ids):
             if not raw[2 * i] and raw[2 * i + 1] is None and eid not in members:
                 gone.append(eid)
                 continue
             try:
-                # no copy: the blob is this call's own bytes, and pulled tensors are only read
-                # (the learner trains on what Ray serialises from them)
+                if isinstance(raw[2 * i + 1], Exception) or isinstance(raw[2 * i], Exception):
+                    raise CorruptEntry(f"keys of another type: {raw[2 * i + 1]}")
+                # no copy: the blob is this call's own read-only buffer, and pulled tensors are
+                # only read (the learner trains on what Ray serialises from them)
                 e = codec.decode(raw[2 * i], raw[2 * i + 1], copy=False)
                 if e.id != eid or e.trajectory.condition.id != cid:
                     raise CorruptEntry(f"id/condition {e.id}/{e.trajectory.condition.id!r} do not "
@@ -596,31 +660,38 @@ class MemoryBank:
     def _evict_banked(self, cid: str, eids: list[str]) -> None:
         """Remove entries from a condition's index (no-op for eids not in it) and delete them."""
         k = self.keys
-        gone = self.scripts.evict(keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.qbytes, k.cinfo],
-                                  args=[cid, *eids])
-        self._delete_entries([_s(e) for e in gone])
+        gone = run_one(self.r, self.scripts.evict.call(
+            keys=[k.cond(cid), k.einfo, k.bytes, k.conds, k.bankz, k.qbytes, k.cinfo, k.trash],
+            args=[cid, *eids]))
+        self._reclaim([_s(e) for e in gone])
 
     def _drop_group(self, gid: str) -> None:
         """A pulled group with nothing usable: out of pending into the capped dead list."""
         self.dropped_ids.append(gid)
         k = self.keys
-        out = self.scripts.commit(
+        _, out = run_one(self.r, self.scripts.commit.call(
             keys=[k.pending(self.consumer), k.group(gid), k.cond("-"), k.einfo, k.bytes, k.counts,
-                  k.dead, k.conds, k.bankz, k.qbytes, k.cinfo],
+                  k.dead, k.conds, k.bankz, k.qbytes, k.cinfo, k.trash, k.quarantine],
             args=[gid, "drop", self.cfg.capacity, "-", int(self.cfg.max_bytes * LOW_WATERMARK),
-                  k.cond_prefix, DEAD_CAP, "dropped"])
-        self._delete_entries([_s(e) for e in out or []])
+                  k.cond_prefix, DEAD_CAP, "dropped"]))
+        self._reclaim([_s(e) for e in out])
 
-    def _delete_entries(self, eids: list[str], pipe=None) -> None:
-        """Delete entries' keys, each entry's two in one DEL (atomic against _fetch's MULTI);
-        runs `pipe` if given."""
-        pipe = pipe if pipe is not None else self.r.pipeline(transaction=False)
-        for eid in eids:
-            try:
-                pipe.delete(self.keys.meta(eid), self.keys.blob(eid))
-            except ValueError:
-                pass  # a foreign id never had keys of ours
-        pipe.execute()
+    def _reclaim(self, eids: list, cmds: list | None = None) -> None:
+        """Delete the keys of entries a script put in the trash, then take them out of it; in
+        the round trip of `cmds` (sent first) when given."""
+        eids = [_s(e) for e in eids]
+        out = list(cmds or [])
+        out += [("DEL", self.keys.meta(e), self.keys.blob(e)) for e in eids if _valid_eid(e)]
+        if eids:
+            out.append(("HDEL", self.keys.trash, *eids))
+        if out:
+            _raise_first(run(self.r, out))
+
+    def _delete_entries(self, eids: list[str]) -> None:
+        """Delete entries' keys, each entry's two in one DEL (atomic against _fetch's MULTI)."""
+        cmds = [("DEL", self.keys.meta(e), self.keys.blob(e)) for e in eids if _valid_eid(e)]
+        if cmds:
+            _raise_first(run(self.r, cmds))
 
     def _corrupt(self, what: str) -> None:
         log.error("bank: skipped %s", what)
@@ -653,4 +724,29 @@ def _checked_heads(group: Group) -> list[str]:
 
 def _s(v: bytes | str) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+def _pairs(flat: Any) -> Any:
+    """A flat HGETALL reply as a dict (an error reply stays as it is)."""
+    return dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else flat
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _valid_eid(eid: str) -> bool:
+    try:
+        check_eid(eid)
+        return True
+    except ValueError:
+        return False   # a foreign id never had keys of ours
+
+
+def _raise_first(replies: list) -> None:
+    if err := next((r for r in replies if isinstance(r, Exception)), None):
+        raise err
 

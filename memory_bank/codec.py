@@ -40,7 +40,7 @@ from common.sde import Param, SchemeSpec, scheme_from_spec
 from common.types import Cond, Condition, Trajectory
 from memory_bank.errors import CorruptEntry
 from memory_bank.keys import check_eid
-from memory_bank.tensorfile import dumps, loads
+from memory_bank.tensorfile import Blob, dumps, loads, pack
 
 FORMAT = "3"
 OLD_FORMATS = {
@@ -77,9 +77,10 @@ class Entry:
 
 
 def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composite: float,
-           status: str = "fresh", cond_key: str = "") -> tuple[dict[str, str], bytes]:
+           status: str = "fresh", cond_key: str = "") -> tuple[dict[str, str], Blob]:
     """Return (metadata hash fields, blob) for one member whose encoded condition is stored as
-    the record `cond_key` (see `encode_cond`); raises ValueError on bad input."""
+    the record `cond_key` (see `encode_cond`); raises ValueError on bad input. The blob views
+    the trajectory's tensors (sent as they lie; `bytes(blob)` joins it)."""
     check_eid(eid)
     try:
         check_eid(cond_key)
@@ -103,7 +104,7 @@ def encode(eid: str, traj: Trajectory, heads: list[str], scores: Tensor, composi
     _utf8(traj.group_id, "group_id")
     for h in heads:
         _utf8(h, "heads")
-    blob = dumps(tensors)
+    blob = pack(tensors)
     meta = {
         "format": FORMAT,
         "id": eid,
@@ -247,12 +248,12 @@ def _steps(m: dict[str, str], n_sigmas: int) -> list[int]:
 
 def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
     """The blob's tensors: safetensors only (no pickle), exactly the expected names and shapes."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
+    if not isinstance(blob, (bytes, bytearray, memoryview, Blob)):
         raise CorruptEntry("blob missing")
     try:
         t = loads(blob, copy=copy)
     except ValueError as e:
-        raise CorruptEntry(f"blob is not safetensors: {e}") from None
+        raise CorruptEntry(f"blob rejected: {e}") from None
     return _step_tensors(t, k) if k else _final_only(t)
 
 

@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
-from memory_bank.embedded import EmbeddedRedis, client_kwargs
+from memory_bank.embedded import EmbeddedRedis, client_kwargs, listen_mode
 from memory_bank.errors import BankUnavailable, InsecureRedisUrl
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,11 @@ def resolve_redis_url(cfg: BankConfig) -> tuple[str | None, str]:
     return None, ""
 
 
-def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str = "127.0.0.1"
+def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str | None = None
                  ) -> tuple[MemoryBank, EmbeddedRedis | None]:
-    """resolve_redis_url(cfg), else an embedded server (AOF in data_dir) listening on loopback
-    and on `host` (the node IP, when actors on other nodes must reach it).
+    """resolve_redis_url(cfg), else an embedded server (AOF in data_dir). `host`: the node address
+    actors on other Ray nodes reach this one at, when the run spans nodes (None: one node); it
+    decides where the embedded server listens with bank.embedded_listen (`listen_mode`).
 
     The caller owns the returned EmbeddedRedis (stop it at the end; it also stops at exit).
     Workers in other processes connect with `embedded.url`.
@@ -93,7 +94,9 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str 
         probe = redis.Redis.from_url(url, socket_connect_timeout=5, retry=Retry(NoBackoff(), 0))
         where = f"{redact_url(url)} (from {source})"
     else:
-        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, host=host).start()
+        listen = listen_mode(cfg.embedded_listen, spans_nodes=host is not None)
+        server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, binary=cfg.redis_server,
+                               listen=listen, host=host or "127.0.0.1").start()
         client = probe = server.client()
         where = repr(server)
     # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly.

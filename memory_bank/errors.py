@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from common.config import ConfigError
 from common.errors import UserError
 
@@ -48,3 +50,26 @@ class NamespaceBusy(BankError, ConfigError):
 
 class StaleBank(BankError, ConfigError):
     """The namespace holds a dead run's data and bank.clear_stale is off."""
+
+
+class LeaseLost(BankError):
+    """Another run holds the namespace's lease (this run's lapsed and was taken over, or this
+    bank holds none while a run does): the bank refuses every operation that moves a group."""
+
+    @classmethod
+    def from_reply(cls, namespace: str, message: str, fenced: bool) -> LeaseLost:
+        holder = describe_holder(message.partition(" ")[2])
+        if fenced:
+            return cls(f"memory bank: this run lost the lease on bank.namespace {namespace!r} to "
+                       f"another run ({holder}); it must stop (no push, pull or commit is taken)")
+        return cls(f"memory bank: bank.namespace {namespace!r} is leased by a live run ({holder}) "
+                   "and this bank holds no lease: open it through that run's BankRef, or stop it")
+
+
+def describe_holder(raw: bytes | str | None) -> str:
+    """A lease value (JSON: run, host, pid) in words."""
+    try:
+        d = json.loads(raw or "")
+        return f"run {d['run']} on {d['host']} pid {d['pid']}"
+    except (ValueError, TypeError, KeyError):
+        return "an unknown holder"

@@ -20,7 +20,11 @@ Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
   `ns:{ns}:bankz` zset of banked eids by bank order (global eviction under max_bytes),
   `ns:{ns}:conds` set of conditions with a non-empty index,
   `ns:{ns}:bytes` counter of every entry's bytes, `ns:{ns}:qbytes` counter of the bytes of
-  queued (fresh or pending) groups, `ns:{ns}:counts` hash of counters.
+  queued (fresh or pending) groups, `ns:{ns}:counts` hash of counters,
+  `ns:{ns}:trash` hash eid -> bytes: entries evicted whose keys the caller has not deleted yet
+  (a lost reply leaves them there until the next evicting call returns them),
+  `ns:{ns}:quarantine` hash eid -> JSON {reason, time, condition, version, banked}: the dead
+  letters, entries that decoded but could not be trained (capped at QUARANTINE_CAP).
 Only the first `{...}` of a key is its hash tag, so ids after it may hold any character.
 """
 
@@ -34,6 +38,7 @@ _EID = re.compile(r"^[0-9a-f]{32}$")
 
 DONE_CAP = 10_000   # committed group ids kept for inspection
 DEAD_CAP = 1_000    # dropped (corrupt) group ids kept for inspection
+QUARANTINE_CAP = 1_000   # quarantine records kept (the oldest are forgotten beyond it)
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,12 @@ class Keys:
     def cond_record(self, ck: str) -> str:
         """An encoded condition's record; the scripts build the same key as cinfo's sibling
         (`ns:{ns}:condrec:` + key), so it must stay `cinfo` with `cinfo` → `condrec:`."""
-        return f"{self._g}:condrec:{check_eid(ck)}"
+        return f"{self.cond_record_prefix}{check_eid(ck)}"
+
+    @property
+    def cond_record_prefix(self) -> str:
+        """What every condition record's key starts with (the orphan sweep scans it)."""
+        return f"{self._g}:condrec:"
 
     @property
     def bankz(self) -> str:
@@ -108,6 +118,14 @@ class Keys:
     @property
     def counts(self) -> str:
         return f"{self._g}:counts"
+
+    @property
+    def trash(self) -> str:
+        return f"{self._g}:trash"
+
+    @property
+    def quarantine(self) -> str:
+        return f"{self._g}:quarantine"
 
     @property
     def cond_prefix(self) -> str:
@@ -129,6 +147,19 @@ class Keys:
 
     def blob(self, eid: str) -> str:
         return f"{self.namespace}:e:{{{check_eid(eid)}}}:blob"
+
+    @property
+    def entry_pattern(self) -> str:
+        """SCAN pattern for every entry key (meta and blob) of this namespace."""
+        return f"{self.namespace}:e:*"
+
+    def entry_id(self, key: str) -> str | None:
+        """The entry id of an entry key of this namespace, else None."""
+        head = f"{self.namespace}:e:{{"
+        if key.startswith(head) and key.endswith(("}:meta", "}:blob")):
+            eid = key[len(head):-len("}:meta")]
+            return eid if _EID.match(eid) else None
+        return None
 
     @property
     def pattern(self) -> str:

@@ -3,7 +3,14 @@
 One run at a time uses a namespace. A second driver on a live namespace is refused in one
 line (`NamespaceBusy`). Data left by a run whose lease expired is reported (`StaleBank`) and
 deleted only when `bank.clear_stale` is on; a resume of the same run (the `owner` key names
-it) adopts its data instead and requeues the pending groups its dead consumers left.
+it) adopts its data instead, requeues the pending groups its dead consumers left and deletes
+the orphan entries it left (memory_bank.orphans).
+
+Fencing: the lease's value is the run's fence. The claiming bank carries it, and so does every
+`BankRef` this process makes for the namespace while it holds the lease (`held_fence`), so
+the actors' banks carry it too; each script that moves a group checks it on the server, so a
+run whose lease was taken over cannot push, pull, commit or requeue (`LeaseLost`), whatever
+its renewal thread has noticed yet.
 """
 
 from __future__ import annotations
@@ -16,9 +23,10 @@ import threading
 import uuid
 
 from memory_bank.bank import MemoryBank, _reachable
-from memory_bank.errors import NamespaceBusy, StaleBank
+from memory_bank.errors import NamespaceBusy, StaleBank, describe_holder
 
 log = logging.getLogger(__name__)
+_HELD: dict[str, str] = {}   # namespace -> the lease value (fence) this process holds
 
 # KEYS: lease. ARGV: our value, ttl ms. 1: renewed; 2: had lapsed, taken again; 0: another's.
 RENEW = """
@@ -56,7 +64,15 @@ class Lease:
         return max(1, int(self.ttl_s * 1000))
 
     def acquire(self) -> bool:
-        return bool(self.bank.r.set(self.key, self.value, nx=True, px=self.ttl_ms))
+        if not self.bank.r.set(self.key, self.value, nx=True, px=self.ttl_ms):
+            return False
+        self.bank.fence.value = _HELD[self.bank.keys.namespace] = self.value
+        return True
+
+    @property
+    def fence(self) -> str:
+        """What the run's banks pass to every script that moves a group."""
+        return self.value
 
     def renew(self) -> bool:
         """Extend the TTL; False (and one error line) when another run holds the lease now."""
@@ -67,7 +83,7 @@ class Lease:
                         self.bank.keys.namespace, self.ttl_s)
         if got == 0 and not self.lost:
             log.error("bank: lost the lease on namespace %r to another run (%s): stop this run",
-                      self.bank.keys.namespace, _describe(self.bank.r.get(self.key)))
+                      self.bank.keys.namespace, describe_holder(self.bank.r.get(self.key)))
         self.lost = self.lost or got == 0  # sticky: a run that lost its lease once must stop
         self.renewals += got != 0
         return got != 0
@@ -88,6 +104,10 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if _HELD.get(self.bank.keys.namespace) == self.value:
+            del _HELD[self.bank.keys.namespace]
+        if self.bank.fence.value == self.value:
+            self.bank.fence.value = ""
         try:
             self.bank.r.eval(RELEASE, 1, self.key, self.value)
         except Exception as e:  # noqa: BLE001 — the TTL ends it anyway
@@ -119,7 +139,7 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
     if not lease.acquire():
         raw, ttl = bank.r.get(lease.key), bank.r.pttl(lease.key)
         raise NamespaceBusy(
-            f"bank.namespace {ns!r} is in use by a live run ({_describe(raw)}, lease expires in "
+            f"bank.namespace {ns!r} is in use by a live run ({describe_holder(raw)}, lease expires in "
             f"{max(ttl, 0) / 1000:.0f}s unless renewed): stop that run, or set another bank.namespace")
     try:
         held = leftovers(bank)
@@ -129,6 +149,7 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
                 n = bank.requeue_all_pending()
                 log.info("bank: resuming run %s on namespace %r: %s, %d pending groups requeued",
                          run_id, ns, held, n)
+                bank.sweep_orphans()   # nothing pushes yet: every unindexed entry is an orphan
             elif cfg.clear_stale:
                 n = bank.clear(keep_lease=True)
                 log.warning("bank: deleted %d keys left in namespace %r by %s (bank.clear_stale)",
@@ -147,10 +168,6 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
     return lease.start()
 
 
-def _describe(raw: bytes | str | None) -> str:
-    try:
-        d = json.loads(raw or "")
-        return f"run {d['run']} on {d['host']} pid {d['pid']}"
-    except (ValueError, TypeError, KeyError):
-        return "an unknown holder"
-
+def held_fence(namespace: str) -> str | None:
+    """The fence of the lease this process holds on `namespace`, if any (memory_bank.ref)."""
+    return _HELD.get(namespace)

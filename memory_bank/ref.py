@@ -12,6 +12,9 @@ token-authenticated RPC (a small return is carried in the reply, not kept in the
 unlike arguments), so the URL is held only by the file and by the processes that connect. This
 is as safe as the file alone: whoever can call that actor holds the cluster's Ray token, and
 with it can already run a task on the driver's node as the same user and read the file.
+
+It also carries the run's fence (its lease value, not a secret): the actor's bank passes it to
+every script that moves a group, so an actor of a run that lost its lease is refused too.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class BankRef:
     file: str | None = None        # or from this file (mode 0600)...
     node: str | None = None        # ...on this Ray node (None: on every reader's own node)
     server: Any = None             # readers on other nodes ask this UrlServer actor on `node`
+    fence: str | None = None       # the run's lease value (memory_bank.ownership)
 
     def url(self) -> str:
         if self.env:
@@ -61,7 +65,8 @@ class BankRef:
         from memory_bank.bank import MemoryBank
         from memory_bank.connect import client_from_url
 
-        return MemoryBank(client_from_url(self.url(), self.cfg.allow_no_password), self.cfg)
+        return MemoryBank(client_from_url(self.url(), self.cfg.allow_no_password), self.cfg,
+                          fence=self.fence)
 
 
 class UrlServer:
@@ -75,14 +80,18 @@ class UrlServer:
 
 
 def make_ref(cfg: BankConfig, url: str, secret_dir: str | Path | None = None,
-             other_nodes: bool = False) -> tuple[BankRef, Path | None]:
+             other_nodes: bool = False, fence: str | None = None) -> tuple[BankRef, Path | None]:
     """A reference for `url`: the env variable when that is where the URL came from, else a
     0600 file in a fresh 0700 directory (returned, for the caller to delete at teardown).
     other_nodes: readers may run on other Ray nodes, so a UrlServer pinned to this node serves
-    them the file (`ref.server`: the caller ends it at teardown)."""
+    them the file (`ref.server`: the caller ends it at teardown). The fence defaults to the
+    lease this process holds on the namespace (claim_namespace first)."""
+    from memory_bank.ownership import held_fence
+
     bare = cfg.model_copy(update={"redis_url": None})
+    fence = fence if fence is not None else held_fence(cfg.namespace)
     if cfg.redis_url is None and os.environ.get(cfg.redis_url_env) == url:
-        return BankRef(bare, env=cfg.redis_url_env), None
+        return BankRef(bare, env=cfg.redis_url_env, fence=fence), None
     folder = Path(tempfile.mkdtemp(prefix="vgrpo-bank-", dir=secret_dir))
     os.chmod(folder, 0o700)
     path = folder / "redis_url"
@@ -90,9 +99,9 @@ def make_ref(cfg: BankConfig, url: str, secret_dir: str | Path | None = None,
     with os.fdopen(fd, "w") as f:
         f.write(url)
     if not other_nodes:
-        return BankRef(bare, file=str(path)), folder
+        return BankRef(bare, file=str(path), fence=fence), folder
     node, server = _serve(str(path))
-    return BankRef(bare, file=str(path), node=node, server=server), folder
+    return BankRef(bare, file=str(path), node=node, server=server, fence=fence), folder
 
 
 def _serve(path: str) -> tuple[str, Any]:

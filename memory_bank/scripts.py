@@ -3,18 +3,52 @@
 Each script runs atomically on the server, so producers and the learner never see a
 half-moved group. Entry keys (other hash tags) are written before a group is queued and
 deleted after it is evicted; a crash in between leaves at worst an orphan, never a loss.
+
+Fencing: every script that moves a group (push, pull, commit, requeue, restore, discard,
+quarantine) takes the namespace's lease key last in KEYS and the caller's fence (the lease
+value its run holds, '' for none) and the lease TTL first in ARGV, and checks them before it
+changes anything (FENCE below): a bank whose run lost the lease to another run is refused with
+a `LEASELOST <holder>` error reply, and a bank without a fence is refused while a run holds
+the lease. A lapsed lease (nobody holds it) is taken again by the fenced caller, as the
+renewal thread would.
+
+Orphans: an evicted entry leaves the accounting inside the script, but its keys (other hash
+slots) are deleted by the caller after the reply. Each eviction is therefore recorded in the
+`trash` hash (entry id -> bytes) and every evicting script returns the trash's ids, so a reply
+lost after the script ran leaves ids that the next evicting call returns and its caller
+deletes (then HDELs from the trash).
 """
 
 from __future__ import annotations
 
-import redis
+import hashlib
+from typing import Any
 
-# KEYS: fresh, pending (the consumer's own), einfo, consumers. ARGV: n, group_prefix,
-# cond_prefix, consumer id. Reliable queue: a pulled group stays in its consumer's `pending`
+import redis
+from redis.exceptions import NoScriptError
+
+from memory_bank import wire
+
+# Prepended to every fenced script: the lease key is the last of KEYS, fence and TTL the first
+# two ARGV; local KEYS and ARGV without them shadow the globals (left unchanged), so the
+# script's own indexes are those of its documented KEYS and ARGV.
+FENCE = """
+local LEASE, FENCE, LEASE_TTL = KEYS[#KEYS], ARGV[1], ARGV[2]
+local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 3)}
+local holder = redis.call('GET', LEASE)
+if holder then
+  if holder ~= FENCE then return redis.error_reply('LEASELOST ' .. holder) end
+elseif FENCE ~= '' then
+  redis.call('SET', LEASE, FENCE, 'PX', LEASE_TTL)
+end
+"""
+
+# KEYS: fresh, pending (the consumer's own), einfo, consumers (+ lease). ARGV: (fence, ttl +)
+# n, group_prefix, cond_prefix, consumer id. Reliable queue: a pulled group stays in its consumer's `pending`
 # until commit, so a learner crash loses nothing (requeue puts it back). Returns, in one
 # round trip, {groups, banks}: groups[i] = {gid, cond, version, eids}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
 # Group and condition keys are built here; they share the {ns} slot with KEYS.
-PULL = """
+PULL = FENCE + """
 local groups, conds, banks = {}, {}, {}
 redis.call('SADD', KEYS[4], ARGV[4])
 for _ = 1, tonumber(ARGV[1]) do
@@ -39,18 +73,18 @@ end
 return {groups, banks}
 """
 
-# KEYS: pending (one consumer's), fresh. Its oldest pending group ends up first in fresh,
+# KEYS: pending (one consumer's), fresh (+ lease). ARGV: (fence, ttl). Its oldest pending group ends up first in fresh,
 # in its old order. Only the caller's own list: another live consumer's pulls stay its own.
-REQUEUE = """
+REQUEUE = FENCE + """
 local n = 0
 while redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
 return n
 """
 
-# KEYS: consumers, fresh, the single pending list of banks written before consumer ids.
-# ARGV: pending key prefix. Every consumer's pending groups back to fresh: only for the
+# KEYS: consumers, fresh, the single pending list of banks written before consumer ids
+# (+ lease). ARGV: (fence, ttl +) pending key prefix. Every consumer's pending groups back to fresh: only for the
 # namespace's owner taking over from a dead run (it holds the lease).
-REQUEUE_ALL = """
+REQUEUE_ALL = FENCE + """
 local n = 0
 while redis.call('LMOVE', KEYS[3], KEYS[2], 'RIGHT', 'LEFT') do n = n + 1 end
 for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -61,12 +95,15 @@ end
 return n
 """
 
-# Shared by PUSH, COMMIT, EVICT and RESTORE: forget an entry's accounting, remember its id so
-# the caller deletes its keys, and drop the entry's reference to its encoded condition.
-# KEYS[E], KEYS[B], KEYS[Z], KEYS[S], KEYS[C], KEYS[Q] are einfo, bytes, bankz, conds, cinfo,
-# qbytes. A condition record (`cinfo`'s sibling `condrec:<key>`, the same {ns} slot) counts
-# in `bytes` while any entry names it and in `qbytes` while a queued entry does; it is deleted
-# here, atomically, when no entry names it, so a producer never finds half of it.
+# Shared by PUSH, COMMIT, EVICT, RESTORE and QUARANTINE: forget an entry's accounting, put its
+# id in the trash for the caller to delete its keys, and drop the entry's reference to its
+# encoded condition. KEYS[E], KEYS[B], KEYS[Z], KEYS[S], KEYS[C], KEYS[Q], KEYS[T] are einfo,
+# bytes, bankz, conds, cinfo, qbytes, trash. A condition record (`cinfo`'s sibling
+# `condrec:<key>`, the same {ns} slot) counts in `bytes` while any entry names it and in
+# `qbytes` while a queued entry does; it is deleted here, atomically, when no entry names it,
+# so a producer never finds half of it (and it is never an orphan). `reclaim()` is what such a
+# script returns: the ids evicted now and (up to 256) left in the trash by calls whose reply
+# was lost.
 _EVICT_FN = """
 local evicted = {}
 local function decoded(raw)
@@ -98,13 +135,27 @@ local function cond_ref(ck, dn, dq)
 end
 local function evict(eid)
   local d = decoded(redis.call('HGET', KEYS[E], eid))
+  local b = 0
   if redis.call('HDEL', KEYS[E], eid) == 1 then
-    if d and tonumber(d['b']) then redis.call('DECRBY', KEYS[B], tonumber(d['b'])) end
+    if d and tonumber(d['b']) then
+      b = tonumber(d['b'])
+      redis.call('DECRBY', KEYS[B], b)
+    end
     local queued = not redis.call('ZSCORE', KEYS[Z], eid)   -- banked entries are in bankz
     if d then cond_ref(d['k'], -1, queued and -1 or 0) end
   end
   redis.call('ZREM', KEYS[Z], eid)
+  redis.call('HSET', KEYS[T], eid, b)
   evicted[#evicted + 1] = eid
+end
+local function reclaim()
+  if redis.call('HLEN', KEYS[T]) <= #evicted then return evicted end
+  local seen, out = {}, {}
+  for _, eid in ipairs(evicted) do seen[eid] = true; out[#out + 1] = eid end
+  for _, eid in ipairs(redis.call('HRANDFIELD', KEYS[T], 256)) do
+    if not seen[eid] then out[#out + 1] = eid end
+  end
+  return out
 end
 -- Evict the oldest banked entries (global bank order) until the bank holds at most `limit`
 -- bytes; queued groups' entries are never in bankz, so they are never evicted here.
@@ -129,46 +180,47 @@ end
 """
 
 
-def _with_evict(body: str, e: int, b: int, z: int, s: int, c: int, q: int) -> str:
+def _with_evict(body: str, e: int, b: int, z: int, s: int, c: int, q: int, t: int) -> str:
     fn = _EVICT_FN
-    for name, i in (("E", e), ("B", b), ("Z", z), ("S", s), ("C", c), ("Q", q)):
-        fn = fn.replace(f"KEYS[{name}]", f"KEYS[{i}]")
+    for letter, i in (("E", e), ("B", b), ("Z", z), ("S", s), ("C", c), ("Q", q), ("T", t)):
+        fn = fn.replace(f"KEYS[{letter}]", f"KEYS[{i}]")
     return fn + body
 
 
-# KEYS: group, fresh, einfo, bytes, counts, qbytes, bankz, conds, cinfo
-# ARGV: gid, token, cid, version, total_bytes, n, max_bytes, cond_prefix, cond key, cond bytes,
-#       then n × (eid, einfo_json)
+# KEYS: group, fresh, einfo, bytes, counts, qbytes, bankz, conds, cinfo, trash (+ lease)
+# ARGV: (fence, ttl +) gid, token, cid, version, total_bytes, n, max_bytes, cond_prefix,
+#       cond key, cond bytes, then n × (eid, einfo_json)
 # Enforces bank.max_bytes: queued (fresh + pending) groups, and the condition records they name,
-# are never evicted, so a group that does not fit beside them is refused ({-2, queued bytes,
-# what its condition adds}); banked entries are a cache, so the oldest are evicted to make room.
-# The group's condition record must exist: the producer writes it first unless cinfo already
-# counts it; one dropped in between answers {-3} (write it again). A refused push deletes a
-# record no entry names. Returns {1 | 0 (our own retry) | -1 (duplicate) | -3, evicted}.
-PUSH = _with_evict("""
+# are never evicted, so a group that does not fit beside them is refused ({-2, reclaim, queued
+# bytes, what its condition adds}); banked entries are a cache, so the oldest are evicted to make
+# room. The group's condition record must exist: the producer writes it first unless cinfo
+# already counts it; one dropped in between answers {-3, reclaim} (write it again). A refused
+# push deletes a record no entry names.
+# Returns {1 | 0 (our own retry) | -1 (duplicate) | -2 (full) | -3, reclaim()[, queued, extra]}.
+PUSH = FENCE + _with_evict("""
 local ck, cbytes = ARGV[9], tonumber(ARGV[10])
 local function unclaimed()
   if not redis.call('HGET', KEYS[9], ck) then redis.call('DEL', crec(ck)) end
 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if token then
-  if token == ARGV[2] then return {0, {}} end   -- our own retried call: already queued
+  if token == ARGV[2] then return {0, reclaim()} end   -- our own retried call: already queued
   unclaimed()
-  return {-1, {}}                               -- another producer's group with this id
+  return {-1, reclaim()}                               -- another producer's group with this id
 end
 local total, limit, n = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
 local d = decoded(redis.call('HGET', KEYS[9], ck))
 local extra = 0                                 -- what the condition adds to the queued bytes
 if not d then
-  if redis.call('EXISTS', crec(ck)) == 0 then return {-3, {}} end
+  if redis.call('EXISTS', crec(ck)) == 0 then return {-3, reclaim()} end
   extra = cbytes
 elseif (tonumber(d['q']) or 0) == 0 then
   extra = tonumber(d['b']) or 0
 end
 if queued + total + extra > limit then
   unclaimed()
-  return {-2, queued, extra}
+  return {-2, reclaim(), queued, extra}
 end
 if not d then
   redis.call('HSET', KEYS[9], ck, cjson.encode({b = cbytes, n = 0, q = 0, cond = ARGV[3]}))
@@ -187,16 +239,17 @@ redis.call('INCRBY', KEYS[4], total)
 redis.call('INCRBY', KEYS[6], total)
 redis.call('HINCRBY', KEYS[5], 'pushed', 1)
 redis.call('RPUSH', KEYS[2], ARGV[1])
-return {1, evicted}
-""", e=3, b=4, z=7, s=8, c=9, q=6)
+return {1, reclaim()}
+""", e=3, b=4, z=7, s=8, c=9, q=6, t=10)
 
 # KEYS: pending (the consumer's own), group, cond, einfo, bytes, counts, log (done or dead),
-#       conds, bankz, qbytes, cinfo
-# ARGV: gid, mode (fifo | sdu | skip | drop), capacity, cid, low_bytes, cond_prefix,
-#       log_cap, counter, then the group's entry ids to bank.
-# Returns the evicted entry ids, or false when the group was not pending (exactly once).
-COMMIT = _with_evict("""
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return false end
+#       conds, bankz, qbytes, cinfo, trash, quarantine (+ lease)
+# ARGV: (fence, ttl +) gid, mode (fifo | sdu | skip | drop), capacity, cid, low_bytes,
+#       cond_prefix, log_cap, counter, then the group's entry ids to bank.
+# A quarantined member is never banked. Returns {1, reclaim()}, or {0, reclaim()} when the
+# group was not pending (exactly once).
+COMMIT = FENCE + _with_evict("""
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return {0, reclaim()} end
 redis.call('DECRBY', KEYS[10], tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') or 0)
 local mode, cap, cid = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local keep = {}
@@ -205,7 +258,8 @@ for i = 9, #ARGV do keep[ARGV[i]] = true end
 local new = {}
 local all = redis.call('HGET', KEYS[2], 'eids') or ''
 for eid in string.gmatch(all, '%S+') do
-  if keep[eid] and mode ~= 'skip' and mode ~= 'drop' then new[#new + 1] = eid else evict(eid) end
+  if keep[eid] and mode ~= 'skip' and mode ~= 'drop' and redis.call('HEXISTS', KEYS[13], eid) == 0
+  then new[#new + 1] = eid else evict(eid) end
 end
 redis.call('DEL', KEYS[2])
 -- 2. bank the rest, newest last; they leave the queue (their condition stays theirs)
@@ -245,22 +299,24 @@ shrink(tonumber(ARGV[5]), ARGV[6])
 redis.call('HINCRBY', KEYS[6], ARGV[8], 1)
 redis.call('LPUSH', KEYS[7], ARGV[1])
 redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[7]) - 1)
-return evicted
-""", e=4, b=5, z=9, s=8, c=11, q=10)
+return {1, reclaim()}
+""", e=4, b=5, z=9, s=8, c=11, q=10, t=12)
 
-# KEYS: cond, einfo, bytes, conds, bankz, qbytes, cinfo. ARGV: cid, eids to remove from the index.
+# KEYS: cond, einfo, bytes, conds, bankz, qbytes, cinfo, trash. ARGV: cid, eids to remove from the index.
+# Not fenced: it only drops entries that are corrupt or evicted already (any reader may).
 EVICT = _with_evict("""
 for i = 2, #ARGV do
   redis.call('LREM', KEYS[1], 0, ARGV[i])
   evict(ARGV[i])
 end
 if redis.call('LLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[1]) end
-return evicted
-""", e=2, b=3, z=5, s=4, c=7, q=6)
+return reclaim()
+""", e=2, b=3, z=5, s=4, c=7, q=6, t=8)
 
-# KEYS: cond, einfo, bytes, conds, bankz, counts, qbytes, cinfo. ARGV: cid, the snapshot's eids in order.
+# KEYS: cond, einfo, bytes, conds, bankz, counts, qbytes, cinfo, trash (+ lease).
+# ARGV: (fence, ttl +) cid, the snapshot's eids in order.
 # Sets the index to the snapshot's entries that still exist; evicts entries banked since.
-RESTORE = _with_evict("""
+RESTORE = FENCE + _with_evict("""
 local want, wanted = {}, {}
 for i = 2, #ARGV do
   if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then
@@ -279,8 +335,8 @@ for _, eid in ipairs(want) do
   end
 end
 if #want > 0 then redis.call('SADD', KEYS[4], ARGV[1]) else redis.call('SREM', KEYS[4], ARGV[1]) end
-return {#want, evicted}
-""", e=2, b=3, z=5, s=4, c=8, q=7)
+return {#want, reclaim()}
+""", e=2, b=3, z=5, s=4, c=8, q=7, t=9)
 
 # KEYS: meta. ARGV: trained increment, new status or ''. Never recreates an evicted entry.
 TOUCH = """
@@ -291,26 +347,120 @@ return 1
 """
 
 
+# KEYS: fresh, pending (the caller's own) (+ lease). ARGV: (fence, ttl +) gid. A queued group
+# taken out of fresh into the caller's pending list, for a drop (MemoryBank.discard).
+DISCARD = FENCE + """
+if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: einfo, bytes, bankz, conds, trash, quarantine, counts, qbytes, cinfo (+ lease).
+# ARGV: (fence, ttl +) eid, reason, time, cond_prefix, cap.
+# Dead letter for an entry that decodes but cannot be trained: its record (reason, time,
+# condition, version, a sequence number for order) goes to the quarantine hash; a banked entry leaves its condition's index
+# and is evicted, a member of a queued group stays until its group is committed or dropped
+# (COMMIT never banks a quarantined member). Over `cap` records, the oldest are forgotten.
+# Returns reclaim().
+QUARANTINE = FENCE + _with_evict("""
+local eid = ARGV[1]
+local rec = {reason = ARGV[2], time = ARGV[3], seq = redis.call('HINCRBY', KEYS[7], 'quarantine_seq', 1)}
+local info = redis.call('HGET', KEYS[1], eid)
+local ok, d = pcall(cjson.decode, info or '')
+if ok and type(d) == 'table' then rec['condition'] = d['cond']; rec['version'] = d['v'] end
+rec['banked'] = redis.call('ZSCORE', KEYS[3], eid) ~= false
+if rec['banked'] then
+  if type(rec['condition']) == 'string' then
+    local ckey = ARGV[4] .. rec['condition']
+    redis.call('LREM', ckey, 0, eid)
+    if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[4], rec['condition']) end
+  end
+  evict(eid)
+end
+if redis.call('HSET', KEYS[6], eid, cjson.encode(rec)) == 1 then
+  redis.call('HINCRBY', KEYS[7], 'quarantined', 1)
+end
+local cap = tonumber(ARGV[5])
+local n = redis.call('HLEN', KEYS[6])
+if n > cap then
+  local all, order = redis.call('HGETALL', KEYS[6]), {}
+  for i = 1, #all, 2 do
+    local okr, r = pcall(cjson.decode, all[i + 1])
+    order[#order + 1] = {all[i], okr and type(r) == 'table' and tonumber(r['seq']) or 0}
+  end
+  table.sort(order, function(a, b) return a[2] < b[2] end)
+  for i = 1, n - cap do redis.call('HDEL', KEYS[6], order[i][1]) end
+end
+return reclaim()
+""", e=1, b=2, z=3, s=4, c=9, q=8, t=5)
+
+FENCED = frozenset({PUSH, PULL, REQUEUE, REQUEUE_ALL, COMMIT, RESTORE, DISCARD, QUARANTINE})
+
+
+class Fence:
+    """What a fenced script is called with: the lease key, the caller's fence ('' for none)
+    and the lease TTL, which a fenced caller uses to take a lapsed lease again."""
+
+    def __init__(self, lease_key: str, ttl_ms: int, value: str = ""):
+        self.lease_key, self.ttl_ms, self.value = lease_key, ttl_ms, value
+
+
 class Script:
-    """A script sent as EVAL: Redis caches it by SHA1, and unlike EVALSHA it can join any
-    pipeline and never fails with NOSCRIPT after a server restart (the bodies are small)."""
+    """One script; `call(keys, args)` is the command that runs it, as EVALSHA (the body is not
+    resent with every call; `run` falls back to EVAL when the server does not know it)."""
 
-    def __init__(self, client: redis.Redis, source: str):
-        self.r, self.source = client, source
+    def __init__(self, source: str, fence: Fence):
+        self.source, self.fence = source, fence
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.fenced = source in FENCED
 
-    def __call__(self, keys: list, args: list = (), client=None):
-        return (client if client is not None else self.r).eval(self.source, len(keys), *keys, *args)
+    def call(self, keys: list, args: list = ()) -> Call:
+        if self.fenced:
+            f = self.fence
+            keys, args = [*keys, f.lease_key], [f.value, f.ttl_ms, *args]
+        return Call(self, len(keys), [*keys, *args])
+
+
+class Call:
+    """A script invocation queued for `run`."""
+
+    def __init__(self, script: Script, nkeys: int, params: list):
+        self.script, self.nkeys, self.params = script, nkeys, params
+
+    def command(self, by_body: bool = False) -> tuple:
+        s = self.script
+        return ("EVAL", s.source, self.nkeys, *self.params) if by_body else (
+            "EVALSHA", s.sha, self.nkeys, *self.params)
+
+
+def run(client: redis.Redis, commands: list) -> list:
+    """Send commands (tuples, or script `Call`s) in one round trip (memory_bank.wire); the
+    calls the server answered NOSCRIPT (it never ran them) are sent again as EVAL. Error
+    replies come back as exception instances, in place."""
+    out = wire.execute(client, [c.command() if isinstance(c, Call) else c for c in commands])
+    again = [i for i, r in enumerate(out) if isinstance(r, NoScriptError)]
+    if again:
+        for i, r in zip(again, wire.execute(client, [commands[i].command(by_body=True)
+                                                     for i in again]), strict=True):
+            out[i] = r
+    return out
+
+
+def run_one(client: redis.Redis, command) -> Any:
+    """`run` for one command; an error reply is raised."""
+    (out,) = run(client, [command])
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 class Scripts:
-    """The bank's scripts bound to one client; pass `client=pipe` to queue on a pipeline."""
+    """The bank's scripts, sharing one `Fence` (set `fence.value` when the run claims)."""
 
-    def __init__(self, client: redis.Redis):
-        self.push = Script(client, PUSH)
-        self.pull = Script(client, PULL)
-        self.requeue = Script(client, REQUEUE)
-        self.requeue_all = Script(client, REQUEUE_ALL)
-        self.commit = Script(client, COMMIT)
-        self.evict = Script(client, EVICT)
-        self.restore = Script(client, RESTORE)
-        self.touch = Script(client, TOUCH)
+    def __init__(self, fence: Fence):
+        self.fence = fence
+        for name, source in (("push", PUSH), ("pull", PULL), ("requeue", REQUEUE),
+                             ("requeue_all", REQUEUE_ALL), ("commit", COMMIT), ("evict", EVICT),
+                             ("restore", RESTORE), ("touch", TOUCH), ("discard", DISCARD),
+                             ("quarantine", QUARANTINE)):
+            setattr(self, name, Script(source, fence))

@@ -142,6 +142,7 @@ class RolloutWorker:
             BankTooSmall,
             BankUnavailable,
             DuplicateGroup,
+            LeaseLost,
         )
 
         t0, outage_s, retried = time.monotonic(), self.cfg.bank.outage_s, []
@@ -166,6 +167,8 @@ class RolloutWorker:
             return self._failed(rec, "fatal", str(e))
         except BankFull as e:  # no room now: the driver waits for space and draws it again
             return self._failed(rec, "bank_full", str(e))
+        except LeaseLost as e:  # another run holds the namespace: the driver stops this one
+            return self._failed(rec, "lease_lost", str(e))
         except BankError as e:
             return self._failed(rec, "bank_error", str(e))
         rec.seconds["store"] = time.monotonic() - t0

@@ -66,6 +66,7 @@ def main(out: Path, transport: str, steps: int) -> None:
         result["nodes"] = {n["NodeManagerAddress"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
         result["head"] = ray.util.get_node_ip_address()
         result["redis_host"] = driver.redis.host if driver.redis is not None else None
+        result["redis_listen"] = driver.redis.listen if driver.redis is not None else None
         result["url_by"] = {"file": driver.bank_ref.file is not None, "server": driver.bank_ref.server is not None}
         result["placed"] = _placed(ray, driver)
         (out / "PROGRESS").write_text(json.dumps(result))

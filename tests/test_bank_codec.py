@@ -11,6 +11,7 @@ import uuid
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 from bank_helpers import HEADS, make_cond, make_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +29,12 @@ from memory_bank.codec import (
     encode_cond,
 )
 from memory_bank.errors import CorruptEntry
+from memory_bank.tensorfile import dumps
+
+
+def _tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """A blob's tensors, read by the safetensors library (our checksum is its metadata)."""
+    return safetensors.torch.load(blob)
 
 CK = "0123456789abcdef" * 2   # a condition record's key (32 hex characters)
 
@@ -38,7 +45,7 @@ def _encoded(image: bool = False, dtype=torch.float32):
     t.x, t.x_next, t.final_latents = t.x.to(dtype), t.x_next.to(dtype), t.final_latents.to(dtype)
     eid = uuid.uuid4().hex
     meta, blob = encode(eid, t, HEADS, grp.scores.values[1], float(grp.composite[1]), cond_key=CK)
-    return eid, t, grp, meta, blob
+    return eid, t, grp, meta, bytes(blob)      # as Redis stores it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,9 +85,9 @@ def test_encode_rejects_non_finite_reward():
 def test_missing_field_or_tensor_is_named(field):
     _, _, _, meta, blob = _encoded()
     if field == "x":
-        t = safetensors.torch.load(blob)
+        t = _tensors(blob)
         del t["x"]
-        blob = safetensors.torch.save(t)
+        blob = dumps(t)
     else:
         del meta[field]
     with pytest.raises(CorruptEntry, match=field):
@@ -95,10 +102,10 @@ def test_missing_field_or_tensor_is_named(field):
 ])
 def test_foreign_shapes_rejected(tensor, shape, match):
     _, _, _, meta, blob = _encoded()
-    t = safetensors.torch.load(blob)
+    t = _tensors(blob)
     t[tensor] = torch.zeros(shape)
     with pytest.raises(CorruptEntry, match=match):
-        decode(meta, safetensors.torch.save(t))
+        decode(meta, dumps(t))
 
 
 @pytest.mark.parametrize("field,value", [
@@ -261,7 +268,7 @@ def _trajectories(draw):
     dtype = draw(st.sampled_from(_FLOATS))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
     x = torch.randn(k, *shape, generator=gen).to(dtype)
-    if x.numel() and draw(st.booleans()):      # latents may hold inf/nan; they are stored as is
+    if x.numel() and draw(st.booleans()):      # a non-finite latent is refused (test below)
         x.reshape(-1)[0] = draw(st.sampled_from([float("nan"), float("inf"), -0.0]))
     heads = draw(st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4))
     cond = Condition(id=draw(st.text(max_size=20)), prompt=draw(st.text(max_size=60)))
@@ -285,8 +292,16 @@ def _trajectories(draw):
 def test_fuzz_valid_entries_round_trip_exactly(case):
     t, heads, scores, composite = case
     eid = uuid.uuid4().hex
-    meta, blob = encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
-    e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)   # as Redis returns
+    if not bool(torch.isfinite(t.x).all()):
+        with pytest.raises(ValueError, match="'x' has non-finite values"):
+            encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
+        return
+    meta, parts = encode(eid, t, heads, scores, composite, status="banked", cond_key=CK)
+    blob = bytes(parts)
+    for stored in (blob, parts):           # as Redis returns it, and unjoined (encode's own check)
+        e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, stored)
+        assert e.id == eid
+    e = decode({k.encode(): v.encode("utf-8") for k, v in meta.items()}, blob)
     r = e.trajectory
     assert (e.id, r.bank_id, e.status, e.heads, e.composite) == (eid, eid, "banked", heads, composite)
     assert _same(e.scores, scores)
@@ -321,10 +336,17 @@ def test_encode_refuses_what_decode_would_refuse():
 
 def _reference_tensors(blob: bytes, k: int):
     """The blob's tensors as the safetensors library reads them, when they form a valid entry
-    of k trained steps (the rules of codec.decode, restated); else None."""
+    of k trained steps (the rules of codec.decode, restated, with the integrity rules: the
+    XXH3-64 of the tensor table and the data in `__metadata__`, every float finite); else None."""
     try:
         t = safetensors.torch.load(blob)
     except Exception:  # noqa: BLE001 — the library refuses it: not a valid blob
+        return None
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    digest = (header.pop("__metadata__", None) or {}).get("xxh3_64")
+    table = json.dumps({name: header[name] for name in sorted(header)}, separators=(",", ":"))
+    if digest != xxhash.xxh3_64_hexdigest(table.encode() + blob[8 + n:]):
         return None
     names = {"x", "x_next", "logp_old", "final_latents"}
     if not names <= set(t) <= names:
@@ -332,7 +354,8 @@ def _reference_tensors(blob: bytes, k: int):
     x = t["x"]
     ok = (x.dim() == 5 and x.shape[0] == k and t["x_next"].shape == x.shape
           and t["logp_old"].shape == (k,) and t["final_latents"].shape == x.shape[1:]
-          and all(t[n].is_floating_point() for n in names) and bool(torch.isfinite(t["logp_old"]).all()))
+          and all(t[n].is_floating_point() for n in names)
+          and all(bool(torch.isfinite(t[n]).all()) for n in names))
     return t if ok else None
 
 
@@ -367,15 +390,29 @@ def test_fuzz_mutated_blob(data):
     _check_blob(bytes(blob[:cut]))
 
 
-def test_mutated_data_bytes_read_back_as_written():
-    """Flipped bytes in the tensor data (not the header) keep the entry valid: decode returns
-    exactly the flipped values, as the safetensors library reads them."""
-    blob = bytearray(_VALID[4])
-    for i in range(len(blob) - 1, len(blob) - 400, -37):
-        blob[i] ^= 0x5A
-    _check_blob(bytes(blob))
-    got = decode(_VALID[3], bytes(blob)).trajectory
-    assert _same(got.x, _VALID[1].x) and not _same(got.x_next, _VALID[1].x_next)  # x_next is last
+def test_flipped_bits_in_the_data_are_refused():
+    """Flipped bits in the tensor data (not the header) are found by the checksum: a bit flip
+    is a corrupt entry, never other numbers."""
+    for i in (len(_VALID[4]) - 1, len(_VALID[4]) // 2, 700):
+        blob = bytearray(_VALID[4])
+        blob[i] ^= 1 << (i % 8)
+        _check_blob(bytes(blob))
+        with pytest.raises(CorruptEntry, match="checksum mismatch"):
+            decode(_VALID[3], bytes(blob))
+
+
+@pytest.mark.parametrize("tensor,value", [("x", float("inf")), ("x_next", float("nan")),
+                                          ("final_latents", float("-inf")), ("mu_old", float("inf"))])
+def test_non_finite_stored_floats_are_corrupt(tensor, value):
+    """A non-finite value in any stored float tensor (with a valid checksum: written by a
+    producer that did not check) is a corrupt entry at decode."""
+    _, t, _, meta, blob = _encoded()
+    tensors = _tensors(blob)
+    if tensor == "mu_old":
+        tensors["mu_old"] = torch.zeros_like(t.x)
+    tensors[tensor].reshape(-1)[3] = value
+    with pytest.raises(CorruptEntry, match=f"'{tensor}' has non-finite values"):
+        decode(meta, dumps(tensors))
 
 
 _text_or_bytes = st.one_of(st.text(max_size=40), st.binary(max_size=40),
@@ -508,18 +545,25 @@ def test_fuzz_random_everything(meta, blob):
 
 
 def test_blob_format_is_safetensors_both_ways():
-    from memory_bank.tensorfile import dumps, loads
+    from memory_bank.tensorfile import dumps, loads, pack
 
     t = {"a": torch.randn(2, 3), "b": torch.randn(4).to(torch.bfloat16),
          "c": torch.arange(6, dtype=torch.uint8).reshape(2, 3), "d": torch.zeros(0, 5)}
     ours = dumps(t)
     for name, v in safetensors.torch.load(ours).items():     # the library reads ours
         assert torch.equal(v, t[name]) and v.dtype == t[name].dtype
-    for name, v in loads(safetensors.torch.save(t)).items():  # we read the library's
+    theirs = safetensors.torch.save(t)
+    for name, v in loads(theirs, verify=False).items():     # we read the library's
         assert torch.equal(v, t[name]) and v.dtype == t[name].dtype
+    with pytest.raises(ValueError, match="no xxh3_64 checksum"):
+        loads(theirs)                                         # but never trust it unchecked
     got = loads(ours)
     got["a"].add_(1)                                          # writable, own memory
     assert torch.equal(got["a"], t["a"] + 1)
+    parts = pack(t)                                           # unjoined: the same bytes, and
+    assert bytes(parts) == ours and len(parts) == len(ours)
+    for name, v in loads(parts).items():                      # read from the tensors' own memory
+        assert torch.equal(v, t[name]) and (v.numel() == 0 or v.data_ptr() == t[name].data_ptr())
 
 
 def test_tensorfile_without_copy_views_the_blob_bytes():
@@ -539,6 +583,9 @@ def test_tensorfile_without_copy_views_the_blob_bytes():
     ba = bytearray(blob)
     lo_ba = np.frombuffer(ba, dtype=np.uint8).ctypes.data
     assert not lo_ba <= loads(ba, copy=False)["a"].data_ptr() < lo_ba + len(ba)
+    # a read-only view (what memory_bank.wire receives a large reply into) is viewed
+    ro = memoryview(ba).toreadonly()
+    assert lo_ba <= loads(ro, copy=False)["a"].data_ptr() < lo_ba + len(ba)
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -559,3 +606,17 @@ def test_tensorfile_rejects_inconsistent_headers(mutate, match):
     h = json.dumps(header).encode()
     with pytest.raises(ValueError, match=match):
         loads(len(h).to_bytes(8, "little") + h + blob[8 + n:])
+
+
+def test_finite_check_is_exact_when_the_fast_sum_overflows():
+    from memory_bank.tensorfile import finite
+
+    assert finite(torch.tensor([3e38, 3e38, 1.0]))            # the sum overflows; every value is finite
+    assert finite(torch.full((1000,), 60000.0).half())
+    assert finite(torch.tensor([1e308, 1e308], dtype=torch.float64))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            t = torch.zeros(64, dtype=dtype)
+            t[17] = bad
+            assert not finite(t), (bad, dtype)
+    assert finite(torch.arange(5)) and finite(torch.zeros(0))  # integers and empty tensors

@@ -159,7 +159,7 @@ def test_corrupt_and_foreign_entries_are_skipped_and_counted(bank, caplog):
     meta, blob = encode(other[2], foreign.members[2], HEADS, foreign.scores.values[2], 1.0,
                         cond_key=encode_cond("c", foreign.cond)[0])
     bank.r.hset(k.meta(other[2]), mapping=meta)
-    bank.r.set(k.blob(other[2]), blob)
+    bank.r.set(k.blob(other[2]), bytes(blob))
     for eid in bank.r.hget(k.group("g2"), "eids").decode().split():
         bank.r.delete(k.blob(eid))
     bank.r.rpush(k.cond("c"), "not-an-id")                     # foreign index entry
@@ -170,7 +170,7 @@ def test_corrupt_and_foreign_entries_are_skipped_and_counted(bank, caplog):
     assert len(batch.bank[0]) == 2                              # 4 banked - 2 corrupt
     st = bank.stats()
     assert st["corrupt"] == 2 + 1 + 4 + 1 + 1 and st["dropped"] == 1, st
-    assert "skipped" in caplog.text and "not safetensors" in caplog.text
+    assert "skipped" in caplog.text and "blob rejected" in caplog.text
     bank.commit(batch, 2)
     assert len(bank.entries("c")) == 5 and bank.stats()["corrupt"] == 9   # counted once
     assert bank.stats()["pending"] == 0

@@ -79,11 +79,15 @@ def test_a_ray_actor_gets_no_password_and_resolves_the_url_itself(ray_session, r
 def test_embedded_server_refuses_admin_commands_and_the_bank_still_works():
     with EmbeddedRedis() as server:
         c = server.client()
+        c.set("kept", "1")
         for cmd in (("CONFIG", "GET", "dir"), ("CONFIG", "SET", "dir", "/tmp"), ("DEBUG", "SLEEP", "0"),
-                    ("FLUSHALL",), ("KEYS", "*"), ("MONITOR",), ("SHUTDOWN", "NOSAVE")):
+                    ("FLUSHALL",), ("KEYS", "*"), ("MONITOR",), ("SHUTDOWN", "NOSAVE"),
+                    ("SWAPDB", "0", "1"), ("CLIENT", "PAUSE", "60000"),
+                    ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "LIST")):
             with pytest.raises(redis.ResponseError, match="unknown command"):
                 c.execute_command(*cmd)
-        assert {"CONFIG", "DEBUG"} <= set(DISABLED_COMMANDS)
+        assert c.get("kept") == b"1" and c.ping()          # nothing swapped out, nobody paused
+        assert {"CONFIG", "DEBUG", "SWAPDB", "CLIENT"} <= set(DISABLED_COMMANDS)
         bank = MemoryBank(c, BankConfig(namespace="hard", capacity=2))
         for i in range(3):
             bank.push_group(make_group("c", f"g{i}", g=2, seed=i))

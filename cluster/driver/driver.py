@@ -41,7 +41,7 @@ import numpy as np
 
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
-from cluster.driver.errors import StopRun, bank_call
+from cluster.driver.errors import LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle
 from cluster.driver.preflight import check_model_path
@@ -140,7 +140,7 @@ class Driver:
 
         cfg, s = self.cfg, self.started
         spans = s.ray.spans_nodes()  # an embedded Redis listens where other nodes reach it, too
-        host = _node_ip() if spans else "127.0.0.1"
+        host = _node_ip() if spans else None  # None: one node (bank.embedded_listen auto: unix)
         self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis", host=host)
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
@@ -204,7 +204,12 @@ class Driver:
         self.note(f"resumed from {ckpt} at step {s.step}: {queued} groups queued, {len(s.replay)} drawn again")
 
     def _bank(self, what: str, fn, *args, **kw):
-        return bank_call(what, fn, *args, outage_s=self.cfg.bank.outage_s, metrics=self.metrics, **kw)
+        try:
+            return bank_call(what, fn, *args, outage_s=self.cfg.bank.outage_s, metrics=self.metrics, **kw)
+        except Exception as e:
+            if is_lease_lost(e):  # a script refused this run: the same stop as the lease thread's
+                raise LeaseStop(self.cfg.bank.namespace) from None
+            raise
 
     # --- 2. the producer ---------------------------------------------------------------------
 
@@ -326,7 +331,8 @@ class Driver:
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
         except StopRun as e:
-            # a clean stop: the caller writes a checkpoint (unless the learner is gone)
+            # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
+            self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
             self.stop_requested.set()
             log.error("run stopped at step %d: %s", self.state.step, e)
@@ -347,9 +353,7 @@ class Driver:
         """A run whose bank lease another run took must not train, commit or checkpoint again."""
         lease = self.started.lease
         if lease is not None and lease.lost:
-            self.lease_lost = True
-            raise StopRun(f"lost the bank lease on namespace {self.cfg.bank.namespace!r} to another run; "
-                          "this run stops without training, committing or checkpointing further")
+            raise LeaseStop(self.cfg.bank.namespace)
 
     def _step(self, progress, published=None) -> bool:
         """Train one step on the queued groups, publish (then `published()`), record. False when

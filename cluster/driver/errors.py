@@ -9,6 +9,22 @@ class StopRun(Exception):
     """Raised inside the loop when the run cannot go on (the reason is in the message)."""
 
 
+class LeaseStop(StopRun):
+    """Another run holds the bank's lease: one line, whichever path found out (the driver's lease
+    thread, or a bank script's refusal, LeaseLost, on the driver, the learner or a rollout actor)."""
+
+    def __init__(self, namespace: str):
+        super().__init__(f"lost the bank lease on namespace {namespace!r} to another run; this run "
+                         "stops without training, committing or checkpointing further")
+
+
+def is_lease_lost(e: BaseException) -> bool:
+    """A bank script's LeaseLost, raised here or in an actor (Ray wraps it: the cause is kept)."""
+    from memory_bank.errors import LeaseLost
+
+    return isinstance(e, LeaseLost) or isinstance(getattr(e, "cause", None), LeaseLost)
+
+
 def bank_call(what: str, fn, *args, outage_s: float, metrics=None, **kw):
     """A bank call (here, or on an actor through Ray) retried with backoff while Redis is
     unreachable, for up to `outage_s` (common/retry.py); then StopRun naming the call and cause."""

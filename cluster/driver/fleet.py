@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.driver.errors import StopRun
+from cluster.driver.errors import LeaseStop, StopRun
 from cluster.driver.state import DriverState, group_id
 from cluster.driver.stream import PromptStream
 from common.types import GroupReceipt
@@ -204,6 +204,8 @@ class RolloutFleet:
                 s.counts["videos"] += rec.size
             self.failed_in_row = self.restarting_in_row = 0
             return
+        if rec.failure == "lease_lost":  # the bank refused this run's push: another run holds it
+            raise LeaseStop(self.cfg.bank.namespace)
         if rec.failure in ("bank_unavailable", "fatal"):
             raise StopRun(f"{rec.detail}; stopping")
         s.counts["groups_refilled"] += 1
