@@ -87,6 +87,7 @@ class Driver:
         self.stopped_by: str | None = None      # "Ctrl-C" or "SIGTERM": the signal that asked the run to stop
         self.learner_lost = False
         self.lease_lost = False
+        self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
         self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
         self.stream = PromptStream([], cfg.train.seed, self.state)
         # set by setup(): the bank, the pools and the loop's parts
@@ -405,8 +406,8 @@ class Driver:
         if s.step % 5 == 0 or s.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
         step_videos(self.cfg, s.step, self.rollouts, self.run_dir)  # every log.video_every steps
-        if s.step % self.cfg.train.checkpoint_every == 0:
-            self.checkpoint()
+        if s.step % self.cfg.train.checkpoint_every == 0 and self.checkpoint() is None and self.checkpoint_failed:
+            raise StopRun(self.checkpoint_failed)
         self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def _heldout(self, start: bool = False) -> None:
@@ -440,7 +441,15 @@ class Driver:
             why = "the learner is gone" if self.learner_lost else "another run holds the bank's lease"
             self.note(f"no checkpoint: {why}; the last checkpoint stands")
             return None
-        return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
+        from learner.checkpoint import DiskFull
+
+        self.checkpoint_failed = None
+        try:
+            return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
+        except DiskFull as e:  # one line; the run stops at this step (`_after_step`), the last checkpoint stands
+            self.checkpoint_failed = str(e)
+            self.note(f"no checkpoint: {e}")
+            return None
 
     def teardown(self) -> None:
         """Stop what setup started, in reverse order (setup may have stopped part-way)."""
