@@ -198,7 +198,8 @@ class Driver:
 
         commit = lambda gids, step: self._bank("commit", self.learner.commit_ids, gids, step)  # noqa: E731
         restore(self.state, self.learner.load_checkpoint(ckpt), ckpt, self.bank, commit, self.note)
-        self.run_dir.truncate_metrics(self.state.step)
+        if (torn := self.run_dir.truncate_metrics(self.state.step)) is not None:
+            self.note(torn)
         self.publisher.publish(self.state.step)
         s = self.state
         queued = s.counts["groups_produced"] - s.counts["groups_trained"]
