@@ -532,6 +532,9 @@ class HealthConfig(Section):
     numerics_frac: float = Field(0.1, gt=0.0)
     """numerics: max |log r| over the first update's on-policy rows (the weights that sampled them)
     must stay below numerics_frac·grpo.clip_eps."""
+    nonfinite_max: int = Field(3, ge=1, le=1000)
+    """numerics: optimizer steps in a row the finite-update guard may skip (a non-finite loss or
+    gradient: the weights stay as they were) before the check fires."""
     clipfrac_max: float = Field(0.2, ge=0.0, le=1.0)
     """clip: bound on the clip fraction of on-policy rows."""
     approx_kl_max: float = Field(1e-4, gt=0.0)

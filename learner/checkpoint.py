@@ -153,6 +153,7 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable (data cursor, bank watermark): {e}") from None
+    check_finite(state, f"checkpoint of step {step}")
     if storage.is_uri(root):
         files = {EXTRA_FILE: extra_json.encode(), STATE_FILE: lambda f: torch.save(state, f)}
         return storage.save_step(root, f"{PREFIX}{step:08d}", files, STATE_FILE, keep, PREFIX)
@@ -179,6 +180,15 @@ def prune(root: Path, keep: int, marker: str = STATE_FILE) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     for left in root.glob(f"{STAGE}{PREFIX}*"):
         shutil.rmtree(left, ignore_errors=True)
+
+
+def check_finite(state: dict, what: str) -> None:
+    """A trainer state's weights (policy.params) are never saved NaN/inf (learner/finite_guard.py)."""
+    from learner.finite_guard import check_weights
+
+    policy = state.get("policy")
+    if isinstance(policy, dict) and isinstance(policy.get("params"), dict):
+        check_weights(policy["params"], what)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -210,6 +220,9 @@ def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int
     weights or, with optim.ema_decay, their moving average; its metadata says which."""
     from safetensors.torch import save
 
+    from learner.finite_guard import check_weights
+
+    check_weights(payload, str(path))
     meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(version),
             "vgrpo.ema_decay": repr(float(decay)) if ema else "0.0"}
     data = save({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)

@@ -88,6 +88,7 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
 
     timeout_s (learner.checkpoint_timeout_s) bounds the waits for the slowest rank's shard write
     and for rank 0's rename and clean-up; None waits as long as the group's collective timeout."""
+    _check_finite_everywhere(state, step, dist.get_world_size())
     if storage.is_uri(root):
         return _save_objects(storage.Uri(root), step, state, extra, keep, timeout_s)
     root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
@@ -120,6 +121,21 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         prune(root, keep, META_FILE)
     _wait(timeout_s, "saw the checkpoint sealed")
     return final
+
+
+def _check_finite_everywhere(state: dict, step: int, world: int) -> None:
+    """Every rank refuses together when any rank's shard holds a non-finite weight."""
+    try:
+        single_rank.check_finite(to_local(state), f"checkpoint of step {step}, rank {dist.get_rank()}")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    found: list = [None] * world
+    dist.all_gather_object(found, bad)
+    if any(found):
+        from learner.finite_guard import NonFiniteWeights
+
+        raise NonFiniteWeights(next(f for f in found if f))
 
 
 def _wait(timeout_s: float | None, what: str) -> None:

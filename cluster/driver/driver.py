@@ -273,7 +273,21 @@ class Driver:
             raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
                           f"with: vgrpo resume {self.run_dir.location}") from None
         self.timers["train"] += time.monotonic() - t0
+        self._skipped(stats.values)
         return _step_values(stats.values, pulled, s.step - 1)
+
+    def _skipped(self, values: dict[str, Any]) -> None:
+        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted and
+        said, naming the groups; the health check `numerics` stops the run when it goes on."""
+        from learner.finite_guard import GROUPS, SKIPPED
+
+        if values.get(SKIPPED) != 1.0:
+            return
+        with self.state.lock:
+            self.state.counts["updates_skipped"] += 1
+        self.note(f"step {self.state.step}: non-finite loss or gradient (loss {values.get('loss')}, grad norm "
+                  f"{values.get('grad_norm')}): the optimizer step was skipped, the weights are unchanged; "
+                  f"from group(s) {values.get(GROUPS)}")
 
     def _commit(self, gids: list[str]) -> None:
         try:
