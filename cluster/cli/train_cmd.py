@@ -144,7 +144,7 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
         run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
         console.print(f"error: {driver.stop_reason}")
         console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
-        return 1, "stopped", driver.stop_reason
+        return driver.stop_code, "stopped", driver.stop_reason
     if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
         console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
         by = driver.stopped_by or "Ctrl-C"

@@ -41,7 +41,7 @@ import numpy as np
 
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
-from cluster.driver.errors import StopRun, bank_call
+from cluster.driver.errors import ConfigStop, StopRun, bank_call
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle
 from cluster.driver.preflight import check_model_path
@@ -84,6 +84,7 @@ class Driver:
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {})
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or a signal)
+        self.stop_code = 1                      # `vgrpo train`'s exit status for that stop
         self.stopped_by: str | None = None      # "Ctrl-C" or "SIGTERM": the signal that asked the run to stop
         self.learner_lost = False
         self.lease_lost = False
@@ -344,6 +345,7 @@ class Driver:
         except StopRun as e:
             # a clean stop: the caller writes a checkpoint (unless the learner is gone)
             self.stop_reason = str(e)
+            self.stop_code = 2 if isinstance(e, ConfigStop) else 1  # 2: the settings, not a fault
             self.stop_requested.set()
             log.error("run stopped at step %d: %s", self.state.step, e)
             self.note(f"stopping at step {self.state.step}: {e}")

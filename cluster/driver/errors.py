@@ -9,6 +9,11 @@ class StopRun(Exception):
     """Raised inside the loop when the run cannot go on (the reason is in the message)."""
 
 
+class ConfigStop(StopRun):
+    """The run cannot go on with its settings (bank.max_bytes below one step's groups): it stops
+    like any StopRun, with a checkpoint, and `vgrpo train` exits 2 (bad input) instead of 1."""
+
+
 def bank_call(what: str, fn, *args, outage_s: float, metrics=None, **kw):
     """A bank call (here, or on an actor through Ray) retried with backoff while Redis is
     unreachable, for up to `outage_s` (common/retry.py); then StopRun naming the call and cause."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.driver.errors import StopRun
+from cluster.driver.errors import ConfigStop, StopRun
 from cluster.driver.state import DriverState, group_id
 from cluster.driver.stream import PromptStream
 from common.types import GroupReceipt
@@ -204,7 +204,9 @@ class RolloutFleet:
                 s.counts["videos"] += rec.size
             self.failed_in_row = self.restarting_in_row = 0
             return
-        if rec.failure in ("bank_unavailable", "fatal"):
+        if rec.failure == "fatal":  # the settings cannot work (a step that cannot fit the bank)
+            raise ConfigStop(f"{rec.detail}; stopping")
+        if rec.failure == "bank_unavailable":
             raise StopRun(f"{rec.detail}; stopping")
         s.counts["groups_refilled"] += 1
         if rec.failure == "reward_restarting":
