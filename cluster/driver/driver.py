@@ -71,6 +71,7 @@ class Started:
     lease: Any = None
     placements: list[Placement] = field(default_factory=list)
     actors: list = field(default_factory=list)  # reward actors, rollout actors, the weight registry
+    watchdog: Any = None           # stops the redis-server and deletes the URL file if the driver is killed
 
 
 class Driver:
@@ -147,11 +148,26 @@ class Driver:
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
         self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url(), other_nodes=spans)
+        self._guard()
         if self.bank_ref.server is not None:
             s.actors.append(self.bank_ref.server)
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
+
+    def _guard(self) -> None:
+        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
+        and deletes the Redis URL file (cluster/driver/watchdog.py)."""
+        from cluster.driver.watchdog import Watchdog
+
+        s = self.started
+        if s.redis is None and s.secret_dir is None:
+            return
+        s.watchdog = Watchdog.start()
+        if s.redis is not None and s.redis.pid is not None:
+            s.watchdog.kill_with_me(s.redis.pid)
+        if s.secret_dir is not None:
+            s.watchdog.remove_with_me(s.secret_dir)
 
     def _start_pools(self) -> None:
         from cluster.driver.pools import reward_actor_count
@@ -487,6 +503,8 @@ class Driver:
             s.redis.stop()
         if s.secret_dir is not None:
             shutil.rmtree(s.secret_dir, ignore_errors=True)
+        if s.watchdog is not None:  # done by hand: it has nothing left to do
+            s.watchdog.stop()
         if s.ray is not None:
             s.ray.shutdown()
 
