@@ -138,6 +138,8 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
     with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
         driver.run(progress)
     driver.checkpoint()
+    if driver.checkpoint_failed and driver.stop_reason is None:  # a full disk at the last checkpoint
+        driver.stop_reason = driver.checkpoint_failed
     if driver.stop_reason is not None:
         # a fault the run could not ride out: one line, and how to continue
         health = report_health(driver.health, driver.step, console)
