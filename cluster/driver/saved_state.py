@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ def check_not_running(f: Path, status: dict[str, Any]) -> str | None:
     """Refuse a resume while the run's driver is alive on this host; the note for a stale one."""
     from cluster.runs.run_dir import RunFileError, is_stale
 
-    if status.get("state") != "running" or status.get("host") != socket.gethostname():
+    if status.get("state") != "running" or status.get("host") != socket.gethostname() \
+            or status.get("pid") == os.getpid():  # this process's own earlier session (tests resume in-process)
         return None
     if not is_stale(status):
         raise RunFileError(f"{f}: the run is still running (pid {status['pid']} on this host); "
