@@ -320,6 +320,8 @@ def read_extra(f: Path, keys: tuple[str, ...] = ()) -> dict:
         extra = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f}: not valid JSON, truncated or damaged ({e})") from None
+    except RecursionError:  # 100,000 nested brackets: nothing vgrpo writes
+        raise CheckpointError(f"{f}: nested too deeply to be vgrpo's (damaged or not written by vgrpo)") from None
     if not isinstance(extra, dict):
         raise CheckpointError(f"{f}: holds a JSON {type(extra).__name__}, not an object")
     for k in keys:

@@ -217,6 +217,9 @@ DAMAGE = {  # case -> (damage(work, newest dir) -> the file named, what the line
     "status sessions not a list": (lambda w, d: _status(w / "run", sessions="x"), "'sessions'"),
     "status pid negative": (lambda w, d: _status(w / "run", pid=-1), "'pid'"),
     "status of a live run": (lambda w, d: _status(w / "run", state="running", pid=os.getpid()), "still running"),
+    "100k-deep extra.json": (
+        lambda w, d: (d / "extra.json").write_text("[" * 100_000 + "]" * 100_000) and d / "extra.json",
+        "nested too deeply"),
     "metrics line damaged before the last": (
         lambda w, d: (w / "run/metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
         and w / "run/metrics.jsonl", "line 2 is damaged"),
