@@ -35,7 +35,10 @@ def finite(loss: float, grad_norm: float) -> bool:
 
 def _traj_finite(t: Trajectory) -> bool:
     tensors = [getattr(t, k, None) for k in ("x", "x_next", "logp_old", "mu_old", "final_latents")]
-    return all(v is None or not v.is_floating_point() or bool(torch.isfinite(v).all())
+    cond = getattr(t, "cond", None)  # the encoded condition a trajectory carries (codec format 3)
+    for part in (getattr(cond, "tensors", None), getattr(cond, "uncond", None)):
+        tensors += list((part or {}).values()) if isinstance(part, dict) else []
+    return all(not v.is_floating_point() or bool(torch.isfinite(v).all())
                for v in tensors if isinstance(v, Tensor))
 
 

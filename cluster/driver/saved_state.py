@@ -177,11 +177,13 @@ def check_bank_index(ckpt: Path) -> None:
 
     need(isinstance(index, dict), "the index", "is not a JSON object")
     need(_count(index.get("size")), "'size'", f"must be a byte count >= 0, got {_short(index.get('size'))}")
-    entries = index.get("entries")
-    need(isinstance(entries, dict), "'entries'", "must be a map of entry id -> [offset, meta bytes, blob bytes]")
-    for eid, loc in entries.items():
-        need(isinstance(loc, list) and len(loc) == 3 and all(map(_count, loc)) and sum(loc) <= index["size"],
-             f"'entries.{eid}'", f"must be 3 byte counts >= 0 inside the file's {index['size']} bytes, got {_short(loc)}")
+    for key in ("entries", "cond_records"):  # cond_records: codec format 3's condition records
+        located = index.get(key, {} if key == "cond_records" else None)
+        need(isinstance(located, dict), f"'{key}'", "must be a map of id -> [offset, meta bytes, blob bytes]")
+        for eid, loc in located.items():
+            need(isinstance(loc, list) and len(loc) == 3 and all(map(_count, loc)) and sum(loc) <= index["size"],
+                 f"'{key}.{eid}'", f"must be 3 byte counts >= 0 inside the file's {index['size']} bytes, "
+                 f"got {_short(loc)}")
     einfo = index.get("einfo")
     need(isinstance(einfo, dict), "'einfo'", "must be a map of entry id -> accounting")
     for eid, raw in einfo.items():

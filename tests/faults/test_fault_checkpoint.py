@@ -214,6 +214,8 @@ DAMAGE = {  # case -> (damage(work, newest dir) -> the file named, what the line
         lambda w, d: _bank_index(d, groups=[{"id": "g1", "fields": {"bytes": "-5"}}]), "'groups[0].fields.bytes'"),
     "bank entries past the file": (
         lambda w, d: _bank_index(d, size=10, entries={"e1": [0, 8, 100]}), "'entries.e1'"),
+    "a negative condition record size in the bank dump": (
+        lambda w, d: _bank_index(d, size=10, cond_records={"c1": [0, -1, 5]}), "'cond_records.c1'"),
     "status sessions not a list": (lambda w, d: _status(w / "run", sessions="x"), "'sessions'"),
     "status pid negative": (lambda w, d: _status(w / "run", pid=-1), "'pid'"),
     "status of a live run": (lambda w, d: _status(w / "run", state="running", pid=os.getpid()), "still running"),
