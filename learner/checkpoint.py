@@ -2,7 +2,14 @@
 
 Layout: `<root>/step_00000042/{trainer.pt, extra.json}`. `trainer.pt` is the trainer's
 state dict (torch.save, read back with weights_only=True); `extra.json` holds what the
-driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` survive.
+driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` survive, pruned only
+after the new one is in place.
+
+A checkpoint as a whole (cluster/driver/checkpoint.py): the driver first writes the bank's dump and
+policy.safetensors into `stage(root, step)` (a hidden `.stage-step_N` dir locally, the unlisted
+step dir on an object store); the learner's `save` then adds the trainer state last, fsyncs, and
+renames it into place (or writes the marker last), so a step dir is visible only when every file
+of it is written. A full disk is `DiskFull`: one line, and the older checkpoints stay.
 
 `root` may also be an fsspec URI (s3://, gs://, …): common/storage.py then writes the same
 layout object by object, trainer.pt last (a step without it is never listed: the object-store
@@ -16,6 +23,7 @@ an actor. torch.load does not check the zip CRCs of a `trainer.pt`, so `verify` 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -41,6 +49,88 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint file is missing or damaged; the message names the file, the fault and the fix."""
 
 
+class DiskFull(CheckpointError):
+    """A checkpoint could not be written for want of space; nothing of it is visible."""
+
+
+STAGE = ".stage-"   # the hidden dir a checkpoint is assembled in before it is renamed into place
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC (or a quota), also when it reached us wrapped (a Ray task error's text)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e).lower()
+    return "no space left on device" in text or "disk quota exceeded" in text
+
+
+def disk_full_line(root: str | os.PathLike, step: int) -> str:
+    """The one line a full disk gives: where, how much is free, which checkpoint stands."""
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+    except (OSError, ValueError):
+        free = "free space unknown"
+    done = list_checkpoints(root)
+    stands = f"the newest complete checkpoint, {done[-1].name}, stands" if done else "no complete checkpoint yet"
+    return (f"{root}: no space left on device writing the checkpoint of step {step} ({free}); nothing of it "
+            f"was kept and {stands}; free space (or lower train.keep_checkpoints), then continue with vgrpo resume")
+
+
+def stage(root: str | os.PathLike, step: int) -> Path:
+    """Where the driver writes a checkpoint's bank dump and policy before `save` adds the trainer
+    state and makes it visible: a fresh hidden dir locally; on an object store the step dir
+    itself, unlisted first (its marker goes) when a step is saved again."""
+    if storage.is_uri(root):
+        d = storage.Uri(storage.join(str(root), f"{PREFIX}{step:08d}"))
+        for marker in (STATE_FILE, META_FILE):
+            if (d / marker).exists():
+                storage.remove(d / marker)
+        return d
+    d = Path(root) / f"{STAGE}{PREFIX}{step:08d}"
+    shutil.rmtree(d, ignore_errors=True)   # what a killed run left half-written
+    d.mkdir(parents=True)
+    return d
+
+
+def take_stage(root: Path, step: int) -> Path:
+    """The dir `save` writes into: the driver's stage for this step when there is one, else a fresh one."""
+    d = root / f"{STAGE}{PREFIX}{step:08d}"
+    if d.is_dir():
+        return d
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def write_torch(state: dict, path: Path) -> None:
+    """torch.save through our own file: a full disk is then OSError(ENOSPC), not torch's
+    'unexpected pos 1408 vs 1302'."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+
+
+def seal(tmp: Path, final: Path) -> None:
+    """fsync every file and dir under tmp, rename it to final (an older final is moved aside
+    first), fsync the parent: after a power cut the dir is there whole or not at all."""
+    for p in sorted(tmp.rglob("*"), key=lambda q: -len(q.parts)) + [tmp]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if final.exists():  # re-saving a step: move the old one aside first, rename is atomic
+        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{PREFIX}{step:08d}"
 
@@ -63,28 +153,42 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable (data cursor, bank watermark): {e}") from None
+    check_finite(state, f"checkpoint of step {step}")
     if storage.is_uri(root):
         files = {EXTRA_FILE: extra_json.encode(), STATE_FILE: lambda f: torch.save(state, f)}
         return storage.save_step(root, f"{PREFIX}{step:08d}", files, STATE_FILE, keep, PREFIX)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = take_stage(root, step)
     try:
-        torch.save(state, tmp / STATE_FILE)
+        write_torch(state, tmp / STATE_FILE)
         (tmp / EXTRA_FILE).write_text(extra_json, encoding="utf-8")
         final = step_dir(root, step)
-        if final.exists():  # re-saving a step: move the old one aside first, rename is atomic
-            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(final)
-    except BaseException:
+        seal(tmp, final)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise DiskFull(disk_full_line(root, step)) from None
         raise
-    for stale in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+    prune(root, keep)
     return final
+
+
+def prune(root: Path, keep: int, marker: str = STATE_FILE) -> None:
+    """After a new checkpoint is in place: all but the newest `keep`, and what killed writes left."""
+    for stale in list_checkpoints(root, marker)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
+    for left in root.glob(f"{STAGE}{PREFIX}*"):
+        shutil.rmtree(left, ignore_errors=True)
+
+
+def check_finite(state: dict, what: str) -> None:
+    """A trainer state's weights (policy.params) are never saved NaN/inf (learner/finite_guard.py)."""
+    from learner.finite_guard import check_weights
+
+    policy = state.get("policy")
+    if isinstance(policy, dict) and isinstance(policy.get("params"), dict):
+        check_weights(policy["params"], what)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -116,6 +220,9 @@ def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int
     weights or, with optim.ema_decay, their moving average; its metadata says which."""
     from safetensors.torch import save
 
+    from learner.finite_guard import check_weights
+
+    check_weights(payload, str(path))
     meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(version),
             "vgrpo.ema_decay": repr(float(decay)) if ema else "0.0"}
     data = save({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)
@@ -213,6 +320,8 @@ def read_extra(f: Path, keys: tuple[str, ...] = ()) -> dict:
         extra = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f}: not valid JSON, truncated or damaged ({e})") from None
+    except RecursionError:  # 100,000 nested brackets: nothing vgrpo writes
+        raise CheckpointError(f"{f}: nested too deeply to be vgrpo's (damaged or not written by vgrpo)") from None
     if not isinstance(extra, dict):
         raise CheckpointError(f"{f}: holds a JSON {type(extra).__name__}, not an object")
     for k in keys:

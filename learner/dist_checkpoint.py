@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,20 @@ from learner.checkpoint import (
     PREFIX,
     STATE_FILE,
     CheckpointError,
+    DiskFull,
+    disk_full_line,
+    is_disk_full,
     list_checkpoints,
     load_state_file,
+    prune,
     read_extra,
+    seal,
     set_aside_hint,
     step_dir,
     step_dirs,
+    take_stage,
     verify_file,
+    write_torch,
 )
 from learner.fsdp import barrier
 
@@ -85,32 +91,54 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
 
     timeout_s (learner.checkpoint_timeout_s) bounds the waits for the slowest rank's shard write
     and for rank 0's rename and clean-up; None waits as long as the group's collective timeout."""
+    _check_finite_everywhere(state, step, dist.get_world_size())
     if storage.is_uri(root):
         return _save_objects(storage.Uri(root), step, state, extra, keep, timeout_s)
     root, rank, world = Path(root), dist.get_rank(), dist.get_world_size()
-    # 1. rank 0 names the temp dir and tells the others
-    box = [f".tmp-{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    # 1. rank 0 takes the driver's stage (its bank dump and policy are in it) or a temp dir
+    box = [take_stage(root, step).name if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     tmp, final = root / box[0], step_dir(root, step)
     if rank == 0:
-        tmp.mkdir(parents=True)
         (tmp / EXTRA_FILE).write_text(json.dumps(extra, sort_keys=True), encoding="utf-8")
     dist.barrier()
-    # 2. every rank writes its shard
-    torch.save(to_local(state), tmp / shard_file(rank))
-    _wait(timeout_s, "wrote its checkpoint shard")
-    # 3. rank 0 seals it (meta last: list_sharded only sees complete dirs) and renames
+    # 2. every rank writes its shard (a full disk: its flag, so every rank agrees to give up)
+    try:
+        write_torch(to_local(state), tmp / shard_file(rank))
+        failed = 0
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        failed = 1
+    _wait(timeout_s, "wrote its checkpoint shard")   # a slow rank meets the barrier's timeout, not a collective's
+    flags: list = [None] * world
+    dist.all_gather_object(flags, failed)
+    if any(flags):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFull(disk_full_line(root, step))
+    # 3. rank 0 seals it (meta last: list_sharded only sees complete dirs), renames, prunes
     if rank == 0:
         (tmp / META_FILE).write_text(json.dumps({"world_size": world, "step": step}), encoding="utf-8")
-        if final.exists():
-            old = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(final)
-        for stale in list_sharded(root)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+        seal(tmp, final)
+        prune(root, keep, META_FILE)
     _wait(timeout_s, "saw the checkpoint sealed")
     return final
+
+
+def _check_finite_everywhere(state: dict, step: int, world: int) -> None:
+    """Every rank refuses together when any rank's shard holds a non-finite weight."""
+    try:
+        single_rank.check_finite(to_local(state), f"checkpoint of step {step}, rank {dist.get_rank()}")
+        bad = None
+    except ValueError as e:
+        bad = str(e)
+    found: list = [None] * world
+    dist.all_gather_object(found, bad)
+    if any(found):
+        from learner.finite_guard import NonFiniteWeights
+
+        raise NonFiniteWeights(next(f for f in found if f))
 
 
 def _wait(timeout_s: float | None, what: str) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from common.config import RunConfig
 from common.types import Cond, TrainBatch, TrainStats
-from learner import checkpoint
+from learner import checkpoint, finite_guard
 from learner.kl import KLController
 from learner.losses import LossConfig, compute_loss
 from learner.nft import (
@@ -128,11 +128,15 @@ class Trainer:
         # 3. accumulate gradients over this rank's micro-batches
         stats, first_logratio, onp_max = self._accumulate(rows, cond_all, lam_kl, rank, world_size, reduce)
 
-        # 4. clip, step the fp32 masters, round them into the compute weights
-        grad_norm = self._optimizer_step()
+        # 4. clip, step the fp32 masters, round them into the compute weights (a non-finite
+        # loss or gradient: no step, nothing moves; learner/finite_guard.py)
+        grad_norm = self._optimizer_step(stats["loss"])
+        skipped = not finite_guard.finite(stats["loss"], grad_norm)
 
         # 5. anchors and λ_KL for the next step
-        self._move_anchors(stats)
+        if not skipped:
+            self._move_anchors(stats)
+        stats.update(finite_guard.step_stats(batch, skipped))
         stats.update(rows.stats)
         if not self.nft:
             stats.update(_onpolicy_stats(stats, onp_max))
@@ -173,13 +177,18 @@ class Trainer:
             sums, onp_max = reduce(torch.cat([sums, onp_max])).split([len(keys), world_size])
         return dict(zip(keys, sums.tolist(), strict=True)), first_logratio, float(onp_max.max())
 
-    def _optimizer_step(self) -> float:
-        """Clip, step the fp32 masters, round them into the compute weights; the pre-clip grad norm."""
+    def _optimizer_step(self, loss: float) -> float:
+        """Clip, step the fp32 masters, round them into the compute weights; the pre-clip grad norm.
+        A non-finite loss or norm (batch-wide: every rank agrees) skips the step."""
         policy = self.policy
         policy.grads_to_master()
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.optim_parameters(), self.cfg.optim.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if not finite_guard.finite(loss, float(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            return float(grad_norm)
         self.optimizer.step()
         policy.master_to_params()
         self.version += 1

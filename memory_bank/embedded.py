@@ -195,6 +195,11 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (a watchdog of the caller's stops it if the caller is killed)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def url(self) -> SecretStr:
         """unix://:PASSWORD@/dir/redis.sock?db=0 (or redis://:PASSWORD@HOST:PORT/0),
         wrapped so it is not printed by accident."""

@@ -4,8 +4,6 @@ before/after result, training health and wall time."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +22,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def _last_row(metrics: Path) -> dict[str, Any]:
     last: dict[str, Any] = {}
     if metrics.is_file():
@@ -50,6 +38,8 @@ def describe(path) -> dict[str, Any]:
     """What `vgrpo runs` shows for one run directory (a Path, or a storage.Uri on an object store)."""
     import yaml
 
+    from cluster.runs.run_dir import is_stale
+
     path = storage.location(path)
     try:
         cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
@@ -59,7 +49,7 @@ def describe(path) -> dict[str, Any]:
     last = _last_row(path / "metrics.jsonl")
     status = _read_json(path / "status.json")
     state, reason = status.get("state", "unknown"), status.get("reason")
-    if state == "running" and status.get("host") == socket.gethostname() and not _alive(int(status.get("pid", 0))):
+    if is_stale(status):
         state, reason = "stopped", "the process ended without saying why (killed or crashed)"
     sessions = status.get("sessions") or []
     wall = sum((end if end is not None else (time.time() if state == "running" else start)) - start

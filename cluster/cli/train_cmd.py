@@ -58,19 +58,31 @@ def resume(args) -> int:
     cfg = load_config(run_dir.path / "config.yaml", args.overrides)
     root = run_dir.checkpoints
     newest = dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
-    check_saved_state(newest)  # the driver's fields too, before Ray starts
+    notes = check_saved_state(run_dir, newest, cfg)  # every field a resume reads, before Ray starts
     preflight(cfg)
+    for line in notes:
+        print(f"note: {line}")
     run_dir.video_fps = cfg.log.video_fps
     return _run(cfg, run_dir, resume=root, evaluate=not args.no_eval)
 
 
-def check_saved_state(ckpt) -> None:
-    """The checkpoint's (a step dir: a Path or a storage.Uri) driver state (extra.json) reads as a DriverState, or one line naming the
-    file and the field (CheckpointError, exit 2) before anything starts."""
+def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
+    """Every file a resume reads, as the record it should be (cluster/driver/saved_state.py):
+    extra.json as a DriverState, trainer.pt's structure and shapes, the bank dump's counts,
+    status.json and metrics.jsonl. One line naming the file and the field (exit 2) before
+    anything starts; returns the notes (a stale `running` status, a torn last metrics line)."""
+    from cluster.driver import saved_state
     from cluster.driver.state import DriverState
-    from learner.checkpoint import EXTRA_FILE, read_extra
+    from learner.checkpoint import EXTRA_FILE, STATE_FILE, read_extra
 
-    DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
+    saved = DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
+    if (ckpt / STATE_FILE).is_file():  # a sharded checkpoint's shards are checked by its ranks
+        saved_state.check_trainer_state(ckpt, cfg, saved.step)
+    saved_state.check_bank_index(ckpt)
+    status = saved_state.check_status(run_dir.status_file)
+    notes = [n for n in (saved_state.check_not_running(run_dir.status_file, status),
+                         run_dir.metrics_rows()[1]) if n]
+    return notes
 
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:
@@ -126,13 +138,15 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
     with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
         driver.run(progress)
     driver.checkpoint()
+    if driver.checkpoint_failed and driver.stop_reason is None:  # a full disk at the last checkpoint
+        driver.stop_reason = driver.checkpoint_failed
     if driver.stop_reason is not None:
         # a fault the run could not ride out: one line, and how to continue
         health = report_health(driver.health, driver.step, console)
         run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
         console.print(f"error: {driver.stop_reason}")
         console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
-        return 1, "stopped", driver.stop_reason
+        return driver.stop_code, "stopped", driver.stop_reason
     if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
         console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
         by = driver.stopped_by or "Ctrl-C"

@@ -4,14 +4,24 @@ The learner's ranks write their own state; the driver adds its `DriverState` and
 watermark to extra.json; the bank's entries are dumped beside it; and rank 0 writes
 policy.safetensors, so `vgrpo eval/sample` can load the policy without the learner (the
 weights never pass through the driver).
+
+A checkpoint is visible only when whole: the bank dump and the policy go first, into the
+learner's stage for the step (learner/checkpoint.py `stage`); the trainer state goes last and
+makes the step dir appear (a rename locally, the marker object on an object store); older
+checkpoints are pruned only after that. A kill or a full disk part-way leaves the last complete
+checkpoint as it was, and a full disk is one line (`DiskFull`).
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from cluster.driver.state import DriverState
+from common import storage
+from learner import checkpoint as ckpt
+from learner.checkpoint import DiskFull
 
 
 def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]) -> Path:
@@ -24,11 +34,19 @@ def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callab
     except BankUnavailable as e:  # the bank's own entries stay in Redis (AOF); resume requeues
         extra["bank"] = None
         note(f"checkpoint without a bank watermark: {e}")
-    path = learner.save_checkpoint(root, extra)
-    if extra["bank"] is None:  # Redis is unreachable: nothing to dump either
-        note("checkpoint without the bank's data: Redis was unreachable")
-    elif (lost := dump_bank(bank, path)) is not None:  # the bank's data rides along
-        note(lost)
-    learner.save_policy(path / "policy.safetensors")
+    staged = ckpt.stage(root, state.step)
+    try:
+        if extra["bank"] is None:  # Redis is unreachable: nothing to dump either
+            note("checkpoint without the bank's data: Redis was unreachable")
+        elif (lost := dump_bank(bank, staged)) is not None:  # the bank's data rides along
+            note(lost)
+        learner.save_policy(staged / "policy.safetensors")
+        path = learner.save_checkpoint(root, extra)   # the trainer state last: now it is visible
+    except Exception as e:
+        if not storage.is_uri(root):
+            shutil.rmtree(staged, ignore_errors=True)  # the stage goes; the last complete checkpoint stands
+        if ckpt.is_disk_full(e):
+            raise DiskFull(ckpt.disk_full_line(root, state.step)) from None
+        raise
     note(f"checkpoint written: {path}")
     return path

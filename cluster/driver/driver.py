@@ -41,7 +41,7 @@ import numpy as np
 
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
-from cluster.driver.errors import LeaseStop, StopRun, bank_call, is_lease_lost
+from cluster.driver.errors import ConfigStop, LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle
 from cluster.driver.preflight import check_model_path
@@ -71,6 +71,7 @@ class Started:
     lease: Any = None
     placements: list[Placement] = field(default_factory=list)
     actors: list = field(default_factory=list)  # reward actors, rollout actors, the weight registry
+    watchdog: Any = None           # stops the redis-server and deletes the URL file if the driver is killed
 
 
 class Driver:
@@ -84,9 +85,11 @@ class Driver:
         self.metrics = Metrics(backend="memory", role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {})
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or a signal)
+        self.stop_code = 1                      # `vgrpo train`'s exit status for that stop
         self.stopped_by: str | None = None      # "Ctrl-C" or "SIGTERM": the signal that asked the run to stop
         self.learner_lost = False
         self.lease_lost = False
+        self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
         self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
         self.stream = PromptStream([], cfg.train.seed, self.state)
         # set by setup(): the bank, the pools and the loop's parts
@@ -145,11 +148,29 @@ class Driver:
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
         self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url(), other_nodes=spans)
+        self._guard()
         if self.bank_ref.server is not None:
             s.actors.append(self.bank_ref.server)
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
+
+    def _guard(self) -> None:
+        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
+        and deletes the Redis URL file (cluster/driver/watchdog.py)."""
+        from cluster.driver.watchdog import Watchdog
+
+        s = self.started
+        if s.redis is None and s.secret_dir is None:
+            return
+        s.watchdog = Watchdog.start()
+        if s.redis is not None and s.redis.pid is not None:
+            s.watchdog.kill_with_me(s.redis.pid)
+            sock = s.redis.socket  # a short 0700 directory of its own when the run dir's path is too long
+            if sock is not None and sock.parent != s.redis.data_dir:
+                s.watchdog.remove_with_me(sock.parent)
+        if s.secret_dir is not None:
+            s.watchdog.remove_with_me(s.secret_dir)
 
     def _start_pools(self) -> None:
         from cluster.driver.pools import reward_actor_count
@@ -197,7 +218,8 @@ class Driver:
 
         commit = lambda gids, step: self._bank("commit", self.learner.commit_ids, gids, step)  # noqa: E731
         restore(self.state, self.learner.load_checkpoint(ckpt), ckpt, self.bank, commit, self.note)
-        self.run_dir.truncate_metrics(self.state.step)
+        if (torn := self.run_dir.truncate_metrics(self.state.step)) is not None:
+            self.note(torn)
         self.publisher.publish(self.state.step)
         s = self.state
         queued = s.counts["groups_produced"] - s.counts["groups_trained"]
@@ -276,7 +298,21 @@ class Driver:
             raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
                           f"with: vgrpo resume {self.run_dir.location}") from None
         self.timers["train"] += time.monotonic() - t0
+        self._skipped(stats.values)
         return _step_values(stats.values, pulled, s.step - 1)
+
+    def _skipped(self, values: dict[str, Any]) -> None:
+        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted and
+        said, naming the groups; the health check `numerics` stops the run when it goes on."""
+        from learner.finite_guard import GROUPS, SKIPPED
+
+        if values.get(SKIPPED) != 1.0:
+            return
+        with self.state.lock:
+            self.state.counts["updates_skipped"] += 1
+        self.note(f"step {self.state.step}: non-finite loss or gradient (loss {values.get('loss')}, grad norm "
+                  f"{values.get('grad_norm')}): the optimizer step was skipped, the weights are unchanged; "
+                  f"from group(s) {values.get(GROUPS)}")
 
     def _commit(self, gids: list[str]) -> None:
         try:
@@ -334,6 +370,7 @@ class Driver:
             # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
             self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
+            self.stop_code = 2 if isinstance(e, ConfigStop) else 1  # 2: the settings, not a fault
             self.stop_requested.set()
             log.error("run stopped at step %d: %s", self.state.step, e)
             self.note(f"stopping at step {self.state.step}: {e}")
@@ -409,8 +446,8 @@ class Driver:
         if s.step % 5 == 0 or s.step == self.cfg.train.steps:
             self.run_dir.plot_rewards(self.heads())
         step_videos(self.cfg, s.step, self.rollouts, self.run_dir)  # every log.video_every steps
-        if s.step % self.cfg.train.checkpoint_every == 0:
-            self.checkpoint()
+        if s.step % self.cfg.train.checkpoint_every == 0 and self.checkpoint() is None and self.checkpoint_failed:
+            raise StopRun(self.checkpoint_failed)
         self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def _heldout(self, start: bool = False) -> None:
@@ -444,7 +481,15 @@ class Driver:
             why = "the learner is gone" if self.learner_lost else "another run holds the bank's lease"
             self.note(f"no checkpoint: {why}; the last checkpoint stands")
             return None
-        return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
+        from learner.checkpoint import DiskFull
+
+        self.checkpoint_failed = None
+        try:
+            return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
+        except DiskFull as e:  # one line; the run stops at this step (`_after_step`), the last checkpoint stands
+            self.checkpoint_failed = str(e)
+            self.note(f"no checkpoint: {e}")
+            return None
 
     def teardown(self) -> None:
         """Stop what setup started, in reverse order (setup may have stopped part-way)."""
@@ -465,6 +510,8 @@ class Driver:
             s.redis.stop()
         if s.secret_dir is not None:
             shutil.rmtree(s.secret_dir, ignore_errors=True)
+        if s.watchdog is not None:  # done by hand: it has nothing left to do
+            s.watchdog.stop()
         if s.ray is not None:
             s.ray.shutdown()
 

@@ -25,6 +25,11 @@ def is_lease_lost(e: BaseException) -> bool:
     return isinstance(e, LeaseLost) or isinstance(getattr(e, "cause", None), LeaseLost)
 
 
+class ConfigStop(StopRun):
+    """The run cannot go on with its settings (bank.max_bytes below one step's groups): it stops
+    like any StopRun, with a checkpoint, and `vgrpo train` exits 2 (bad input) instead of 1."""
+
+
 def bank_call(what: str, fn, *args, outage_s: float, metrics=None, **kw):
     """A bank call (here, or on an actor through Ray) retried with backoff while Redis is
     unreachable, for up to `outage_s` (common/retry.py); then StopRun naming the call and cause."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.driver.errors import LeaseStop, StopRun
+from cluster.driver.errors import ConfigStop, LeaseStop, StopRun
 from cluster.driver.state import DriverState, group_id
 from cluster.driver.stream import PromptStream
 from common.types import GroupReceipt
@@ -206,7 +206,9 @@ class RolloutFleet:
             return
         if rec.failure == "lease_lost":  # the bank refused this run's push: another run holds it
             raise LeaseStop(self.cfg.bank.namespace)
-        if rec.failure in ("bank_unavailable", "fatal"):
+        if rec.failure == "fatal":  # the settings cannot work (a step that cannot fit the bank)
+            raise ConfigStop(f"{rec.detail}; stopping")
+        if rec.failure == "bank_unavailable":
             raise StopRun(f"{rec.detail}; stopping")
         s.counts["groups_refilled"] += 1
         if rec.failure == "reward_restarting":

@@ -14,13 +14,13 @@ POLICY_FILE = "policy.safetensors"
 def policy_checkpoints(run) -> list:
     """A run's checkpoint dirs that hold the exported policy, oldest first (Paths, or Uris for a
     run on an object store)."""
-    from learner.checkpoint import PREFIX
+    from learner.checkpoint import step_dirs
 
     root = storage.location(run) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [d for d in root.glob(f"{PREFIX}*") if d.name[len(PREFIX):].isdigit() and (d / POLICY_FILE).is_file()]
-    return sorted(found, key=lambda d: int(d.name[len(PREFIX):]))
+    # step_dirs: on an object store only those whose marker is written (the policy goes in first)
+    return [d for d in step_dirs(root) if (d / POLICY_FILE).is_file()]
 
 
 def resolve_target(target: str, config: str | None, step: int | None = None):

@@ -7,7 +7,9 @@ config asks for (`health.stop_on` / `health.off`, else warn) and keeps the run's
 
 Checks:
 - numerics     the first update: max |log r| over rows the current weights sampled, recomputed by
-               the learner, against health.numerics_frac·grpo.clip_eps (sampler/learner mismatch)
+               the learner, against health.numerics_frac·grpo.clip_eps (sampler/learner mismatch);
+               and health.nonfinite_max optimizer steps in a row skipped for a non-finite loss or
+               gradient (learner/finite_guard.py)
 - clip         clip fraction of on-policy rows above health.clipfrac_max
 - approx_kl    approximate KL of on-policy rows above health.approx_kl_max
 - zero_spread  share of groups whose rewards are all equal, and which heads are saturated
@@ -86,6 +88,16 @@ def check_numerics(record: dict[str, Any], cfg: RunConfig) -> list[Message]:
              "a different sde.scheme, η or σ schedule, or classifier-free guidance differing between them")]
 
 
+def check_nonfinite(record: dict[str, Any], cfg: RunConfig, in_a_row: int) -> list[Message]:
+    """`in_a_row` steps skipped by the finite-update guard, this one included."""
+    n = cfg.health.nonfinite_max
+    if in_a_row < n:
+        return []
+    return [("numerics", f"{in_a_row} optimizer steps in a row had a non-finite loss or gradient and were skipped "
+             f"(health.nonfinite_max = {n}; the weights are unchanged, nothing trains); the last from group(s) "
+             f"{record.get('nonfinite_groups')}: check those groups' latents and rewards, or lower optim.lr")]
+
+
 def check_on_policy(record: dict[str, Any], cfg: RunConfig) -> list[Message]:
     out: list[Message] = []
     h = cfg.health
@@ -135,6 +147,7 @@ class HealthMonitor:
         self.against: set[str] = set()               # heads head_against flagged in the training trend
         self.cleared: dict[str, str] = {}            # of those, the ones held out rose: head → the numbers
         self.numerics: dict[str, float] | None = None
+        self.skipped_in_a_row = 0                    # steps the finite-update guard skipped, in a row
         self.values: dict[str, float] = {}           # the last trend / held-out numbers, for the row
         self.stop_reason: str | None = None
 
@@ -152,6 +165,8 @@ class HealthMonitor:
                              "limit": self.h.numerics_frac * self.cfg.grpo.clip_eps,
                              "clip_eps": self.cfg.grpo.clip_eps}
             msgs += check_numerics(record, self.cfg)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if record.get("update_skipped") == 1.0 else 0
+        msgs += check_nonfinite(record, self.cfg, self.skipped_in_a_row)
         msgs += check_on_policy(record, self.cfg)
         msgs += check_zero_spread(record, self.cfg)
         msgs += self._trends(record)

@@ -25,6 +25,12 @@ import numpy as np
 
 from common import storage
 from common.config import RunConfig, save_config
+from common.errors import UserError
+
+
+class RunFileError(UserError, ValueError):
+    """A run directory's own file (metrics.jsonl, status.json) is damaged; the message names it."""
+
 
 LOCAL_ONLY = ("redis", "checkpoints")   # never mirrored: Redis' own files; the learner writes the other
 
@@ -156,6 +162,8 @@ class RunDir:
         sessions = status.get("sessions", [])
         now = time.time()
         if state == "running":
+            if sessions and sessions[-1][1] is None:  # a session killed without closing it (stale)
+                sessions[-1][1] = max(sessions[-1][0], status.get("updated") or sessions[-1][0])
             sessions.append([now, None])
             status.update(pid=os.getpid(), host=socket.gethostname())
         elif sessions and sessions[-1][1] is None:
@@ -167,14 +175,38 @@ class RunDir:
         self.sync()
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_file.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        return self.metrics_rows()[0]
 
-    def truncate_metrics(self, after_step: int) -> None:
-        """On resume: drop lines past the checkpoint's step so the curve has no duplicate steps."""
-        keep = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
+    def metrics_rows(self) -> tuple[list[dict[str, Any]], str | None]:
+        """(rows, note). A torn last line (what a kill or a full disk leaves) is dropped, and the
+        note says so; a damaged line before it is a RunFileError naming the file and the line."""
+        if not self.metrics_file.exists():
+            return [], None
+        lines = self.metrics_file.read_text(encoding="utf-8", errors="replace").splitlines()
+        rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+                    raise ValueError("not a step record")
+            except ValueError as e:
+                if i == last:
+                    return rows, (f"{self.metrics_file}: dropped its torn last line ({len(line)} characters, "
+                                  "what a kill or a full disk leaves)")
+                raise RunFileError(f"{self.metrics_file}: line {i + 1} is damaged ({str(e)[:80]}); "
+                                   "remove that line, or move the file aside to resume without the curve so far") from None
+            rows.append(row)
+        return rows, None
+
+    def truncate_metrics(self, after_step: int) -> str | None:
+        """On resume: drop lines past the checkpoint's step so the curve has no duplicate steps
+        (and a torn last line); returns the note about a torn line, if there was one."""
+        rows, note = self.metrics_rows()
+        keep = [r for r in rows if r.get("step", 0) <= after_step]
         self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        return note
 
     def plot_rewards(self, heads: list[str]) -> Path:
         """Reward per step (composite and heads), with a moving average; rewritten as the run goes."""
@@ -208,6 +240,23 @@ class RunDir:
         if self.tracker is not None and rows:
             self.tracker.image("reward_curve", self.curve_file, rows[-1]["step"])
         return self.curve_file
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def is_stale(status: dict[str, Any]) -> bool:
+    """A `running` status whose process on this host is gone (SIGKILL, OOM, a power cut)."""
+    pid = status.get("pid")
+    return (status.get("state") == "running" and status.get("host") == socket.gethostname()
+            and isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not pid_alive(pid))
 
 
 def _in_use(where) -> bool:

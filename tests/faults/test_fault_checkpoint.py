@@ -167,6 +167,107 @@ def test_resume_with_wrong_driver_fields_is_one_line_before_ray(work, field, val
     assert _hashes(work) == before
 
 
+def _edit_state(d: Path, edit) -> Path:
+    """trainer.pt loaded, changed by `edit`, saved whole again (its CRCs right: only the fields lie)."""
+    f = d / "trainer.pt"
+    state = torch.load(f, weights_only=True)
+    edit(state)
+    torch.save(state, f)
+    return f
+
+
+def _one_element(state: dict) -> None:  # every weight 1 element: copy_ would broadcast it silently
+    params = state["policy"]["params"]
+    for n in params:
+        params[n] = params[n].flatten()[:1].clone()
+
+
+def _bank_index(d: Path, **fields) -> Path:
+    """A bank dump index as memory_bank/dump.py writes it (no entries), with `fields` replaced."""
+    import json
+
+    index = {"format": 1, "namespace": "vgrpo", "time": 0.0, "groups": [], "conds": {}, "bankz": {},
+             "einfo": {}, "counts": {"pushed": "4"}, "entries": {}, "sha256": "", "size": 0, **fields}
+    (d / "bank").mkdir(exist_ok=True)
+    (d / "bank/index.json").write_text(json.dumps(index))
+    return d / "bank/index.json"
+
+
+def _status(run: Path, **fields) -> Path:
+    import json
+    import socket
+
+    status = {"state": "stopped", "reason": None, "pid": 12345, "host": socket.gethostname(),
+              "sessions": [[1.0, 2.0]], "updated": 2.0, **fields}
+    (run / "status.json").write_text(json.dumps(status))
+    return run / "status.json"
+
+
+DAMAGE = {  # case -> (damage(work, newest dir) -> the file named, what the line says)
+    "1-element weights": (lambda w, d: _edit_state(d, _one_element), "policy.params."),
+    "another fine-tune mode": (lambda w, d: _edit_state(d, lambda s: s.update(finetune="full")), "'finetune'"),
+    "rng {}": (lambda w, d: _edit_state(d, lambda s: s.update(rng={})), "'rng'"),
+    "version not the step": (lambda w, d: _edit_state(d, lambda s: s.update(version=99)), "'version'"),
+    "negative entry bytes in the bank dump": (
+        lambda w, d: _bank_index(d, einfo={"e1": '{"b": -21000000, "c": 0.5}'}), "'einfo.e1'"),
+    "negative group bytes in the bank dump": (
+        lambda w, d: _bank_index(d, groups=[{"id": "g1", "fields": {"bytes": "-5"}}]), "'groups[0].fields.bytes'"),
+    "bank entries past the file": (
+        lambda w, d: _bank_index(d, size=10, entries={"e1": [0, 8, 100]}), "'entries.e1'"),
+    "a negative condition record size in the bank dump": (
+        lambda w, d: _bank_index(d, size=10, cond_records={"c1": [0, -1, 5]}), "'cond_records.c1'"),
+    "status sessions not a list": (lambda w, d: _status(w / "run", sessions="x"), "'sessions'"),
+    "status pid negative": (lambda w, d: _status(w / "run", pid=-1), "'pid'"),
+    "status of a live run": (lambda w, d: _status(w / "run", state="running", pid=os.getpid()), "still running"),
+    "100k-deep extra.json": (
+        lambda w, d: (d / "extra.json").write_text("[" * 100_000 + "]" * 100_000) and d / "extra.json",
+        "nested too deeply"),
+    "metrics line damaged before the last": (
+        lambda w, d: (w / "run/metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+        and w / "run/metrics.jsonl", "line 2 is damaged"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_resume_reads_trainer_state_status_bank_dump_and_metrics_before_ray(work, case):
+    """Fields a crash or a hand leaves wrong in trainer.pt, the bank dump, status.json or
+    metrics.jsonl: one line naming the file and the field, exit 2, before Ray, nothing changed."""
+    damage, needle = DAMAGE[case]
+    f = damage(work, work / "run/checkpoints" / NEWEST)
+    before = _hashes(work)
+    out = _vgrpo("resume", str(work / "run"))
+    _assert_one_line(out, f, needle)
+    assert "Ray" not in out.stdout + out.stderr
+    assert _hashes(work) == before
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_note_and_a_stale_status_recognised(work):
+    """What a SIGKILL leaves: half a metrics line, and status.json still `running` with a dead
+    pid. Both are read before Ray as notes, the torn line is dropped on resume, and the stale
+    session is closed (its wall time no longer grows)."""
+    import json
+
+    from cluster.cli.runs_cmd import describe
+    from cluster.cli.train_cmd import check_saved_state
+
+    run = RunDir.open(work / "run")
+    rows = [{"step": s, "reward_mean": 0.1 * s} for s in (1, 2, 3, 4)]
+    run.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "rew')
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _status(work / "run", state="running", pid=dead.pid, sessions=[[100.0, None]], updated=160.0)
+    assert describe(work / "run")["status"] == "stopped"  # `vgrpo runs` sees it for what it is
+    cfg = load_config(work / "run/config.yaml")
+    notes = check_saved_state(run, run.checkpoints / NEWEST, cfg)
+    assert any("torn last line" in n and "metrics.jsonl" in n for n in notes), notes
+    assert any(f"pid {dead.pid}" in n and "ended without saying why" in n for n in notes), notes
+    assert run.truncate_metrics(3) is not None  # what the driver's restore does: no crash
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3]
+    run.set_status("running")
+    sessions = run.read_status()["sessions"]
+    assert sessions[0] == [100.0, 160.0] and sessions[1][1] is None
+
+
 def test_damaged_policy_on_eval_and_sample_is_one_line_and_writes_nothing(work):
     f = work / "run/checkpoints" / NEWEST / "policy.safetensors"
     _truncate(f)

@@ -1,0 +1,175 @@
+"""A checkpoint as a whole: visible only when every file of it is written, older ones pruned only
+after it, and a full disk is one line (a real, small tmpfs: the kernel's own ENOSPC).
+
+The driver's writer (cluster/driver/checkpoint.py) runs here on a real Trainer, a real bank on a
+real redis-server and real files; the learner is the Trainer in this process, as a learner rank
+with one process runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from bank_helpers import make_group
+from helpers_tiny import TinyVideoModel
+
+from cluster.driver.checkpoint import write_checkpoint
+from cluster.driver.state import DriverState
+from cluster.evaluation.policy import policy_checkpoints
+from common import storage
+from common.config import RunConfig
+from learner import checkpoint, dist_checkpoint
+from learner.checkpoint import DiskFull, write_policy
+from learner.trainer import Trainer
+from memory_bank.dump import restore_bank
+
+SHAPE = (4, 6, 16, 16)  # with 8 layers, each part of a checkpoint is many pages
+
+
+class OneRank:
+    """What write_checkpoint asks of the learner (LearnerGroup.save_checkpoint / save_policy),
+    done as a single learner rank does it, on a real Trainer in this process."""
+
+    def __init__(self, trainer: Trainer, die_in: str | None = None):
+        self.trainer, self.die_in = trainer, die_in
+
+    def save_policy(self, path) -> None:
+        if self.die_in == "policy":
+            raise SystemExit("killed while writing the policy")  # not caught: what a kill leaves
+        t = self.trainer
+        write_policy(path, t.weights_payload(ema=True), ema=t.exports_ema, version=t.version,
+                     decay=t.cfg.optim.ema_decay)
+
+    def save_checkpoint(self, root, extra):
+        return storage.location(self.trainer.save_checkpoint(root, extra))
+
+
+def _trainer() -> Trainer:
+    cfg = RunConfig.model_validate({"optim": {"finetune": "full"}, "train": {"keep_checkpoints": 1}})
+    return Trainer(cfg, TinyVideoModel(seed=0, layers=8)).setup()
+
+
+def _fill(bank) -> None:
+    for i in range(4):
+        bank.push_group(make_group(f"c{i % 2}", f"g{i}", g=2, seed=i, shape=SHAPE))
+    bank.commit(bank.pull(2, 0), 1)
+
+
+def _save(rank: OneRank, bank, root, step: int):
+    rank.trainer.version = step
+    notes: list[str] = []
+    return write_checkpoint(rank, bank, DriverState(step=step, cursor=step), root, notes.append), notes
+
+
+def _du(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) → a fresh tmpfs of that many bytes at a new dir; unmounted afterwards."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.mark.parametrize("fails_in", ["bank dump", "policy", "trainer state"])
+def test_a_full_disk_is_one_line_and_the_last_complete_checkpoint_stands(small_disk, bank, tmp_path, fails_in):
+    _fill(bank)
+    rank = OneRank(_trainer())
+    # the parts' sizes, from one checkpoint written where there is room
+    probe, _ = _save(rank, bank, tmp_path / "probe", 1)
+    sizes = {"bank dump": _du(probe / "bank"), "policy": (probe / "policy.safetensors").stat().st_size,
+             "trainer state": _du(probe) - _du(probe / "bank") - (probe / "policy.safetensors").stat().st_size}
+    assert min(sizes.values()) > 8 * 4096, sizes  # each part is many pages: the fill below is exact enough
+    order = ["bank dump", "policy", "trainer state"]  # the order the parts are written in
+    before = sum(sizes[p] for p in order[:order.index(fails_in)])
+    disk = small_disk(_du(probe) + before + sizes[fails_in] // 2 + 64 * 1024)
+    root = disk / "checkpoints"
+    first, _ = _save(rank, bank, root, 1)
+    # fill the disk so that the next checkpoint runs out of room half-way through `fails_in`
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - before - sizes[fails_in] // 2))
+
+    with pytest.raises(DiskFull) as err:
+        _save(rank, bank, root, 2)
+    line = str(err.value)
+    assert "\n" not in line and "no space left on device" in line and "step 2" in line, line
+    assert "step_00000001, stands" in line and str(root) in line, line
+    # nothing of step 2 is visible or left behind; step 1 is whole: state, bank, policy
+    assert [p.name for p in root.iterdir()] == ["step_00000001"]
+    assert checkpoint.list_checkpoints(root) == [first]
+    assert dist_checkpoint.verify_newest(root, 1) == first
+    assert [p.name for p in policy_checkpoints(disk)] == ["step_00000001"]
+    assert (first / "bank" / "index.json").is_file() and (first / "policy.safetensors").is_file()
+    bank.clear()
+    assert "restored" in restore_bank(bank, first)
+
+
+@pytest.fixture(params=["local", "s3"])
+def ckpt_root(request, tmp_path):
+    if request.param == "local":
+        return tmp_path / "checkpoints"
+    return storage.Uri(request.getfixturevalue("s3_root")) / f"run-{uuid.uuid4().hex[:6]}" / "checkpoints"
+
+
+def test_a_kill_part_way_through_a_checkpoint_leaves_it_invisible_and_the_older_one_whole(bank, ckpt_root):
+    """Killed after the bank dump, before the policy and the trainer state: resume, eval and
+    sample see only the older checkpoint, whole; the next checkpoint clears what was left."""
+    _fill(bank)
+    trainer = _trainer()
+    first, _ = _save(OneRank(trainer), bank, ckpt_root, 1)
+    with pytest.raises(SystemExit):
+        _save(OneRank(trainer, die_in="policy"), bank, ckpt_root, 2)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt_root)] == ["step_00000001"]
+    assert dist_checkpoint.verify_newest(ckpt_root, 1).name == "step_00000001"
+    assert [p.name for p in policy_checkpoints(ckpt_root.parent)] == ["step_00000001"]
+    state, extra, d = checkpoint.load(ckpt_root)
+    assert d.name == "step_00000001" and extra["step"] == 1 and state["version"] == 1
+    assert (first / "bank" / "index.json").is_file() and (first / "policy.safetensors").is_file()
+    # the next checkpoint is whole, and then the only one (train.keep_checkpoints = 1)
+    third, _ = _save(OneRank(trainer), bank, ckpt_root, 3)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt_root)] == ["step_00000003"]
+    assert (third / "bank" / "index.json").is_file() and (third / "policy.safetensors").is_file()
+    if not storage.is_uri(ckpt_root):
+        assert sorted(p.name for p in ckpt_root.iterdir()) == ["step_00000003"]  # no stage left over
+
+
+def test_a_checkpoint_saved_again_at_the_same_step_is_never_seen_half_new(bank, ckpt_root):
+    """The final checkpoint of a run often repeats the last periodic one's step: killed part-way,
+    the step is either the old checkpoint whole or (on an object store) not listed at all."""
+    _fill(bank)
+    trainer = _trainer()
+    _save(OneRank(trainer), bank, ckpt_root, 1)
+    with torch.no_grad():
+        for p in trainer.policy.optim_parameters():
+            p.add_(1.0)
+    with pytest.raises(SystemExit):
+        _save(OneRank(trainer, die_in="policy"), bank, ckpt_root, 1)
+    listed = checkpoint.list_checkpoints(ckpt_root)
+    if storage.is_uri(ckpt_root):
+        assert listed == []  # unlisted before any of its files changed
+    else:
+        assert [p.name for p in listed] == ["step_00000001"]
+        assert (listed[0] / "policy.safetensors").is_file() and (listed[0] / "bank" / "index.json").is_file()
