@@ -68,6 +68,21 @@ class VideoModel(ABC):
     def trainable_module(self) -> nn.Module:
         """The module the learner trains (and a weights payload targets)."""
 
+    def transformers(self) -> list[nn.Module]:
+        """The diffusers transformer(s) `velocity` runs: what sequence parallelism, the attention
+        backend and block compilation act on (Wan 2.2: both experts)."""
+        return [self.trainable_module()]
+
+    def enable_sp(self, mesh) -> None:
+        """Split every transformer's video tokens over the mesh's "ulysses" ranks (Ulysses SP,
+        rollout_worker/models/sp.py); every rank of the mesh calls it at once, after LoRA injection."""
+        from rollout_worker.models.sp import check_splittable, enable_sp, video_tokens
+
+        sp = mesh["ulysses"].size()
+        for t in self.transformers():
+            check_splittable(t, video_tokens(t, self.latent_shape), sp, "parallel.sp")
+            enable_sp(t, mesh)
+
     def trains_sigma(self, sigma: float) -> bool:
         """Whether a step at σ_k runs a trainable module (False where a frozen expert runs it)."""
         return True

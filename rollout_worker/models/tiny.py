@@ -43,20 +43,21 @@ def char_tokenizer(chat: bool = False):
 
 
 def tiny_wan_transformer(in_channels: int = 4, out_channels: int = 4, image_dim: int | None = None,
-                         seed: int = 0):
+                         seed: int = 0, layers: int = 1):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=in_channels,
-        out_channels=out_channels, text_dim=16, freq_dim=16, ffn_dim=16, num_layers=1,
+        out_channels=out_channels, text_dim=16, freq_dim=16, ffn_dim=16, num_layers=layers,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", image_dim=image_dim,
         added_kv_proj_dim=16 if image_dim is not None else None, rope_max_seq_len=32,
     ).eval()
 
 
-def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v") -> dict:
-    """Components for WanPipeline / WanImageToVideoPipeline (z_dim 4, 1 layer, 2 heads × 8).
+def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v",
+                        layers: int = 1) -> dict:
+    """Components for WanPipeline / WanImageToVideoPipeline (z_dim 4, `layers` blocks, 2 heads × 8).
 
     `i2v` is Wan 2.1 I2V (CLIP image encoder, mask + condition channels); `t2v_a14b` is
     Wan 2.2 with two experts and a boundary; `i2v_a14b` is Wan 2.2 I2V-A14B: two experts that
@@ -83,16 +84,16 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
             hidden_size=8, projection_dim=8, num_hidden_layers=2, num_attention_heads=2,
             image_size=16, intermediate_size=8, patch_size=8)).eval()
         comps["image_processor"] = CLIPImageProcessor(crop_size=16, size={"shortest_edge": 16})
-        comps["transformer"] = tiny_wan_transformer(2 * z + 4, z, image_dim=8)
+        comps["transformer"] = tiny_wan_transformer(2 * z + 4, z, image_dim=8, layers=layers)
     elif variant == "i2v_a14b":
-        comps["transformer"] = tiny_wan_transformer(2 * z + 4, z)
-        comps["transformer_2"] = tiny_wan_transformer(2 * z + 4, z, seed=1)
+        comps["transformer"] = tiny_wan_transformer(2 * z + 4, z, layers=layers)
+        comps["transformer_2"] = tiny_wan_transformer(2 * z + 4, z, seed=1, layers=layers)
         comps["image_encoder"] = comps["image_processor"] = None
         comps["boundary_ratio"] = 0.6
     else:
-        comps["transformer"] = tiny_wan_transformer(z, z)
+        comps["transformer"] = tiny_wan_transformer(z, z, layers=layers)
     if variant == "t2v_a14b":
-        comps["transformer_2"] = tiny_wan_transformer(z, z, seed=1)
+        comps["transformer_2"] = tiny_wan_transformer(z, z, seed=1, layers=layers)
         comps["boundary_ratio"] = 0.6
     return comps
 
@@ -100,8 +101,8 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
 # --- HunyuanVideo 1.5 --------------------------------------------------------------------
 
 
-def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v") -> dict:
-    """Components for HunyuanVideo15Pipeline / …ImageToVideoPipeline (1 layer, 2 heads × 8)."""
+def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v", layers: int = 1) -> dict:
+    """Components for HunyuanVideo15Pipeline / …ImageToVideoPipeline (`layers` blocks, 2 heads × 8)."""
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
     from transformers import (
         ByT5Tokenizer,
@@ -113,7 +114,7 @@ def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v") -> dict:
 
     torch.manual_seed(0)
     transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=layers,
         num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
         text_embed_2_dim=16, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16,
         task_type=task).eval()
@@ -146,10 +147,11 @@ def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v") -> dict:
     return comps
 
 
-def tiny_wan_model(model: dict, variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v"):
+def tiny_wan_model(model: dict, variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v",
+                   layers: int = 1):
     """The Wan adapter over `tiny_wan_components(variant)` with ModelConfig fields `model`
     (a plain function of plain data, so it ships to Ray actors as a model factory)."""
     from common.config import ModelConfig
     from rollout_worker.models.wan import WanVideoModel
 
-    return WanVideoModel.from_components(tiny_wan_components(variant), ModelConfig.model_validate(model))
+    return WanVideoModel.from_components(tiny_wan_components(variant, layers), ModelConfig.model_validate(model))

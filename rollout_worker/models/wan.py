@@ -320,6 +320,9 @@ class WanVideoModel(VideoModel):
             self._experts = nn.ModuleDict({"transformer": self.transformer, "transformer_2": self.transformer_2})
         return self._experts
 
+    def transformers(self) -> list[nn.Module]:
+        return [t for t in (self.transformer, self.transformer_2) if t is not None]
+
     def trains_sigma(self, sigma: float) -> bool:
         return expert_trains(sigma, self.boundary_timestep, self.cfg.train_experts)
 
