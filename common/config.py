@@ -80,6 +80,13 @@ class ModelConfig(Section):
     """Decode in overlapping spatial tiles (diffusers' enable_tiling): bounded VAE memory at any size."""
     vae_slicing: bool = False
     """Decode one video of a batch at a time (diffusers' enable_slicing)."""
+    attention_backend: Literal["native", "flash", "flash3", "sage"] = "native"
+    """The transformers' attention kernel (diffusers' set_attention_backend): `native` is torch's
+    SDPA (diffusers' default, left as it is); `flash` needs the flash-attn package, `flash3` its
+    Hopper build (flash_attn_interface), `sage` sageattention. The same in sampler and learner."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation: one compile per block class,
+    reused by every block) in the sampler and the learner."""
 
 
 class ScheduleConfig(Section):
@@ -388,19 +395,37 @@ class RewardsConfig(Section):
     models: list[RewardModelConfig] = Field(default_factory=lambda: [RewardModelConfig()])
 
 
+class ParallelConfig(Section):
+    sp: int = Field(1, ge=1, le=64)
+    """Sequence parallelism (Ulysses): each actor of the pool is `sp` processes that run every
+    transformer forward together, each holding the whole model and 1/sp of the video tokens
+    (activations and attention FLOPs divide by sp; each attention costs two all-to-alls). A
+    rollout actor's sp processes generate one group together; a learner actor is one
+    data-parallel rank of sp processes. Every process gets the pool's num_cpus and num_gpus.
+    The transformer's attention heads and one sample's video tokens must divide by it."""
+
+
 class PoolConfig(Section):
     num_actors: int = Field(1, ge=0, le=MAX_ACTORS)
+    """Actors of the pool; with parallel.sp > 1 each is sp processes."""
     num_cpus: float = Field(1.0, ge=0.0, le=1024.0)
     num_gpus: float = Field(0.0, ge=0.0, le=64.0)
     torch_threads: int = Field(1, ge=1, le=1024)
     max_restarts: int = Field(3, ge=-1, le=100_000)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @property
+    def processes(self) -> int:
+        """Processes (and GPU slots) the pool runs: num_actors × parallel.sp."""
+        return self.num_actors * self.parallel.sp
 
 
 class PoolsConfig(Section):
     rollout: PoolConfig = Field(default_factory=PoolConfig)
     reward: PoolConfig = Field(default_factory=lambda: PoolConfig(num_cpus=0.5))
     learner: PoolConfig = Field(default_factory=PoolConfig)
-    """learner.num_actors is the number of FSDP2 ranks."""
+    """learner.num_actors is the number of data-parallel ranks; FSDP2 shards the weights over
+    all num_actors × parallel.sp processes."""
 
 
 ChecksumMode = Literal["fast", "strong", "off"]
@@ -645,6 +670,13 @@ class RunConfig(Section):
         if self.grpo.loss == "nft":  # NFT records no step
             return False
         return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
+
+    @model_validator(mode="after")
+    def _reward_pool_has_no_sp(self) -> RunConfig:
+        if self.pools.reward.parallel.sp != 1:
+            raise ValueError(f"pools.reward.parallel.sp = {self.pools.reward.parallel.sp}: the reward pool has "
+                             "no sequence parallelism; set it on pools.rollout or pools.learner")
+        return self
 
     @model_validator(mode="after")
     def _alignment_needs_shared_noise(self) -> RunConfig:

@@ -168,3 +168,19 @@ def test_nan_and_inf_config_floats_are_rejected_naming_the_field(override, field
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert f"{field} = " in str(e.value) and "finite" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sequence_parallel_degree_is_per_pool_and_bounded():
+    cfg = load_config(None, ["pools.rollout.parallel.sp=2", "pools.learner.parallel.sp=4",
+                             "pools.learner.num_actors=2"])
+    assert (cfg.pools.rollout.parallel.sp, cfg.pools.learner.parallel.sp) == (2, 4)
+    assert cfg.pools.learner.processes == 8 and cfg.pools.reward.processes == 1
+    assert RunConfig().pools.rollout.parallel.sp == 1
+    for bad, needle in (("pools.rollout.parallel.sp=0", "pools.rollout.parallel.sp = 0"),
+                        ("pools.learner.parallel.sp=65", "pools.learner.parallel.sp = 65"),
+                        ("pools.reward.parallel.sp=2", "the reward pool has no sequence parallelism")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            load_config(None, [bad])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="model.attention_backend = 'xformers' is not allowed"):
+        load_config(None, ["model.attention_backend=xformers"])

@@ -42,6 +42,7 @@ from rollout_worker.models.base import (
 )
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
+from rollout_worker.models.kernels import configure_kernels
 from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
@@ -95,6 +96,7 @@ class Hunyuan15VideoModel(VideoModel):
             if m is not None:
                 m.requires_grad_(False)
         configure_vae(pipe.vae, cfg)
+        configure_kernels(self.transformers(), cfg)
         pipe.to(self.device)
 
     # --- construction ------------------------------------------------------------------

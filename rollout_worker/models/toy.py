@@ -165,6 +165,9 @@ class ToyVideoModel(VideoModel):
         if want != {k: model.world[k] for k in want}:
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
                                  f"checkpoint's {model.world} (path {str(path or BASE_CHECKPOINT)!r})")
+        from rollout_worker.models.kernels import configure_kernels
+
+        configure_kernels(model.transformers(), m)
         return model
 
     @staticmethod

@@ -41,6 +41,7 @@ from rollout_worker.models.base import (
     require_weights,
 )
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
+from rollout_worker.models.kernels import configure_kernels
 
 _NEEDED = ["model_index.json", "vae/config.json", "text_encoder/config.json", "tokenizer"]
 _ENCODERS = ("text_encoder", "tokenizer", "image_encoder", "image_processor")
@@ -134,6 +135,7 @@ class WanVideoModel(VideoModel):
                 cast_params(t, DTYPES[cfg.dtype])
         if pipe.vae is not None:
             configure_vae(pipe.vae, cfg)
+        configure_kernels(self.transformers(), cfg)
         self._check_shapes()
         self._freeze()
         if not any(has_meta_parameters(t) for t in (self.transformer, self.transformer_2) if t is not None):
