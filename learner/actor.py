@@ -1,6 +1,11 @@
 """The learner role on Ray: N `LearnerRank` actors in one torch.distributed group, each with a
 Trainer over an FSDP2-sharded model, driven through one `LearnerGroup` handle.
 
+Sequence parallelism (`pools.learner.parallel.sp` > 1): each of the num_actors data-parallel
+ranks is sp processes on a (dp, sp) mesh (learner/fsdp.py). The sp processes of a data-parallel
+rank train the same rows together (each transformer forward split over their video tokens,
+rollout_worker/models/sp.py); FSDP2 shards the weights over all processes.
+
 Data plane. Rank 0 holds its own bank connection (a `BankRef`): it pulls the step's batch,
 shares it with the other ranks through the object store (one `ray.put`; the driver passes
 the ref on without reading it), and commits it after the step. The driver sends only counts
@@ -64,8 +69,10 @@ def lean_setup(cfg: RunConfig, mesh, model_factory: ModelFactory | None = None) 
 
 
 def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory: ModelFactory | None = None,
-                 lean: bool | None = None) -> Trainer:
-    """This rank's Trainer, sharded over `mesh` when given (lean: see `lean_setup`, its default)."""
+                 lean: bool | None = None, sp_mesh=None) -> Trainer:
+    """This rank's Trainer, sharded over `mesh` when given (lean: see `lean_setup`, its default);
+    with `sp_mesh` (parallel.sp > 1) its transformers split their video tokens over that SP group,
+    after LoRA injection and before sharding."""
     from rollout_worker.models import build_model
     from rollout_worker.models.base import DTYPES
 
@@ -82,6 +89,8 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
         from learner.shard_load import lean_sharder
 
         sharder = lean_sharder(cfg.model.path, mesh, device, DTYPES[cfg.model.dtype], cfg.learner.cpu_offload)
+        if sp_mesh is not None:
+            sharder = _split_first(model, sp_mesh, sharder)
         trainer = Trainer(cfg, model, device=device).setup(sharder)
         # every rank read its shard: the first collective must not wait on the slowest reader
         fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "read its shard of the model")
@@ -91,20 +100,34 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
         # wait for the slowest rank's read, then shard per transformer block (its broadcast is
         # the group's first collective)
         fsdp.barrier(cfg.learner.load_timeout_s, "learner.load_timeout_s", "loaded its model")
+        if sp_mesh is not None:
+            model.enable_sp(sp_mesh)
         trainer.shard(mesh)
     return trainer
+
+
+def _split_first(model, sp_mesh, sharder):
+    """The lean sharder, after splitting the video tokens over the SP group (the Policy calls it
+    once LoRA is injected, so wrapped layers keep their hooks)."""
+
+    def shard(module, trained):
+        model.enable_sp(sp_mesh)
+        return sharder(module, trained)
+
+    return shard
 
 
 class LearnerRank:
     """One data-parallel rank: a Trainer over this rank's shard of the model."""
 
     def __init__(self, cfg: dict, rank: int, world_size: int, model_factory: ModelFactory | None = None,
-                 bank: Any = None):
+                 bank: Any = None, sp: int = 1):
         self.cfg = RunConfig.model_validate(cfg)
         self._bank_ref, self._bank = bank, None
         self._batch: TrainBatch | None = None   # rank 0: pulled, not yet committed
         torch.set_num_threads(self.cfg.pools.learner.torch_threads)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.sp = rank, world_size, sp
+        self.mesh: fsdp.LearnerMesh | None = None
         self.model_factory = model_factory
         use_gpu = self.cfg.pools.learner.num_gpus > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
@@ -119,20 +142,24 @@ class LearnerRank:
     def setup(self, master_addr: str, master_port: int) -> int:
         cfg = self.cfg
         # 1. the process group and its mesh (none for a single rank: the reference path)
-        mesh = None
         if self.world_size > 1:
-            mesh = fsdp.init_distributed(self.rank, self.world_size, master_addr, master_port,
-                                         self.device, cfg.learner.collective_timeout_s)
-        # 2. the model, the Trainer (LoRA injection happens in Trainer.setup) and its sharding
-        self.trainer = make_trainer(cfg, self.device, mesh, self.model_factory)
+            self.mesh = fsdp.init_distributed(self.rank, self.world_size, master_addr, master_port,
+                                              self.device, cfg.learner.collective_timeout_s, self.sp)
+        # 2. the model, the Trainer (LoRA injection happens in Trainer.setup) and its sharding over
+        #    every process, the video tokens split over the SP group first (after LoRA injection)
+        m = self.mesh
+        self.trainer = make_trainer(cfg, self.device, None if m is None else m.fsdp, self.model_factory,
+                                    sp_mesh=None if m is None else m.sp)
         return self.trainer.version
 
     # --- verbs -------------------------------------------------------------------------
 
     @exports_train_step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        reduce = self._sum if self.world_size > 1 else None
-        stats = self.trainer.train_step(batch, rank=self.rank, world_size=self.world_size, reduce=reduce)
+        if self.mesh is None:
+            return self.trainer.train_step(batch).values
+        m = self.mesh
+        stats = self.trainer.train_step(batch, rank=m.dp_rank, world_size=m.dp_size, reduce=self._sum, sp=self.sp)
         return stats.values
 
     # --- the data plane (rank 0 talks to the bank) ----------------------------------------
@@ -197,8 +224,9 @@ class LearnerRank:
         return len(keep)
 
     def _sum(self, t: Tensor) -> Tensor:
+        """Sum over the data-parallel ranks (an SP group's ranks hold the same statistics)."""
         out = t.to(self.device).clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.mesh.dp_group)
         return out.cpu()
 
     def _stream(self, version: int):
@@ -290,6 +318,14 @@ class LearnerRank:
     def version(self) -> int:
         return self.trainer.version
 
+    def layout(self) -> dict:
+        """This rank's place on the (dp, sp) mesh and the SP degree its transformers run at."""
+        from rollout_worker.models.sp import sp_degree
+
+        m = self.mesh
+        return {"rank": self.rank, "dp_rank": m.dp_rank if m else 0, "dp_size": m.dp_size if m else 1,
+                "sp": sp_degree(self.trainer.model.transformers())}
+
     def close(self) -> bool:
         """Barrier, then leave the group to process exit (see learner/fsdp.py on SIGABRT)."""
         if self.publisher is not None:
@@ -307,18 +343,22 @@ class LearnerGroup:
         pool = cfg.pools.learner
         if setup_timeout_s is None:  # the ranks' own wait for the slowest load, plus forming the group
             setup_timeout_s = cfg.learner.load_timeout_s + SETUP_MARGIN_S
-        n = num_ranks if num_ranks is not None else pool.num_actors
-        if n < 1:
-            raise ValueError(f"pools.learner.num_actors = {n}: the learner needs at least one rank")
+        dp = num_ranks if num_ranks is not None else pool.num_actors
+        if dp < 1:
+            raise ValueError(f"pools.learner.num_actors = {dp}: the learner needs at least one rank")
+        sp = pool.parallel.sp
+        n = dp * sp  # processes: sp per data-parallel rank
         self.cfg, self.world_size = cfg, n
         # A rank cannot rejoin a live process group, so Ray never restarts one on its own;
         # the driver restarts the whole group from its last checkpoint instead.
         default = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": {"learner": 1}}
         remote = ray.remote(LearnerRank)
         cfg_data = cfg.model_dump(mode="python")
+        # placement(i) is process i's bundle: one per process, dp × sp of them
         self.ranks = [remote.options(**{**(placement(r) if placement else default), "max_restarts": 0,
                                         "max_task_retries": 0})
-                      .remote(cfg_data, r, n, model_factory, bank if r == 0 else None) for r in range(n)]
+                      .remote(cfg_data, r, n, model_factory, bank if r == 0 else None, sp)
+                      for r in range(n)]
         # every rank's process is up before the rendezvous starts: it is bounded by the
         # collective timeout, not by how long Ray takes to start a process
         addr, port = ray.get([r.address.remote() for r in self.ranks], timeout=setup_timeout_s)[0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
@@ -50,9 +51,28 @@ class LearnerTimeout(TimeoutError):
 _control: dist.ProcessGroup | None = None  # gloo, for barriers with a timeout of their own
 
 
+@dataclass
+class LearnerMesh:
+    """The learner's (dp, sp) layout: rank = dp_rank·sp + sp_rank.
+
+    `fsdp` is the 1-D mesh FSDP2 shards the weights over: every rank, dp × sp (the SP ranks of a
+    data-parallel rank would otherwise hold the same weights; each holds its tokens' share of
+    the gradient, and the reduce-scatter sums them). `sp` is the ("ring", "ulysses") = (1, sp)
+    mesh of this rank's SP group (diffusers' context parallelism wants both names), None at
+    sp 1. Rows split over dp; `dp_group` reduces the step's statistics, which every SP rank of a
+    data-parallel rank computes alike, so each row counts once."""
+
+    fsdp: DeviceMesh
+    sp: DeviceMesh | None
+    dp_rank: int
+    dp_size: int
+    dp_group: dist.ProcessGroup | None
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int,
-                     device: torch.device | str = "cpu", timeout_s: float = 1800.0) -> DeviceMesh:
-    """Join the learner's default process group and return its 1-D device mesh.
+                     device: torch.device | str = "cpu", timeout_s: float = 1800.0,
+                     sp: int = 1) -> LearnerMesh:
+    """Join the learner's default process group and build its (dp, sp) meshes.
 
     timeout_s (learner.collective_timeout_s) bounds every collective of the group. Waits that
     are longer by nature (the slowest rank's model read, a checkpoint write) are barriers on a
@@ -61,12 +81,20 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if world_size % sp:
+        raise ValueError(f"learner world size {world_size} is not a multiple of parallel.sp = {sp}")
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend_for(device), init_method=f"tcp://{master_addr}:{master_port}",
                             rank=rank, world_size=world_size, timeout=timeout)
     # made now, while every rank is here: new_group is itself a rendezvous of all ranks
     _control = dist.new_group(backend="gloo", timeout=timeout)
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    dp = world_size // sp
+    if sp == 1:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+        return LearnerMesh(mesh, None, rank, dp, None)
+    mesh = init_device_mesh(device.type, (dp, 1, sp), mesh_dim_names=("dp", "ring", "ulysses"))
+    return LearnerMesh(mesh._flatten("fsdp"), mesh["ring", "ulysses"], rank // sp, dp,
+                       mesh["dp"].get_group())
 
 
 def barrier(timeout_s: float, field: str, what: str) -> None:

@@ -8,7 +8,10 @@ For data-parallel ranks (learner/fsdp.py), `train_step(batch, rank=r, world_size
 processes rank r's share of the rows (every rank runs the same number of micro-batches) and
 scales its loss by n, because FSDP2's gradient reduce-scatter averages over ranks while the
 loss is a sum over rows / the batch-wide count. `reduce` (a sum all-reduce of one fp64
-tensor) makes the reported stats batch-wide.
+tensor over the data-parallel ranks) makes the reported stats batch-wide. With sequence
+parallelism (`sp` > 1) each of the sp ranks of data-parallel rank r trains the same rows and
+holds its tokens' share of their gradient; FSDP2 averages over all n·sp ranks, so the loss is
+scaled by n·sp.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ class Trainer:
         return nft_loss(mb, cond, policy.velocity, old_v, nc, self.cfg.grpo.adv_clip, rows.n, ref_v)
 
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
-                   reduce: ReduceFn | None = None) -> TrainStats:
+                   reduce: ReduceFn | None = None, sp: int = 1) -> TrainStats:
         lam_kl = self.kl.value(self.version)
 
         # 1. rows: advantages, step weights, winner/loser rows (NFT: noised clean latents)
@@ -126,7 +129,7 @@ class Trainer:
         cond_all = self.conditions(rows)
 
         # 3. accumulate gradients over this rank's micro-batches
-        stats, first_logratio, onp_max = self._accumulate(rows, cond_all, lam_kl, rank, world_size, reduce)
+        stats, first_logratio, onp_max = self._accumulate(rows, cond_all, lam_kl, rank, world_size, reduce, sp)
 
         # 4. clip, step the fp32 masters, round them into the compute weights (a non-finite
         # loss or gradient: no step, nothing moves; learner/finite_guard.py)
@@ -150,9 +153,11 @@ class Trainer:
         return TrainStats(stats)
 
     def _accumulate(self, rows: Rows | NFTRows, cond_all: Cond, lam_kl: float, rank: int, world_size: int,
-                    reduce: ReduceFn | None) -> tuple[dict[str, float], float, float]:
+                    reduce: ReduceFn | None, sp: int = 1) -> tuple[dict[str, float], float, float]:
         """Gradients of this rank's micro-batches; (batch-wide stats sums, the first micro-batch's
-        max |log r|, the max |log r| over on-policy rows) — NaN / 0 for NFT, which has no ratio."""
+        max |log r|, the max |log r| over on-policy rows) — NaN / 0 for NFT, which has no ratio.
+        `rank`/`world_size` are the data-parallel ones; the loss is scaled by world_size·sp (see
+        the module doc)."""
         cfg = self.cfg
         keys = NFT_KEYS if self.nft else GRPO_KEYS
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,7 +172,7 @@ class Trainer:
             loss_of = lambda mb: self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())  # noqa: E731
         for i, mb in enumerate(mbs):
             loss, s = loss_of(mb)
-            (loss * world_size).backward()
+            (loss * (world_size * sp)).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0 and "logratio_absmax" in s:
                 first_logratio = float(s["logratio_absmax"])

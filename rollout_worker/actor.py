@@ -19,6 +19,9 @@ constructor loads weights before the actor can generate:
   named Ray actor, or its handle, whose `latest()` method returns a record or None; or any
   zero-argument callable returning one.
 A published record is a `common.weights.WeightsRecord` (version, weights, checksum).
+
+Sequence parallelism (`pools.rollout.parallel.sp` > 1): the actor is the leader of sp processes
+that generate every group together (rollout_worker/sp_group.py); the driver talks to it alone.
 """
 
 from __future__ import annotations
@@ -54,16 +57,25 @@ class RolloutWorker:
 
     def __init__(self, cfg: RunConfig | dict, actor_index: int = 0, weights_ref: Any = None,
                  latest_weights: LatestWeights | None = None, rewards: dict[str, list] | None = None,
-                 bank: Any = None):
+                 bank: Any = None, sp_rank: int = 0):
         self.cfg = cfg if isinstance(cfg, RunConfig) else validate(cfg, source="rollout actor config")
         torch.set_num_threads(self.cfg.pools.rollout.torch_threads)
-        self.actor_index = actor_index
+        self.actor_index, self.sp_rank = actor_index, sp_rank
+        # SP leader: start the followers first, so they build their models while this one does
+        self._followers = None
+        if sp_rank == 0 and self.cfg.pools.rollout.parallel.sp > 1:
+            from rollout_worker.sp_group import SPFollowers
+
+            self._followers = SPFollowers(RolloutActor, self.cfg, actor_index)
         self.model = build_model(self.cfg)
         if self.cfg.optim.finetune == "lora":
             # the learner publishes only the adapter: hold the same (zero-effect) adapter to load it
             inject_lora(self.model.trainable_module(), self.cfg.model.family, self.cfg.optim)
+        if self._followers is not None:
+            self._followers.join(self.model)  # one process group; the transformers split over it
         self._version = 0
         self._torn: int | None = None  # a version whose load stopped part-way (see _load)
+        self._sp_targets = None        # an SP follower's forwarded load in progress (sp_load_begin)
         self._gauge = BucketGauge()    # the receive buckets alive (both transports)
         self._incarnation = uuid.uuid4().hex  # this process: a restart is a new one (see ping)
         self._reward_actors, self._bank_ref = rewards, bank   # the data plane (see deliver)
@@ -75,11 +87,54 @@ class RolloutWorker:
 
     @exports_generate
     def generate(self, condition: Condition, seed: int, group_id: str | None = None) -> Group:
+        self._check_whole()
+        follow = self._followers.submit("sp_generate", condition, seed, group_id) if self._followers else []
+        group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
+                             group_id=group_id)
+        if self._followers is not None:
+            from rollout_worker.sp_group import group_digest
+
+            self._followers.check(follow, group_digest(group), f"group {group.group_id}")
+        return group
+
+    def _check_whole(self) -> None:
         if self._torn is not None:
             raise RuntimeError(f"rollout actor {self.actor_index}: the load of weights v{self._torn} stopped "
                                f"part-way, so it holds no whole version; it generates after a full load")
-        return sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
-                            group_id=group_id)
+
+    # --- an SP follower's verbs (the leader calls them; see rollout_worker/sp_group.py) ---
+
+    def join_sp(self, host: str, port: int) -> int:
+        from rollout_worker.sp_group import join_sp_group
+
+        join_sp_group(self.model, host, port, self.sp_rank, self.cfg.pools.rollout.parallel.sp,
+                      self.cfg.sampler.timeout_s)
+        return self.sp_rank
+
+    def sp_generate(self, condition: Condition, seed: int, group_id: str | None) -> str:
+        """The leader's group, generated in step with it (no decode); returns its digest."""
+        from rollout_worker.sp_group import group_digest
+
+        self._check_whole()
+        group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
+                             group_id=group_id, decode=False)
+        return group_digest(group)
+
+    def sp_sample_videos(self, prompts: list[str], seeds: list[int], scheme: str, images) -> bool:
+        self.sample_videos(prompts, seeds, scheme, images, decode=False)
+        return True
+
+    def sp_load_begin(self, version: int, names: list[str]) -> None:
+        """A collective load the leader forwards bucket by bucket: not whole until sp_load_end."""
+        self._sp_targets, self._torn = self.model.weight_targets(names), int(version)
+
+    def sp_load_bucket(self, views: dict[str, Tensor]) -> None:
+        from rollout_worker.models.base import copy_weights
+
+        copy_weights(self._sp_targets, views)
+
+    def sp_load_end(self, version: int) -> None:
+        self._version, self._torn, self._sp_targets = int(version), None, None
 
     # --- the data plane: generate here, score with the reward pool, push into the bank ---
 
@@ -207,31 +262,44 @@ class RolloutWorker:
             log.info("rollout %d: ignoring weights v%d (holding v%d)", self.actor_index, version, self._version)
             return False
         who = f"rollout actor {self.actor_index} weights v{version}"
+        if not isinstance(payload, StreamedWeights):
+            verify(payload, checksum, who=who)
+        # SP followers load the same payload themselves (a streamed one from the object store)
+        follow = self._followers.submit("set_weights", payload, version, checksum) if self._followers else []
         if isinstance(payload, StreamedWeights):
             names = [e["name"] for e in payload.manifest["entries"]]
             timeout = self.cfg.weight_sync.timeout_s
             return self._load(version, names, lambda sink: load_streamed(
-                payload, checksum, sink, self.model.device, who, self._gauge, timeout))
-        verify(payload, checksum, who=who)
-        return self._load(version, list(payload), lambda sink: sink(payload))
+                payload, checksum, sink, self.model.device, who, self._gauge, timeout), follow)
+        return self._load(version, list(payload), lambda sink: sink(payload), follow)
 
-    def _load(self, version: int, names: list[str], run: Callable) -> bool:
+    def _load(self, version: int, names: list[str], run: Callable, follow: list | None = None) -> bool:
         """Run `run(sink)`, which feeds every bucket to `sink`; the version changes once all are in.
         A failure after the first bucket leaves a partial load: the actor refuses to generate
-        until a whole version is loaded (`_torn`)."""
+        until a whole version is loaded (`_torn`). SP followers: `follow` are their own loads
+        (waited for here); None forwards every bucket to them (the collective transport, which
+        only the leader receives)."""
         targets = self.model.weight_targets(names)  # unknown keys: refused before any bucket loads
-        loaded = []
+        loaded, fw = [], self._followers if follow is None else None
+        if fw is not None:
+            follow = fw.submit("sp_load_begin", version, names)
 
         def sink(views: dict[str, Tensor]) -> None:
             from rollout_worker.models.base import copy_weights
 
             loaded.append(len(views))
             copy_weights(targets, views)
+            if fw is not None:  # the arguments are serialized now: the receive buffer may be reused
+                follow.extend(fw.submit("sp_load_bucket", {k: v.detach().cpu() for k, v in views.items()}))
 
         try:
             run(sink)
+            if fw is not None:
+                follow.extend(fw.submit("sp_load_end", version))
+            if self._followers is not None:
+                self._followers.wait(follow)
         except BaseException:
-            if loaded:
+            if loaded or self._followers is not None:  # an SP group whose ranks may differ is not whole
                 self._torn = int(version)
             raise
         self._version, self._torn = int(version), None
@@ -241,15 +309,20 @@ class RolloutWorker:
         return self._version
 
     def sample_videos(self, prompts: list[str], seeds: list[int], scheme: str = "ode",
-                      images: list[str] | Tensor | None = None) -> Tensor:
+                      images: list[str] | Tensor | None = None, decode: bool = True) -> Tensor:
         """Evaluation videos with the current weights, one per (prompt, seed) (I2V: `images`, a
         first-frame path per video, read here). uint8 [B, F, H, W, 3]"""
         from common.images import resolve_images
 
         m = self.cfg.model
-        return sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
-                             images=resolve_images(images, len(prompts), m.height, m.width),
-                             forward_batch_size=self.cfg.sampler.forward_batch_size)
+        follow = self._followers.submit("sp_sample_videos", prompts, seeds, scheme, images) \
+            if self._followers else []
+        out = sample_videos(self.model, prompts, seeds, Schedule.from_config(self.cfg.schedule), scheme,
+                            images=resolve_images(images, len(prompts), m.height, m.width),
+                            forward_batch_size=self.cfg.sampler.forward_batch_size, decode=decode)
+        if self._followers is not None:
+            self._followers.wait(follow)
+        return out
 
     def evaluate_pairs(self, prompts: list[str], seeds: list[int], images: list[str] | None = None,
                        keep: Sequence[int] = ()) -> tuple[Scores, dict[int, Tensor]]:
@@ -303,10 +376,17 @@ class RolloutWorker:
         return out
 
     def ping(self) -> dict:
-        """Who answers: the index, the version held, and the process's incarnation (a restarted
-        actor answers with a new one, so a caller can tell it is not the process it knew)."""
-        return {"actor_index": self.actor_index, "version": self._version, "family": self.model.family,
-                "incarnation": self._incarnation}
+        """Who answers: the index, the version held, the process's incarnation (a restarted actor
+        answers with a new one, so a caller can tell it is not the process it knew) and its SP
+        degree; an SP leader adds every rank's (version, degree)."""
+        from rollout_worker.models.sp import sp_degree
+
+        out = {"actor_index": self.actor_index, "version": self._version, "family": self.model.family,
+               "incarnation": self._incarnation, "sp": sp_degree(self.model.transformers())}
+        if self._followers is not None:  # every rank of the SP group answers: its version and degree
+            answers = self._followers.wait(self._followers.submit("ping"))
+            out["sp_ranks"] = [(self._version, out["sp"])] + [(p["version"], p["sp"]) for p in answers]
+        return out
 
 
 RolloutActor = ray.remote(RolloutWorker)
@@ -316,7 +396,7 @@ def create_rollout_actors(cfg: RunConfig, *, count: int | None = None, weights_r
                           latest_weights: LatestWeights | None = None) -> list:
     """`count` (default pools.rollout.num_actors) actors on the `rollout` resource, sized by the pool."""
     pool = cfg.pools.rollout
-    n = pool.num_actors if count is None else count
+    n = pool.num_actors if count is None else count  # SP leaders; each starts sp - 1 followers
     return [RolloutActor.options(resources={"rollout": 1}, num_cpus=pool.num_cpus, num_gpus=pool.num_gpus,
                                  max_restarts=pool.max_restarts)
             .remote(cfg, i, weights_ref, latest_weights) for i in range(n)]

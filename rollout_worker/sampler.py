@@ -206,8 +206,10 @@ def tail_sigmas(schedule: Schedule, a: int, ratio: float, shift: float) -> list[
 
 @torch.no_grad()
 def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
-                 group_id: str | None = None) -> Group:
-    """Generate G = sampler.group_size rollouts of `condition` and record their trained transitions."""
+                 group_id: str | None = None, decode: bool = True) -> Group:
+    """Generate G = sampler.group_size rollouts of `condition` and record their trained transitions.
+
+    `decode=False` leaves the members without frames (an SP follower: only the leader decodes)."""
     G = cfg.sampler.group_size
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
@@ -227,7 +229,7 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     x = _initial_noise(model, condition, cfg, gen)
     x, steps = _denoise(model, x, cond.to(model.device).repeat(G), plan, set().union(*map(set, stored)),
                         cfg, gen)
-    frames = model.decode(x)  # uint8 [G, F, H, W, 3]
+    frames = model.decode(x) if decode else None  # uint8 [G, F, H, W, 3]
 
     # 6. One Trajectory per member with the steps it trains alone (each stacks its own K steps:
     # one copy), stamped with the full spec of the scheme its steps ran with, on the configured
@@ -239,7 +241,8 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
                    guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,
                    step_indices=stored[i], **steps.member(i, stored[i]),
-                   final_latents=x[i].to(store).cpu().clone(), frames=frames[i].cpu(), cond=cond)
+                   final_latents=x[i].to(store).cpu().clone(),
+                   frames=None if frames is None else frames[i].cpu(), cond=cond)
         for i in range(G)
     ]
     return Group(condition=condition, group_id=group_id, policy_version=policy_version, members=members)
@@ -329,9 +332,10 @@ def _denoise(model: VideoModel, x: Tensor, cond: Cond, plan: list[PlannedStep], 
 @torch.no_grad()
 def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], schedule: Schedule,
                   scheme_name: str = "ode", eta: float | None = None, images: Tensor | None = None,
-                  forward_batch_size: int | None = None) -> Tensor:
+                  forward_batch_size: int | None = None, decode: bool = True) -> Tensor:
     """Evaluation videos, one per (prompt, seed), independent of batch composition; at most
-    `forward_batch_size` transformer rows per forward (sampler.forward_batch_size). uint8 [B, F, H, W, 3]"""
+    `forward_batch_size` transformer rows per forward (sampler.forward_batch_size). uint8 [B, F, H, W, 3]
+    (`decode=False`: the final latents [B, C, F, H, W])."""
     if len(prompts) != len(seeds):
         raise ValueError(f"sample_videos: {len(prompts)} prompts but {len(seeds)} seeds")
     scheme = make_scheme(scheme_name, eta, schedule)
@@ -349,7 +353,7 @@ def sample_videos(model: VideoModel, prompts: list[str], seeds: list[int], sched
         else:
             x = scheme.mean(x, v, sigma, sigma_next)
     # 3. Decode
-    return model.decode(x)
+    return model.decode(x) if decode else x
 
 
 def _has_noise(scheme: Scheme, sigma: float, sigma_next: float) -> bool:

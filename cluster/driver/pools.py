@@ -52,16 +52,18 @@ def reward_actor_count(cfg: RunConfig) -> int:
 
 
 def local_resources(cfg: RunConfig) -> dict[str, float]:
-    """Role resources a local node declares: enough for every actor the config asks for."""
-    return {"rollout": float(max(1, cfg.pools.rollout.num_actors)),
+    """Role resources a local node declares: enough for every process the config asks for
+    (an actor with parallel.sp > 1 is sp processes)."""
+    p = cfg.pools
+    return {"rollout": float(max(1, p.rollout.num_actors) * p.rollout.parallel.sp),
             "reward": float(reward_actor_count(cfg)),
-            "learner": float(max(1, cfg.pools.learner.num_actors))}
+            "learner": float(max(1, p.learner.num_actors) * p.learner.parallel.sp)}
 
 
 def local_cpus(cfg: RunConfig) -> int:
-    need = (cfg.pools.rollout.num_cpus * cfg.pools.rollout.num_actors
+    need = (cfg.pools.rollout.num_cpus * cfg.pools.rollout.processes
             + cfg.pools.reward.num_cpus * reward_actor_count(cfg)
-            + cfg.pools.learner.num_cpus * cfg.pools.learner.num_actors)
+            + cfg.pools.learner.num_cpus * cfg.pools.learner.processes)
     return max(math.ceil(need), 1)
 
 
@@ -102,7 +104,9 @@ def actor_options(pool: PoolConfig, role: str, **extra: Any) -> dict[str, Any]:
 
 
 def placement_group_for(pool: PoolConfig, role: str, count: int):
-    """A PACK placement group with one bundle per actor of the pool; None for an empty pool."""
+    """A PACK placement group with one bundle per process of the pool's `count` actors; None for
+    an empty pool. Bundles 0..count-1 are the actors themselves; with parallel.sp > 1 the rest
+    hold their SP followers (rollout_worker/sp_group.py)."""
     from ray.util.placement_group import placement_group
 
     if count <= 0:
@@ -112,7 +116,7 @@ def placement_group_for(pool: PoolConfig, role: str, count: int):
         bundle["GPU"] = pool.num_gpus
     bundle = {k: v for k, v in bundle.items() if v > 0}
     # the name is unique per group: two runs in one process (`vgrpo compare --parallel`) each own one
-    return placement_group([dict(bundle) for _ in range(count)], strategy="PACK",
+    return placement_group([dict(bundle) for _ in range(count * pool.parallel.sp)], strategy="PACK",
                            name=f"vgrpo-{role}-{uuid.uuid4().hex[:8]}")
 
 
@@ -128,7 +132,7 @@ def in_group(pg, index: int) -> dict[str, Any]:
 
 @dataclass
 class Placement:
-    """One pool's actors, placed one way: a PACK placement group with one bundle per actor, so
+    """One pool's actors, placed one way: a PACK placement group with one bundle per process, so
     a pool's actors sit together (a learner's ranks on as few nodes as fit) and a pool grows by
     bundles, not by scattering. `options(i)` are the Ray options of the pool's i-th actor."""
 

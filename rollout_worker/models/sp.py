@@ -88,6 +88,15 @@ def check_splittable(transformer: nn.Module, tokens: int, sp: int, field: str) -
                             f"{sp} ranks; change model.num_frames/height/width or {field}")
 
 
+def sp_degree(transformers: list[nn.Module]) -> int:
+    """The SP degree the transformers run at (1 where SP is off), read from diffusers' config."""
+    degrees = {1 if getattr(t, "_parallel_config", None) is None
+               else t._parallel_config.context_parallel_config.ulysses_degree for t in transformers}
+    if len(degrees) != 1:
+        raise RuntimeError(f"the transformers run at different SP degrees {sorted(degrees)}")
+    return degrees.pop()
+
+
 def enable_sp(transformer: nn.Module, mesh) -> None:
     """Turn on Ulysses SP over `mesh` (dims "ring" of size 1 and "ulysses" of size sp) in place.
 
