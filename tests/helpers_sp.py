@@ -18,13 +18,14 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, init: str, module: str, name: str, args: tuple, out: str) -> None:
+def _entry(rank: int, world: int, init: str | None, module: str, name: str, args: tuple, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+        if init is not None:
+            dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
         fn = getattr(importlib.import_module(module), name)
         result = fn(rank, world, *args)
         torch.save(result, f"{out}/rank{rank}.pt")
@@ -34,13 +35,14 @@ def _entry(rank: int, world: int, init: str, module: str, name: str, args: tuple
         raise
 
 
-def spawn_ranks(fn, world: int, tmp: Path, *args, timeout_s: float = 600.0) -> list:
+def spawn_ranks(fn, world: int, tmp: Path, *args, timeout_s: float = 600.0, init: bool = True) -> list:
+    """`init=False`: `fn` joins the group itself."""
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    init = tmp / "rendezvous"
-    init.unlink(missing_ok=True)
+    (tmp / "rendezvous").unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, str(init), fn.__module__, fn.__name__, args, str(tmp)))
+    rendezvous = str(tmp / "rendezvous") if init else None
+    procs = [ctx.Process(target=_entry, args=(r, world, rendezvous, fn.__module__, fn.__name__, args, str(tmp)))
              for r in range(world)]
     for p in procs:
         p.start()

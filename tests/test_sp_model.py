@@ -101,3 +101,32 @@ def test_indivisible_heads_or_tokens_are_one_line_naming_parallel_sp():
         check_splittable(t, 8, 3, "parallel.sp")
     with pytest.raises(SPConfigError, match=r"parallel.sp = 2: the 7 video tokens"):
         check_splittable(t, 7, 2, "parallel.sp")
+
+
+def mesh_rank(rank: int, world: int, port: int) -> dict:
+    """The learner's (dp, sp) = (2, 2) layout on four processes, and what each of its groups sums."""
+    import torch.distributed as dist
+
+    from learner import fsdp
+
+    m = fsdp.init_distributed(rank, world, "127.0.0.1", port, "cpu", 60.0, sp=2)
+    one = torch.tensor([float(rank)])
+    dp_sum = one.clone()
+    dist.all_reduce(dp_sum, group=m.dp_group)
+    sp_sum = one.clone()
+    dist.all_reduce(sp_sum, group=m.sp["ulysses"].get_group())
+    return {"dp": (m.dp_rank, m.dp_size), "fsdp": m.fsdp.size(), "dp_sum": float(dp_sum), "sp_sum": float(sp_sum)}
+
+
+def test_the_learner_mesh_is_dp_by_sp(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = spawn_ranks(mesh_rank, 4, tmp_path, port, init=False)
+    # rank = dp_rank·sp + sp_rank: {0, 1} and {2, 3} are SP groups, {0, 2} and {1, 3} dp groups
+    assert [o["dp"] for o in out] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [o["sp_sum"] for o in out] == [1.0, 1.0, 5.0, 5.0]
+    assert [o["dp_sum"] for o in out] == [2.0, 4.0, 2.0, 4.0]
+    assert all(o["fsdp"] == 4 for o in out)  # the weights shard over every process
