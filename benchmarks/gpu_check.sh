@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 480 "${PYTHON:-python3}" -m benchmarks.gpu_check "$@"
+exec timeout 570 "${PYTHON:-python3}" -m benchmarks.gpu_check "$@"
