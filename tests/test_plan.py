@@ -51,7 +51,8 @@ def test_plan_learner_memory_matches_a_measured_cpu_train_step(tmp_path, heads, 
     assert 0.75 < out["measured"] / out["plan"] < 1.25, out
 
 
-@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml"])
+@pytest.mark.parametrize("config", ["configs/wan22_i2v_tagrpo.yaml", "configs/hunyuan15_t2v_sage.yaml",
+                                    "configs/wan22_t2v_720p_sp.yaml"])
 def test_plan_for_the_real_configs(config, capsys):
     cfg = load_config(ROOT / config)
     assert cfg.model.gradient_checkpointing and cfg.model.vae_tiling  # on in the real-model configs
@@ -154,3 +155,56 @@ def test_the_tagrpo_learner_fits_an_h100_setup_peak_included(capsys):
     assert "46.0 GiB  (fits)" in out.split("peak, with checkpointing")[1].splitlines()[0]
     assert "(fits)" in out.split("setup peak (GPU)")[1].splitlines()[0]
     assert "checkpoint save (one storage)" in out and "pipeline load" not in out.split("learner ")[-1]
+
+
+def _fits(out: str, label: str) -> bool:
+    line = out.split(label)[1].splitlines()[0]
+    assert "fit" in line, line
+    return "(fits)" in line
+
+
+def test_the_720p_sp_config_fits_h100s_and_would_not_without_sp(capsys):
+    config = str(ROOT / "configs/wan22_t2v_720p_sp.yaml")
+    assert main(["plan", "-c", config, "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "81x720x1280 -> 75600 video tokens" in out and "x sp 4 = 24 FSDP2 processes" in out
+    assert _fits(out, "peak, with checkpointing") and _fits(out, "  peak ")
+    assert "(within sampler.timeout_s" in out and "all-to-all per rollout" in out
+    assert main(["plan", "-c", config, "--gpu", "H100", "pools.rollout.parallel.sp=1",
+                 "pools.learner.parallel.sp=1"]) == 0
+    out = capsys.readouterr().out
+    assert not _fits(out, "peak, with checkpointing") and not _fits(out, "  peak ")
+    assert "(past sampler.timeout_s" in out and "all-to-all" not in out
+
+
+def test_sp_divides_activations_and_attention_over_the_ranks():
+    from cluster.plan.sizing import (
+        _ACT,
+        activation_bytes,
+        all_to_all_bytes,
+        arch,
+        forward_flops,
+        plan,
+    )
+
+    cfg = load_config(ROOT / "configs/wan22_t2v_720p_sp.yaml")
+    a = arch(cfg)
+    # the blocks' share of the activations divides by sp; the embedding and head (fp32, whole) do not
+    head = 2 * a.tokens * a.width * 16
+    ad, af = _ACT[2]
+    blocks_sp1 = activation_bytes(a, 2, 2, False, 1) - head
+    assert blocks_sp1 == pytest.approx(a.layers * 2 * a.tokens * (ad * a.width + af * a.ffn))
+    for sp in (2, 4, 8):
+        assert activation_bytes(a, 2, 2, False, sp) - head == pytest.approx(blocks_sp1 / sp)
+        # Wan: the ranks' FLOPs add up to the whole forward (nothing computed twice inside the blocks)
+        assert sp * forward_flops(a, 2, sp) == pytest.approx(forward_flops(a, 2, 1))
+        # Ulysses: q, k, v and the output, (sp-1)/sp of each leaving the rank, every block
+        assert all_to_all_bytes(a, 1, 2, sp) == pytest.approx(a.layers * 4 * a.tokens / sp * a.width * 2 * (sp - 1) / sp)
+    assert all_to_all_bytes(a, 1, 2, 1) == 0.0
+    # HunyuanVideo 1.5 keeps its text and image tokens on every rank: its ranks add up to more
+    hy = arch(load_config(ROOT / "configs/hunyuan15_t2v_sage.yaml"))
+    assert 4 * forward_flops(hy, 1, 4) > forward_flops(hy, 1, 1)
+    # the 8 : 24 split counts processes x GPUs; a video's wall time divides by the actor's GPUs (+ comm)
+    one = plan(load_config(ROOT / "configs/wan22_t2v_720p_sp.yaml", ["pools.rollout.parallel.sp=1"]), "H100")
+    p = plan(cfg, "H100")
+    assert p.split["gpus"] == 32 and p.seconds["rollout per video"] < one.seconds["rollout per video"] / 7.5

@@ -103,6 +103,21 @@ def test_indivisible_heads_or_tokens_are_one_line_naming_parallel_sp():
         check_splittable(t, 7, 2, "parallel.sp")
 
 
+def test_a_backend_without_context_parallel_attention_is_refused_before_any_collective():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    from rollout_worker.models.sp import SPConfigError, _check_cp_backend
+
+    model, *_ = build("wan21_t2v")
+    _check_cp_backend(model.transformer, 2)  # native: diffusers' Ulysses runs on it
+    for m in model.transformer.modules():  # as set_attention_backend("_flash_3") leaves it
+        if hasattr(getattr(m, "processor", None), "_attention_backend"):
+            m.processor._attention_backend = AttentionBackendName("_flash_3")
+    with pytest.raises(SPConfigError, match=r"no sequence-parallel attention on backend '_flash_3'") as e:
+        _check_cp_backend(model.transformer, 2)
+    assert "\n" not in str(e.value) and "model.attention_backend" in str(e.value)
+
+
 def mesh_rank(rank: int, world: int, port: int) -> dict:
     """The learner's (dp, sp) = (2, 2) layout on four processes, and what each of its groups sums."""
     import torch.distributed as dist

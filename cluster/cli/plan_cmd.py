@@ -6,6 +6,7 @@ from cluster.plan.sizing import (
     GB,
     GPUS,
     MFU,
+    NVLINK_GBS,
     Plan,
     lean_setup,
     learner_peak,
@@ -13,6 +14,46 @@ from cluster.plan.sizing import (
     rollout_peaks,
     rollout_rows,
 )
+
+
+def _fit(need: float, cap_gib: float) -> str:
+    return "  (fits)" if need < cap_gib * GB else "  (does NOT fit)"
+
+
+def _learner_header(cfg) -> str:
+    pool, m = cfg.pools.learner, cfg.model
+    sp = pool.parallel.sp
+    ranks = (f"{pool.num_actors} FSDP2 ranks" if sp == 1 else
+             f"{pool.num_actors} data-parallel ranks x sp {sp} = {pool.processes} FSDP2 processes, "
+             f"1/{sp} of the video tokens each")
+    return f"learner rank ({ranks}, micro-batch {cfg.optim.micro_batch}, CFG {'x2' if m.guidance_scale > 1 else 'x1'}):"
+
+
+def _row(label: str, amount: str, seconds: float, note: str = "") -> str:
+    return f"  {label:<24}{amount:>15}{seconds:9.1f} s" + (f"  ({note})" if note else "")
+
+
+def _compute_lines(cfg, p: Plan) -> list[str]:
+    sp_r, sp_l = cfg.pools.rollout.parallel.sp, cfg.pools.learner.parallel.sp
+    timeout, group = cfg.sampler.timeout_s, p.seconds["rollout per group"]
+    on = {"rollout": f"on {sp_r} GPUs, sp {sp_r}" if sp_r > 1 else "",
+          "train": f"on {sp_l} GPUs, sp {sp_l}" if sp_l > 1 else ""}
+    trained = f"{p.flops['trained steps per video']:.0f} trained steps"
+    lines = ["compute:",
+             _row("rollout per video", f"{p.flops['rollout per video'] / 1e15:.1f} PFLOP",
+                  p.seconds["rollout per video"], on["rollout"]),
+             _row("train per video", f"{p.flops['train per video'] / 1e15:.1f} PFLOP", p.seconds["train per video"],
+                  ", ".join(x for x in (trained, on["train"]) if x)),
+             _row("rollout per group", f"G = {cfg.sampler.group_size}", group,
+                  f"within sampler.timeout_s = {timeout:.0f} s" if group < timeout
+                  else f"past sampler.timeout_s = {timeout:.0f} s: raise it, or parallel.sp")]
+    link = NVLINK_GBS[p.gpu]
+    for role, sp in (("rollout", sp_r), ("train", sp_l)):
+        if sp > 1:
+            b = p.comm[f"{role} per video"]
+            lines.append(_row(f"all-to-all per {role}", f"{b / GB:.1f} GiB", b / (link * 1e9),
+                              f"per video and rank: Ulysses, 2 per attention, at {link:.0f} GB/s NVLink"))
+    return lines
 
 
 def render(cfg, p: Plan, source: str) -> str:
@@ -24,14 +65,13 @@ def render(cfg, p: Plan, source: str) -> str:
              f"({a.layers} blocks, width {a.width}), {a.trained_experts} trained "
              f"({cfg.optim.finetune}{f', LoRA {a.lora_params / 1e6:.0f}M' if cfg.optim.finetune == 'lora' else ''}); "
              f"{m.num_frames}x{m.height}x{m.width} -> {a.tokens} video tokens; compute dtype {m.dtype}",
-             "", f"learner rank ({cfg.pools.learner.num_actors} FSDP2 ranks, micro-batch {cfg.optim.micro_batch}, "
-             f"CFG {'x2' if m.guidance_scale > 1 else 'x1'}):"]
+             "", _learner_header(cfg)]
     for k, v in p.learner.items():
         lines.append(f"  {k:<32}{v / GB:9.1f} GiB")
     for ck in (True, False):
         peak = learner_peak(p.learner, ck)
         lines.append(f"  {'peak, ' + ('with' if ck else 'without') + ' checkpointing':<32}{peak / GB:9.1f} GiB"
-                     f"{'  (fits)' if peak < cap * GB else '  (does NOT fit)'}")
+                     f"{_fit(peak, cap)}")
     setup = sum(p.learner_setup.values())
     where = "host" if cfg.learner.cpu_offload else "GPU"
     how = "sharded on meta, each rank reading its own rows" if lean_setup(cfg) else "one rank: the whole module"
@@ -40,28 +80,24 @@ def render(cfg, p: Plan, source: str) -> str:
                  + ", ".join(f"{k} {v / GB:.1f}" for k, v in p.learner_setup.items()) + " GiB)")
     lines.append(f"  {'checkpoint save':<32}{0.0:9.1f} GiB  (no copy of the shards; torch.save moves one "
                  "storage at a time to the host, see host RAM)")
-    fbs = cfg.sampler.forward_batch_size
-    lines.append(f"rollout rank (G = {cfg.sampler.group_size}, {rollout_rows(cfg)} rows per forward: "
-                 + ("the whole group, sampler.forward_batch_size null):" if fbs is None
-                    else f"sampler.forward_batch_size {fbs}):"))
+    fbs, sp_r = cfg.sampler.forward_batch_size, cfg.pools.rollout.parallel.sp
+    rows = f"{rollout_rows(cfg)} rows per forward: " + ("the whole group, sampler.forward_batch_size null"
+                                                       if fbs is None else f"sampler.forward_batch_size {fbs}")
+    lines.append(f"rollout rank (G = {cfg.sampler.group_size}, {rows}"
+                 + (f"; sp {sp_r}: 1/{sp_r} of the video tokens):" if sp_r > 1 else "):"))
     for k, v in p.rollout.items():
         lines.append(f"  {k:<32}{v / GB:9.1f} GiB")
     peaks = rollout_peaks(cfg, p)
     for what, total in peaks.items():
-        lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB"
-                     f"{'  (fits)' if total < cap * GB else '  (does NOT fit)'}")
+        lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB{_fit(total, cap)}")
     lines[-1] += (f"  (weights and frozen modules + 2 receive buckets of "
                   f"{p.rollout_receive / 2 / 2**20:.0f} MiB, weight_sync.bucket_mb {cfg.weight_sync.bucket_mb:g})")
-    lines += ["compute:",
-              f"  rollout per video       {p.flops['rollout per video'] / 1e15:9.1f} PFLOP  "
-              f"{p.seconds['rollout per video']:8.1f} s",
-              f"  train per video         {p.flops['train per video'] / 1e15:9.1f} PFLOP  "
-              f"{p.seconds['train per video']:8.1f} s  ({p.flops['trained steps per video']:.0f} trained steps)",
-              f"split of {p.split['gpus']:.0f} GPUs that balances rollout and learner: "
+    lines += _compute_lines(cfg, p)
+    lines += [f"split of {p.split['gpus']:.0f} GPUs that balances rollout and learner: "
               f"{p.split['rollout gpus']:.1f} rollout : {p.split['learner gpus']:.1f} learner "
               f"(rollout share {p.split['rollout share']:.0%}; configured "
-              f"{cfg.pools.rollout.num_actors * cfg.pools.rollout.num_gpus:.0f} : "
-              f"{cfg.pools.learner.num_actors * cfg.pools.learner.num_gpus:.0f})"]
+              f"{cfg.pools.rollout.processes * cfg.pools.rollout.num_gpus:.0f} : "
+              f"{cfg.pools.learner.processes * cfg.pools.learner.num_gpus:.0f})"]
     return "\n".join(lines)
 
 

@@ -9,6 +9,12 @@ measured peak of CPU train steps in tests/test_plan.py. FLOPs are 2·params per 
 blocks' linears plus 4·S²·d per attention layer; seconds assume `MFU` of the GPU's dense bf16
 peak; the trained steps per video are the sampler's own draw (cluster/plan/steps.py). Pure:
 imports torch, diffusers, pydantic and the sampler's step rules (benchmarks/gpu_check.py uses it).
+
+Sequence parallelism (`pools.<role>.parallel.sp`): a rank holds 1/sp of the video tokens, so its
+block activations and its share of the attention and linear FLOPs divide by sp (HunyuanVideo
+1.5's text and image tokens stay whole on every rank); the patch embedding and the output head
+still see the whole sequence. Each self-attention costs two Ulysses all-to-alls (q, k, v there,
+the output back), counted in bytes and in seconds at the GPU's NVLink bandwidth.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ GB = 1024**3
 # Dense bf16 peak TFLOP/s and memory (GiB) of one GPU (vendor datasheets, SXM parts).
 GPUS: dict[str, tuple[float, float]] = {"H100": (989.0, 80.0), "H200": (989.0, 141.0), "A100": (312.0, 80.0)}
 MFU = 0.4  # the fraction of peak a bf16 video DiT step reaches (an assumption, stated in the output)
+NVLINK_GBS = {"H100": 450.0, "H200": 450.0, "A100": 300.0}  # GB/s per direction per GPU (SXM datasheets)
 
 # Saved activations per transformer block and token, in bytes: a·d + b·ffn (d the width). Counted
 # on diffusers 0.42's WanTransformerBlock with saved_tensors_hooks: fp32 ≈ 90·d + 8·ffn,
@@ -65,13 +72,14 @@ class Arch:
 class Plan:
     gpu: str
     arch: Arch
-    learner: dict[str, float] = field(default_factory=dict)   # bytes per learner rank
-    learner_setup: dict[str, float] = field(default_factory=dict)  # bytes per learner rank at its setup peak
-    rollout: dict[str, float] = field(default_factory=dict)   # bytes per rollout rank
-    flops: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
+    learner: dict[str, float] = field(default_factory=dict)   # bytes per learner process
+    learner_setup: dict[str, float] = field(default_factory=dict)  # bytes per learner process at its setup peak
+    rollout: dict[str, float] = field(default_factory=dict)   # bytes per rollout process
+    flops: dict[str, float] = field(default_factory=dict)     # per video, summed over an actor's sp ranks
+    seconds: dict[str, float] = field(default_factory=dict)   # wall time on one actor (its sp GPUs)
     split: dict[str, float] = field(default_factory=dict)
     rollout_receive: float = 0.0                               # bytes: two receive buckets
+    comm: dict[str, float] = field(default_factory=dict)      # all-to-all bytes per rank per video (sp > 1)
 
 
 # --- architecture --------------------------------------------------------------------
@@ -132,14 +140,21 @@ def arch(cfg, transformer=None) -> Arch:
 # --- memory --------------------------------------------------------------------------
 
 
-def activation_bytes(a: Arch, rows: int, dtype_bytes: int, checkpointing: bool) -> float:
+def _seq(a: Arch, sp: int = 1) -> tuple[float, float]:
+    """(tokens a block of one SP rank sees, tokens of the whole sequence): video / sp, plus
+    HunyuanVideo 1.5's joint text and image tokens, which every rank keeps whole."""
+    text = a.text_tokens if a.family == "hunyuan15" else 0
+    return a.tokens / sp + text, a.tokens + text
+
+
+def activation_bytes(a: Arch, rows: int, dtype_bytes: int, checkpointing: bool, sp: int = 1) -> float:
     """Activations of one micro-batch's forward kept for backward (rows = micro_batch × CFG passes)."""
     ad, af = _ACT[dtype_bytes]
-    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
-    per_layer = rows * seq * (ad * a.width + af * a.ffn)
-    head = rows * seq * a.width * 4 * 4  # patch embedding, time/text embeddings, output head (fp32)
+    local, seq = _seq(a, sp)
+    per_layer = rows * local * (ad * a.width + af * a.ffn)
+    head = rows * seq * a.width * 4 * 4  # patch embedding, time/text embeddings, output head (fp32): whole
     if checkpointing:  # each block keeps only its input; one block at a time is recomputed
-        return a.layers * rows * seq * a.width * dtype_bytes + per_layer + head
+        return a.layers * rows * local * a.width * dtype_bytes + per_layer + head
     return a.layers * per_layer + head
 
 
@@ -201,7 +216,8 @@ def anchor_copies(cfg) -> int:
 
 
 def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
-    """GPU bytes one learner rank holds during a train step (FSDP2 over pools.learner.num_actors).
+    """GPU bytes one learner process holds during a train step (FSDP2 over all num_actors × sp
+    processes; activations divide by sp).
 
     The learner builds the trained transformer(s) alone (no encoder, no VAE, not Wan 2.2's frozen
     expert under train_experts=high_noise): `frozen` counts frozen modules in parameters when a
@@ -210,7 +226,8 @@ def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict
     (`learner_offloaded`); the GPU keeps the gathered blocks and the activations."""
     m, o = cfg.model, cfg.optim
     c = 4 if m.dtype == "float32" else 2
-    n = max(1, cfg.pools.learner.num_actors)
+    sp = cfg.pools.learner.parallel.sp
+    n = max(1, cfg.pools.learner.num_actors) * sp
     p_train = a.params * a.trained_experts
     gathered = c * (2 * a.block_params + a.root_params) if n > 1 else 0  # one block and its prefetch
     if o.finetune == "full":
@@ -232,8 +249,8 @@ def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict
     frozen_b = sum((4 if "fp32" in k else c) * v for k, v in (frozen or {}).items())
     return {"weights": weights + gathered, "grads": grads + block_grad, "optimizer": optimizer,
             "anchors": anchors, "frozen modules": frozen_b,
-            "activations (checkpointing)": activation_bytes(a, rows, c, True),
-            "activations (no checkpointing)": activation_bytes(a, rows, c, False)}
+            "activations (checkpointing)": activation_bytes(a, rows, c, True, sp),
+            "activations (no checkpointing)": activation_bytes(a, rows, c, False, sp)}
 
 
 def learner_offloaded(cfg, a: Arch) -> float:
@@ -241,14 +258,15 @@ def learner_offloaded(cfg, a: Arch) -> float:
     run's adapters), their gradients, AdamW's two moments and the anchors, resident all run long."""
     if not cfg.learner.cpu_offload:
         return 0.0
-    n = max(1, cfg.pools.learner.num_actors)
+    n = max(1, cfg.pools.learner.processes)  # FSDP2 shards over every process (num_actors × sp)
     trainable = a.params * a.trained_experts if cfg.optim.finetune == "full" else a.lora_params * a.trained_experts
     return (4 + 4 + 8 + 4 * anchor_copies(cfg)) * trainable / n
 
 
 def lean_setup(cfg) -> bool:
-    """Whether learner ranks take the lean sharded setup (learner/actor.lean_setup): more than one."""
-    return cfg.pools.learner.num_actors > 1
+    """Whether learner ranks take the lean sharded setup (learner/actor.lean_setup): more than one
+    process (num_actors × parallel.sp)."""
+    return cfg.pools.learner.processes > 1
 
 
 def learner_setup(cfg, a: Arch) -> dict[str, float]:
@@ -261,7 +279,7 @@ def learner_setup(cfg, a: Arch) -> dict[str, float]:
     then copied per shard. One rank (the reference path): the whole trained module in
     model.dtype, its fp32 masters and the anchors, unsharded."""
     c = 4 if cfg.model.dtype == "float32" else 2
-    n = max(1, cfg.pools.learner.num_actors)
+    n = max(1, cfg.pools.learner.processes)  # FSDP2 shards over every process (num_actors × sp)
     p_train = a.params * a.trained_experts
     full = cfg.optim.finetune == "full"
     trainable = p_train if full else a.lora_params * a.trained_experts
@@ -294,7 +312,7 @@ def rollout_memory(cfg, a: Arch) -> dict[str, float]:
     m = cfg.model
     c = 4 if m.dtype == "float32" else 2
     rows = rollout_rows(cfg)  # activations scale with the rows of one forward, not with G
-    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
+    seq, _ = _seq(a, cfg.pools.rollout.parallel.sp)
     return {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
             "frozen modules": sum((4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()),
             # no-grad forward: a few layer-sized tensors live at once (ffn hidden dominates)
@@ -323,12 +341,13 @@ def rollout_peaks(cfg, p: Plan) -> dict[str, float]:
 # --- compute -------------------------------------------------------------------------
 
 
-def forward_flops(a: Arch, rows: int) -> float:
-    """One transformer forward over `rows` samples."""
-    seq = a.tokens + (a.text_tokens if a.family == "hunyuan15" else 0)
+def forward_flops(a: Arch, rows: int, sp: int = 1) -> float:
+    """One SP rank's share of one transformer forward over `rows` samples (sp 1: the whole)."""
+    local, seq = _seq(a, sp)
     cross = a.text_tokens if a.family == "wan" else 0
-    linear = 2 * seq * a.params
-    attn = a.layers * (4 * seq * seq * a.width + 4 * seq * cross * a.width)
+    linear = 2 * local * a.params
+    # self-attention: every query over every key, for 1/sp of the heads; Wan's cross-attention: local queries
+    attn = a.layers * (4 * seq * seq * a.width / sp + 4 * (a.tokens / sp) * cross * a.width)
     return rows * (linear + attn)
 
 
@@ -343,35 +362,54 @@ def trained_per_video(cfg) -> int:
     return stored_steps_per_member(cfg)
 
 
+def all_to_all_bytes(a: Arch, rows: int, dtype_bytes: int, sp: int) -> float:
+    """Bytes one SP rank sends in one forward: per self-attention, q, k, v and the output, each
+    rows × N/sp × d, of which (sp - 1)/sp leave the rank (HunyuanVideo 1.5 also gathers its text
+    output over heads)."""
+    if sp == 1:
+        return 0.0
+    video = 4 * rows * (a.tokens / sp) * a.width * dtype_bytes
+    text = rows * a.text_tokens * (a.width / sp) * dtype_bytes if a.family == "hunyuan15" else 0.0
+    return a.layers * (video + text) * (sp - 1) / sp
+
+
 def plan(cfg, gpu: str | None = None) -> Plan:
     """The sizing on `gpu` (default: the config's plan.gpu)."""
     gpu = cfg.plan.gpu if gpu is None else gpu
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: expected one of {', '.join(GPUS)}")
+    from common.sde import Schedule
+
     a = arch(cfg)
     p = Plan(gpu, a)
     p.learner, p.rollout = learner_memory(cfg, a), rollout_memory(cfg, a)
     p.learner_setup = learner_setup(cfg, a)
     p.rollout_receive = rollout_receive_bytes(cfg, a)
-    from common.sde import Schedule
-
+    pools, c = cfg.pools, 4 if cfg.model.dtype == "float32" else 2
+    sp_r, sp_l = pools.rollout.parallel.sp, pools.learner.parallel.sp
     steps = Schedule.from_config(cfg.schedule).steps
     cfg_passes = 2 if cfg.model.guidance_scale > 1.0 else 1
-    fwd = forward_flops(a, 1)
     k = trained_per_video(cfg)  # learner rows per video
     anchors_fwd = (1 if cfg.kl.strategy in ("fixed", "moving", "dual") else 0) + \
         (1 if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact" else 0)
     if cfg.grpo.loss == "nft":  # v_old on every row, π_0 for its KL
         anchors_fwd = 1 + (1 if cfg.nft.kl > 0 else 0)
     recompute = 1 if cfg.model.gradient_checkpointing else 0
-    p.flops = {"rollout per video": steps * cfg_passes * fwd,
-               "train per video": k * cfg_passes * fwd * (3 + recompute + anchors_fwd),
+    passes_r, passes_t = steps * cfg_passes, k * cfg_passes
+    p.flops = {"rollout per video": passes_r * forward_flops(a, 1, sp_r) * sp_r,
+               "train per video": passes_t * forward_flops(a, 1, sp_l) * sp_l * (3 + recompute + anchors_fwd),
                "trained steps per video": float(k)}
-    rate = GPUS[gpu][0] * 1e12 * MFU
-    t_r, t_t = p.flops["rollout per video"] / rate, p.flops["train per video"] / rate
-    p.seconds = {"rollout per video": t_r, "train per video": t_t}
-    pools = cfg.pools
-    total = pools.rollout.num_actors * pools.rollout.num_gpus + pools.learner.num_actors * pools.learner.num_gpus
-    p.split = {"rollout share": t_r / (t_r + t_t), "gpus": total,
-               "rollout gpus": total * t_r / (t_r + t_t), "learner gpus": total * t_t / (t_r + t_t)}
+    # all-to-all: one per forward pass, and in backward, recomputation and anchor forwards again
+    p.comm = {"rollout per video": passes_r * all_to_all_bytes(a, 1, c, sp_r),
+              "train per video": passes_t * all_to_all_bytes(a, 1, c, sp_l) * (2 + recompute + anchors_fwd)}
+    rate, link = GPUS[gpu][0] * 1e12 * MFU, NVLINK_GBS[gpu] * 1e9
+    t_r = p.flops["rollout per video"] / sp_r / rate + p.comm["rollout per video"] / link
+    t_t = p.flops["train per video"] / sp_l / rate + p.comm["train per video"] / link
+    p.seconds = {"rollout per video": t_r, "train per video": t_t,
+                 "rollout per group": t_r * cfg.sampler.group_size}
+    # the split balances GPU-seconds: an actor's video occupies its sp GPUs
+    g_r, g_t = t_r * sp_r, t_t * sp_l
+    total = pools.rollout.processes * pools.rollout.num_gpus + pools.learner.processes * pools.learner.num_gpus
+    p.split = {"rollout share": g_r / (g_r + g_t), "gpus": total,
+               "rollout gpus": total * g_r / (g_r + g_t), "learner gpus": total * g_t / (g_r + g_t)}
     return p

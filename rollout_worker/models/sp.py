@@ -97,6 +97,20 @@ def sp_degree(transformers: list[nn.Module]) -> int:
     return degrees.pop()
 
 
+def _check_cp_backend(transformer: nn.Module, sp: int) -> None:
+    """diffusers' context-parallel attention runs only on some backends (not flash 3 in 0.42)."""
+    import diffusers
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    backend = next((m.processor._attention_backend for m in transformer.modules()
+                    if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None), None)
+    name = AttentionBackendName(backend) if backend is not None else _AttentionBackendRegistry.get_active_backend()[0]
+    if not _AttentionBackendRegistry._is_context_parallel_available(name):
+        raise SPConfigError(f"parallel.sp = {sp}: diffusers {diffusers.__version__} has no sequence-parallel "
+                            f"attention on backend {name.value!r} (model.attention_backend); use native, flash "
+                            "or sage with parallel.sp > 1")
+
+
 def enable_sp(transformer: nn.Module, mesh) -> None:
     """Turn on Ulysses SP over `mesh` (dims "ring" of size 1 and "ulysses" of size sp) in place.
 
@@ -107,6 +121,7 @@ def enable_sp(transformer: nn.Module, mesh) -> None:
     sp = mesh["ulysses"].size()
     config = ContextParallelConfig(ulysses_degree=sp, mesh=mesh)
     if isinstance(transformer, WanTransformer3DModel):
+        _check_cp_backend(transformer, sp)
         plan = None  # the class's own _cp_plan
     elif isinstance(transformer, HunyuanVideo15Transformer3DModel):
         plan = HUNYUAN15_CP_PLAN
