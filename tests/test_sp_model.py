@@ -16,7 +16,8 @@ from helpers_sp import spawn_ranks
 
 pytestmark = pytest.mark.timeout(900)
 
-CASES = ["wan21_t2v", "wan21_i2v", "wan22_t2v", "wan22_i2v", "hunyuan15_t2v", "hunyuan15_i2v"]
+CASES = ["wan21_t2v", "wan21_i2v", "wan22_t2v", "wan22_i2v", "hunyuan15_t2v", "hunyuan15_i2v",
+         "wan22_t2v_ckpt", "hunyuan15_i2v_ckpt"]  # _ckpt: activation checkpointing (recompute runs the collectives)
 IMAGE = np.random.RandomState(0).randint(0, 256, (32, 32, 3), dtype=np.uint8)
 
 
@@ -27,7 +28,7 @@ def build(case: str):
     from rollout_worker.models.tiny import tiny_hunyuan15_components, tiny_wan_components
     from rollout_worker.models.wan import WanVideoModel
 
-    family, task = case.split("_")
+    family, task, *ckpt = case.split("_")
     if family.startswith("wan"):
         variant = {"wan21": task, "wan22": f"{task}_a14b"}[family]
         mc = ModelConfig(family="wan", task=task, num_frames=5, height=32, width=32, guidance_scale=2.0,
@@ -41,6 +42,9 @@ def build(case: str):
         img = torch.from_numpy(IMAGE[: mc.height, : mc.width].copy())
         images = torch.stack([img, img.flip(0)])
     cond = model.encode(["a red cat", "a blue dog runs"], images)
+    if ckpt:
+        for t in model.transformers():
+            t.enable_gradient_checkpointing()
     g = torch.Generator().manual_seed(3)
     x = torch.randn((2, *model.latent_shape), generator=g)
     sigma = torch.tensor([0.9, 0.4])  # Wan 2.2 (boundary 0.6): one row per expert
