@@ -220,7 +220,7 @@ def read_meta(d: Path, world_size: int) -> dict:
         raise CheckpointError(f"{f}: world_size {written!r} is not a positive integer; {set_aside_hint(d)}")
     if written != world_size:
         raise CheckpointError(f"{d}: written by {written} learner ranks, this run has {world_size} "
-                              f"(set pools.learner.num_actors={written})")
+                              f"(set pools.learner.num_actors={written}, or num_actors × parallel.sp = {written})")
     return meta
 
 

@@ -74,6 +74,12 @@ def _run(ray, path, sp: int) -> dict:
             out["groups"].append(groups)
             out["stats"].append(learner.train_step(TrainBatch(fresh=groups, version=step)).values)
             ray.get(rollout.set_weights.remote(learner.weights_payload(), learner.version()), timeout=300)
+        # a checkpoint (sharded at sp 2) resumes: the next step's loss equals the uninterrupted one's
+        ckpt = learner.save_checkpoint(path.parent / f"ckpt-sp{sp}")
+        batch = TrainBatch(fresh=groups, version=STEPS)
+        after = learner.train_step(batch)["loss"]
+        learner.load_checkpoint(ckpt)
+        out["resume"] = (after, learner.train_step(batch)["loss"], sorted(p.name for p in ckpt.iterdir()))
     finally:
         learner.shutdown()
         ray.kill(rollout)
@@ -116,3 +122,10 @@ def test_sp2_replays_the_stored_log_probs_exactly(runs):
     # fp32: the learner's velocity at the stored x_k is the sampler's bit for bit at both degrees
     assert [s["logratio_first_absmax"] for s in runs[2]["stats"]] == [0.0] * STEPS
     assert [s["logratio_first_absmax"] for s in runs[1]["stats"]] == [0.0] * STEPS
+
+
+def test_a_checkpoint_at_sp2_resumes(runs):
+    after, again, files = runs[2]["resume"]
+    assert again == pytest.approx(after, rel=1e-6)
+    assert files == ["extra.json", "meta.json", "rank00000.pt", "rank00001.pt"]  # one shard per process
+    assert runs[1]["resume"][0] == pytest.approx(after, rel=1e-5, abs=1e-5)

@@ -57,7 +57,8 @@ def resume(args) -> int:
         raise ConfigError(f"{run_dir.location}: not a run directory (no config.yaml)")
     cfg = load_config(run_dir.path / "config.yaml", args.overrides)
     root = run_dir.checkpoints
-    newest = dist_checkpoint.verify_newest(root, cfg.pools.learner.num_actors)  # damaged files: one line, before any actor
+    # damaged files: one line, before any actor; one shard per learner process (num_actors × parallel.sp)
+    newest = dist_checkpoint.verify_newest(root, cfg.pools.learner.processes)
     notes = check_saved_state(run_dir, newest, cfg)  # every field a resume reads, before Ray starts
     preflight(cfg)
     for line in notes:
