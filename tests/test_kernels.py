@@ -33,6 +33,18 @@ def test_a_backend_without_its_package_is_one_line(backend):
     assert "\n" not in msg and msg.startswith(f"model.attention_backend = {backend!r} needs")
 
 
+@pytest.mark.parametrize("backend", sorted(PACKAGE))
+def test_hunyuan15_refuses_a_kernel_without_masks(backend):
+    from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
+    from rollout_worker.models.tiny import tiny_hunyuan15_components
+
+    mc = ModelConfig(family="hunyuan15", num_frames=5, height=16, width=16, attention_backend=backend)
+    with pytest.raises(ConfigError, match=rf"model.attention_backend = '{backend}': HunyuanVideo 1.5's attention "
+                                          "is masked") as e:
+        Hunyuan15VideoModel.from_components(tiny_hunyuan15_components(), mc)
+    assert "\n" not in str(e.value)
+
+
 def test_native_leaves_the_dispatch_as_it_is():
     model = _model(attention_backend="native")
     processors = [m.processor for m in model.transformer.modules() if hasattr(m, "processor")]

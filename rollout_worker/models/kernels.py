@@ -37,6 +37,11 @@ def configure_kernels(transformers: list[nn.Module], cfg: ModelConfig) -> None:
     `native` leaves diffusers' default dispatch (torch SDPA) untouched. Compilation is regional
     (diffusers' compile_repeated_blocks: each block compiled in place, parameter names kept, so
     state dicts and weight payloads are unchanged); it runs lazily at the first forward."""
+    for t in transformers:
+        if cfg.attention_backend != "native" and type(t).__name__ == "HunyuanVideo15Transformer3DModel":
+            # its joint attention always masks the text padding; diffusers' flash and sage kernels take no mask
+            raise ConfigError(f"model.attention_backend = {cfg.attention_backend!r}: HunyuanVideo 1.5's attention is "
+                              "masked, which diffusers' flash and sage kernels refuse; use native")
     check_backend(cfg.attention_backend)
     for t in transformers:
         if cfg.attention_backend != "native":
