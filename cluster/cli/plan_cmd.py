@@ -35,7 +35,6 @@ def _row(label: str, amount: str, seconds: float, note: str = "") -> str:
 
 def _compute_lines(cfg, p: Plan) -> list[str]:
     sp_r, sp_l = cfg.pools.rollout.parallel.sp, cfg.pools.learner.parallel.sp
-    timeout, group = cfg.sampler.timeout_s, p.seconds["rollout per group"]
     on = {"rollout": f"on {sp_r} GPUs, sp {sp_r}" if sp_r > 1 else "",
           "train": f"on {sp_l} GPUs, sp {sp_l}" if sp_l > 1 else ""}
     trained = f"{p.flops['trained steps per video']:.0f} trained steps"
@@ -43,10 +42,7 @@ def _compute_lines(cfg, p: Plan) -> list[str]:
              _row("rollout per video", f"{p.flops['rollout per video'] / 1e15:.1f} PFLOP",
                   p.seconds["rollout per video"], on["rollout"]),
              _row("train per video", f"{p.flops['train per video'] / 1e15:.1f} PFLOP", p.seconds["train per video"],
-                  ", ".join(x for x in (trained, on["train"]) if x)),
-             _row("rollout per group", f"G = {cfg.sampler.group_size}", group,
-                  f"within sampler.timeout_s = {timeout:.0f} s" if group < timeout
-                  else f"past sampler.timeout_s = {timeout:.0f} s: raise it, or parallel.sp")]
+                  ", ".join(x for x in (trained, on["train"]) if x))]
     link = NVLINK_GBS[p.gpu]
     for role, sp in (("rollout", sp_r), ("train", sp_l)):
         if sp > 1:

@@ -405,8 +405,7 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     rate, link = GPUS[gpu][0] * 1e12 * MFU, NVLINK_GBS[gpu] * 1e9
     t_r = p.flops["rollout per video"] / sp_r / rate + p.comm["rollout per video"] / link
     t_t = p.flops["train per video"] / sp_l / rate + p.comm["train per video"] / link
-    p.seconds = {"rollout per video": t_r, "train per video": t_t,
-                 "rollout per group": t_r * cfg.sampler.group_size}
+    p.seconds = {"rollout per video": t_r, "train per video": t_t}
     # the split balances GPU-seconds: an actor's video occupies its sp GPUs
     g_r, g_t = t_r * sp_r, t_t * sp_l
     total = pools.rollout.processes * pools.rollout.num_gpus + pools.learner.processes * pools.learner.num_gpus

@@ -28,8 +28,9 @@ HASH_GB_S = 0.5
 
 
 def group_seconds(cfg, p: Plan) -> dict[str, float]:
-    """One group (sampler.timeout_s waits for it): G videos denoised, the condition encoded once
-    (text, and the I2V first frame through the VAE), G videos decoded."""
+    """One group on one rollout actor (sampler.timeout_s waits for it; with parallel.sp, the wall
+    time on its sp GPUs): G videos denoised, the condition encoded once (text, and the I2V first
+    frame through the VAE), G videos decoded."""
     m, G = cfg.model, cfg.sampler.group_size
     peak = GPUS[p.gpu][0] * 1e12
     vae_rate = peak * VAE_MFU * (0.5 if _vae_fp32(cfg) else 1.0)
