@@ -36,15 +36,23 @@ def _checkpoint(path) -> None:
     WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v", layers=2)).save_pretrained(path)
 
 
-def _cfg(path, sp: int) -> RunConfig:
+# DiffusionNFT (learner/nft.py): ODE rollouts from each member's own noise, its loss on their clean
+# final latents; nothing reads a recorded step, so KL and alignment are off
+NFT = {"grpo": {"loss": "nft", "adv_std": "batch", "equalizer": False}, "kl": {"strategy": "none"},
+       "align": {"enabled": False}, "bank": {"enabled": False},
+       "sampler": {"group_size": 3, "shared_noise": False, "initial_noise": "group"}}
+NFT_STAT_KEYS = ("loss", "loss/policy", "nft/old_deviate", "grad_norm", "reward_mean", "num_rows")
+
+
+def _cfg(path, sp: int, over: dict | None = None) -> RunConfig:
     pool = {"num_cpus": 0.25, "torch_threads": 1, "max_restarts": 0, "parallel": {"sp": sp}}
-    return RunConfig.model_validate({
+    return RunConfig.model_validate({**{
         "model": {"family": "wan", "path": str(path), "num_frames": 5, "height": 32, "width": 32,
                   "guidance_scale": 2.0, "max_sequence_length": 8},
         "schedule": {"steps": 4, "shift": 3.0}, "sampler": {"group_size": 3},
         "optim": {"finetune": "lora", "lora_rank": 4, "lr": 3e-3, "micro_batch": 4},
         "kl": {"strategy": "dual", "schedule": "constant", "lam": 0.1},
-        "pools": {"rollout": pool, "learner": pool}, "train": {"seed": 5}})
+        "pools": {"rollout": pool, "learner": pool}, "train": {"seed": 5}}, **(over or {})})
 
 
 def _reward(group) -> torch.Tensor:
@@ -55,11 +63,11 @@ def _reward(group) -> torch.Tensor:
     return (z * u).flatten(1).mean(dim=1)
 
 
-def _run(ray, path, sp: int) -> dict:
+def _run(ray, path, sp: int, over: dict | None = None, resume: bool = True) -> dict:
     from learner.actor import LearnerGroup
     from rollout_worker.actor import RolloutActor
 
-    cfg = _cfg(path, sp)
+    cfg = _cfg(path, sp, over)
     rollout = RolloutActor.options(resources={"rollout": 1}, num_cpus=0.25, max_restarts=0).remote(cfg, 0)
     learner = LearnerGroup(cfg, num_ranks=1)
     out = {"groups": [], "stats": [], "ping": ray.get(rollout.ping.remote(), timeout=300),
@@ -74,6 +82,8 @@ def _run(ray, path, sp: int) -> dict:
             out["groups"].append(groups)
             out["stats"].append(learner.train_step(TrainBatch(fresh=groups, version=step)).values)
             ray.get(rollout.set_weights.remote(learner.weights_payload(), learner.version()), timeout=300)
+        if not resume:
+            return out
         # a checkpoint (sharded at sp 2) resumes: the next step's loss equals the uninterrupted one's
         ckpt = learner.save_checkpoint(path.parent / f"ckpt-sp{sp}")
         batch = TrainBatch(fresh=groups, version=STEPS)
@@ -129,3 +139,20 @@ def test_a_checkpoint_at_sp2_resumes(runs):
     assert again == pytest.approx(after, rel=1e-6)
     assert files == ["extra.json", "meta.json", "rank00000.pt", "rank00001.pt"]  # one shard per process
     assert runs[1]["resume"][0] == pytest.approx(after, rel=1e-5, abs=1e-5)
+
+
+def test_nft_at_sp2_gives_sp1_final_latents_and_losses(ray_session, tmp_path):
+    """The NFT branch of the trainer at sp 2: its loss scaled like GRPO's (each row counted once)."""
+    path = tmp_path / "ckpt"
+    _checkpoint(path)
+    one, two = (_run(ray_session, path, sp, NFT, resume=False) for sp in (1, 2))
+    for step in range(STEPS):
+        for g1, g2 in zip(one["groups"][step], two["groups"][step], strict=True):
+            torch.testing.assert_close(g2.composite, g1.composite, rtol=0, atol=1e-5)
+            for m1, m2 in zip(g1.members, g2.members, strict=True):
+                assert m1.step_indices == m2.step_indices == []  # ODE rollouts: no step recorded
+                torch.testing.assert_close(m2.final_latents, m1.final_latents, rtol=1e-5, atol=1e-5)
+        s1, s2 = one["stats"][step], two["stats"][step]
+        for k in NFT_STAT_KEYS:
+            assert s2[k] == pytest.approx(s1[k], rel=1e-5, abs=1e-5), (step, k)
+    assert len({s["reward_mean"] for s in one["stats"]}) == STEPS and any(s["loss"] != 0 for s in one["stats"])
