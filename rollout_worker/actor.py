@@ -289,8 +289,10 @@ class RolloutWorker:
 
             loaded.append(len(views))
             copy_weights(targets, views)
-            if fw is not None:  # the arguments are serialized now: the receive buffer may be reused
-                follow.extend(fw.submit("sp_load_bucket", {k: v.detach().cpu() for k, v in views.items()}))
+            if fw is not None:  # serialized now, so the receive buffer may be reused; a compact copy of
+                # each view (a view of the bucket would pickle the whole bucket's storage with it)
+                bucket = {k: v.detach().to("cpu", copy=True) for k, v in views.items()}
+                follow.extend(fw.submit("sp_load_bucket", bucket))
 
         try:
             run(sink)
