@@ -88,6 +88,7 @@ class Hunyuan15VideoModel(VideoModel):
             raise ValueError(f"model.height/width = {cfg.height}x{cfg.width}: need multiples of {ss}")
         cast_params(self.transformer, DTYPES[cfg.dtype])
         use_key_mask_attention(self.transformer)  # no dense S×S mask; none at all where nothing is padded
+        configure_kernels(self.transformers(), cfg)  # the learner's transformer-only build too
         if pipe is None:
             if not has_meta_parameters(self.transformer):  # an empty build waits for the learner's load
                 self.transformer.to(self.device)
@@ -96,7 +97,6 @@ class Hunyuan15VideoModel(VideoModel):
             if m is not None:
                 m.requires_grad_(False)
         configure_vae(pipe.vae, cfg)
-        configure_kernels(self.transformers(), cfg)
         pipe.to(self.device)
 
     # --- construction ------------------------------------------------------------------
