@@ -75,3 +75,25 @@ def test_compiled_blocks_give_the_eager_velocity_and_gradients():
     assert set(g2) == set(g1) and len(g1) > 10
     for n in g1:
         torch.testing.assert_close(g2[n], g1[n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["wan", "hunyuan15"])
+def test_the_learners_transformer_only_build_gets_the_kernels_too(family):
+    """The learner builds the transformer(s) alone (parts="transformer"); it must run the same
+    kernels as the sampler, or the two sides' velocities could differ."""
+    from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
+    from rollout_worker.models.tiny import tiny_hunyuan15_components
+
+    if family == "wan":
+        cls, comps, mc = WanVideoModel, tiny_wan_components("t2v"), dict(MC)
+    else:
+        cls, comps = Hunyuan15VideoModel, tiny_hunyuan15_components()
+        mc = dict(family="hunyuan15", num_frames=5, height=16, width=16)
+    lean = cls.from_components(comps, ModelConfig(**mc, compile=True), parts="transformer")
+    assert lean.components == "transformer"
+    blocks = [m for t in lean.transformers() for m in t.modules() if m._compiled_call_impl is not None]
+    assert blocks, "no block of the transformer-only build was compiled"
+    if family == "hunyuan15":  # and the masked-attention refusal holds there as well
+        with pytest.raises(ConfigError, match="HunyuanVideo 1.5's attention is masked"):
+            cls.from_components(tiny_hunyuan15_components(), ModelConfig(**mc, attention_backend="flash"),
+                                parts="transformer")
