@@ -61,7 +61,7 @@ def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:
 def learner_host(cfg, p: Plan) -> dict[str, float]:
     """A learner rank's host parts besides its process and a publish: its model read, the
     checkpoint save's transient, and what learner.cpu_offload keeps resident."""
-    a, n = p.arch, max(1, cfg.pools.learner.num_actors)
+    a, n = p.arch, max(1, cfg.pools.learner.processes)  # FSDP2 shards over num_actors × sp
     if lean_setup(cfg):
         out = {"shard read (one weight's rows)": file_dtype_bytes(cfg) * a.largest_params / n}
     else:

@@ -68,14 +68,14 @@ def weight_sync_seconds(cfg, p: Plan) -> dict[str, float]:
 def load_bytes(cfg, p: Plan) -> float:
     """What one learner rank reads at start: the trained transformer(s) alone (no encoder, no
     VAE), and with more than one rank only its own rows of them (learner/shard_load.py)."""
-    n = max(1, cfg.pools.learner.num_actors) if lean_setup(cfg) else 1
+    n = max(1, cfg.pools.learner.processes) if lean_setup(cfg) else 1  # num_actors × sp
     return file_dtype_bytes(cfg) * p.arch.params * p.arch.trained_experts / n
 
 
 def checkpoint_shard_bytes(cfg, p: Plan) -> float:
     """One learner rank's checkpoint shard: fp32 masters, Adam's two moments and the anchors
     (written from where they live, the GPU or, under learner.cpu_offload, the host)."""
-    a, n = p.arch, max(1, cfg.pools.learner.num_actors)
+    a, n = p.arch, max(1, cfg.pools.learner.processes)  # FSDP2 shards over num_actors × sp
     trainable = a.trained_experts * (a.params if cfg.optim.finetune == "full" else a.lora_params)
     return (4 + 8 + 4 * anchor_copies(cfg)) * trainable / n
 
