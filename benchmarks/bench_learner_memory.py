@@ -98,7 +98,7 @@ def _rank(rank: int, world: int, port: int, cfg_json: str, offload_json: str, ba
     from learner import dist_checkpoint, fsdp
     from learner.actor import make_trainer
 
-    mesh = fsdp.init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600)
+    mesh = fsdp.init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600).fsdp  # sp 1
     data = torch.load(batch, weights_only=False)
     cpu = torch.device("cpu")
 

@@ -52,7 +52,7 @@ def lean_against_reference(rank: int, port: int, cfg_json: str, batch_path: str 
     from learner.actor import make_trainer
 
     cfg = RunConfig.model_validate_json(cfg_json)
-    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120)
+    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120).fsdp  # (dp, sp) = (2, 1)
     batch = torch.load(batch_path, weights_only=False) if batch_path else None
     result = {}
     variants = [("reference", False, cfg), ("lean", True, cfg)]
@@ -118,7 +118,7 @@ def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, 
     from learner.actor import make_trainer
 
     cfg = RunConfig.model_validate_json(cfg_json)
-    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120)
+    mesh = fsdp.init_distributed(rank, 2, "127.0.0.1", port, "cpu", timeout_s=120).fsdp  # (dp, sp) = (2, 1)
     batch = torch.load(batch_path, weights_only=False)
     cpu = torch.device("cpu")
 
