@@ -5,8 +5,10 @@ the GPU (diffusers' from_pretrained, then .to(cuda)): its host peak is the whole
 sharded learner rank reads its own rows one weight at a time (learner/shard_load.py), so its
 host holds one weight's rows at once; a single learner rank loads its trained transformer(s)
 whole first. A checkpoint save moves one local storage at a time to the host (torch.save; no
-copy of the shards). Learner rank 0 gathers the full fp32 payload on the host at every publish
-and packs (object store) or flattens (collective) a second copy of it. Under
+copy of the shards). At a publish, learner rank 0 gathers the payload one bucket at a time in
+the rollout's dtype (learner/weight_sync.stream_tensors): with the object store it copies each
+bucket to the host for `ray.put` and drops it before the next; with the collective transport
+it broadcasts from the GPU. Under
 learner.cpu_offload a learner rank's masters, gradients, optimizer state and anchors live on
 the host all run long, on top of its peak. A pod holds `rayResources` such processes of each
 role plus its /dev/shm (memory-backed: it counts against the pod's limit).
@@ -25,7 +27,7 @@ from cluster.plan.sizing import (
     lean_setup,
     learner_offloaded,
 )
-from cluster.plan.timing import load_bytes, payload_bytes
+from cluster.plan.timing import load_bytes, publish_bucket_bytes
 
 PROCESS_BYTES = 4 * GB
 """A role process before it loads anything: Python, torch, the CUDA context, the Ray worker
@@ -50,12 +52,14 @@ def reward_bytes(m) -> float:
 def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:
     """Role → {part: bytes} of one process's host peak (the parts' max, plus the process)."""
     rollout_load = p.rollout["weights"] + p.rollout["frozen modules"]
-    payload = payload_bytes(cfg, p)
+    # object store: each bucket is copied to the host for ray.put (then dropped); collective:
+    # broadcast from the GPU, nothing on the host
+    at_publish = publish_bucket_bytes(cfg, p) if cfg.weight_sync.transport == "object_store" else 0.0
     rewards = [reward_bytes(m) for m in cfg.rewards.models] or [0.0]
     return {"rollout": {"process": PROCESS_BYTES, "pipeline load": rollout_load},
             "reward": {"process": PROCESS_BYTES, "model load": max(rewards)},
             "learner": {"process": PROCESS_BYTES, **learner_host(cfg, p),
-                        "rank 0 at a publish (2 x payload)": 2 * payload}}
+                        "rank 0 at a publish (one bucket)": at_publish}}
 
 
 def learner_host(cfg, p: Plan) -> dict[str, float]:

@@ -48,11 +48,25 @@ def _vae_fp32(cfg) -> bool:
     return cfg.model.family == "wan" or cfg.model.dtype == "float32"  # Wan's VAE always loads in fp32
 
 
+def wire_bytes(cfg) -> int:
+    """Bytes per value on the wire: a publish sends the weights in the rollout's dtype,
+    model.dtype (learner.policy.wire_dtype), not the learner's fp32 masters."""
+    return 4 if cfg.model.dtype == "float32" else 2
+
+
 def payload_bytes(cfg, p: Plan) -> float:
-    """What one publish moves: the trained weights in fp32 (full), or the LoRA adapters."""
+    """What one publish moves: the trained weights (full) or the LoRA adapters, in model.dtype."""
     a = p.arch
     trained = a.params if cfg.optim.finetune == "full" else a.lora_params
-    return 4.0 * trained * a.trained_experts
+    return float(wire_bytes(cfg) * trained * a.trained_experts)
+
+
+def publish_bucket_bytes(cfg, p: Plan) -> float:
+    """The most of a publish learner rank 0 holds at once: one bucket, at least the largest
+    tensor (a bucket holds whole tensors), never more than the payload (learner.weight_sync
+    gathers each bucket's tensors as it is sent)."""
+    largest = wire_bytes(cfg) * (p.arch.largest_params if cfg.optim.finetune == "full" else 0)
+    return min(max(float(cfg.weight_sync.bucket_bytes), float(largest)), payload_bytes(cfg, p))
 
 
 def weight_sync_seconds(cfg, p: Plan) -> dict[str, float]:
