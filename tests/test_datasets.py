@@ -174,19 +174,21 @@ def test_committed_toy_i2v_sets_are_what_the_generator_writes(tmp_path):
     assert len(train) == 48 and len(ev) == 32
 
 
-def test_bank_entries_keep_the_image_path_not_the_pixels():
+def test_bank_entries_keep_neither_the_image_path_nor_the_pixels():
+    """An I2V entry names its encoded condition's record (the first frame's VAE latents, encoded
+    once by the rollout), never a file for the learner to open nor the pixels."""
     import dataclasses
 
-    from memory_bank.codec import decode, encode
+    from memory_bank.codec import decode, encode, encode_cond
+    from memory_bank.tensorfile import loads
     from tests.bank_helpers import make_group
 
     g = make_group()
     cond = dataclasses.replace(g.condition, image_path="/data/frames/a.png")
     traj = dataclasses.replace(g.members[0], condition=cond)
-    meta, blob = encode("0" * 32, traj, g.scores.heads, g.scores.values[0], float(g.composite[0]))
-    assert meta["image_path"] == "/data/frames/a.png"
-    back = decode(meta, blob).trajectory.condition
-    assert (back.image_path, back.image) == ("/data/frames/a.png", None)
-    # a text-to-video entry has no such field
-    meta, _ = encode("1" * 32, g.members[0], g.scores.heads, g.scores.values[0], float(g.composite[0]))
-    assert "image_path" not in meta
+    ck, _ = encode_cond(cond.id, g.cond)
+    meta, blob = encode("0" * 32, traj, g.scores.heads, g.scores.values[0], float(g.composite[0]), cond_key=ck)
+    assert "image_path" not in meta and meta["cond_key"] == ck
+    assert "image" not in loads(bytes(blob))
+    back = decode(meta, bytes(blob)).trajectory.condition
+    assert (back.image_path, back.image) == (None, None)
