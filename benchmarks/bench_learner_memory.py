@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, port: int, cfg_json: str, offload_json: str, ba
     import torch
 
     from common.config import RunConfig
-    from common.tensor_bytes import LiveTensorBytes
+    from common.tensor_bytes import LiveTensorBytes, tensor_leaves
     from learner import dist_checkpoint, fsdp
     from learner.actor import make_trainer
 
@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, port: int, cfg_json: str, offload_json: str, ba
         trainer.train_step(data, rank=rank, world_size=world, reduce=reduce)
     res["step peak"] = setup.now + step.peak
     state = trainer.state_dict()
-    res["shard"] = _local_bytes(t for t in _leaves(state))
+    res["shard"] = _local_bytes(t for t in tensor_leaves(state))
     with LiveTensorBytes() as save:
         dist_checkpoint.save(root, 1, state, {"cursor": 0}, keep=1)
     res["checkpoint save"] = save.peak
@@ -129,19 +129,6 @@ def _rank(rank: int, world: int, port: int, cfg_json: str, offload_json: str, ba
         + _local_bytes(t for a in pol.anchors.values() for t in a.values()))
     Path(f"{out}.{rank}").write_text(json.dumps(res), encoding="utf-8")
     fsdp.shutdown_process_group("barrier_only")
-
-
-def _leaves(tree):
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
 
 
 def planned(cfg, offload_cfg) -> dict[str, float]:

@@ -59,3 +59,8 @@ def _storage(t: torch.Tensor):
     if not isinstance(local, torch.Tensor) or local.is_meta or type(local) is not torch.Tensor:
         return None
     return local.untyped_storage()
+
+
+def tensor_leaves(tree) -> list[torch.Tensor]:
+    """The tensors in a nest of dicts, lists and tuples (a state dict, a checkpoint's state)."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -113,7 +113,7 @@ def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, 
     import torch
 
     from common.config import RunConfig
-    from common.tensor_bytes import LiveTensorBytes
+    from common.tensor_bytes import LiveTensorBytes, tensor_leaves
     from learner import dist_checkpoint, fsdp
     from learner.actor import make_trainer
 
@@ -131,7 +131,7 @@ def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, 
         return trainer.train_step(batch, rank=rank, world_size=2, reduce=reduce).values
 
     def local_bytes(tree) -> int:
-        return sum(t.numel() * t.element_size() for t in _leaves(dist_checkpoint.to_local(tree)))
+        return sum(t.numel() * t.element_size() for t in tensor_leaves(dist_checkpoint.to_local(tree)))
 
     def save(trainer, sub: str, version: int):
         with LiveTensorBytes() as probe:
@@ -163,14 +163,3 @@ def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, 
     fsdp.shutdown_process_group("barrier_only")
 
 
-def _leaves(tree):
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
