@@ -10,8 +10,8 @@ part-way leaves the whole SP group refusing to generate until the next full load
 from __future__ import annotations
 
 import pytest
-import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from weight_sync_helpers import AlteredInFlight, perturbed
 
 from common.config import RunConfig, WeightSyncConfig
 from common.types import Condition
@@ -39,12 +39,6 @@ def sp_rollout(ray_session, tmp_path_factory):
     state = {k: v.clone() for k, v in comps["transformer"].state_dict().items()}
     yield leader, state
     ray_session.kill(leader)
-
-
-def _perturbed(state: dict, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-            for k, v in state.items()}
 
 
 def _ranks(ray, leader) -> list[tuple[int, bool, str]]:
@@ -77,25 +71,13 @@ def test_both_sp_ranks_load_the_published_weights(ray_session, sp_rollout, trans
     base = ray.get(leader.version.remote(), timeout=300)
     cfg = WeightSyncConfig(transport=transport, timeout_s=60, bucket_mb=nbytes(state) / 8 / 2**20)
     pub = WeightPublisher(cfg, [leader])
-    new = _perturbed(state, seed=base + 1)
+    new = perturbed(state, seed=base + 1)
     assert pub.publish(new, version=base + 1).answers == [True]
     assert _ranks(ray, leader) == [(base + 1, False, checksum(new))] * 2
-    assert pub.publish(_perturbed(state, seed=99), version=base + 1).answers == [False]  # stale: ignored
+    assert pub.publish(perturbed(state, seed=99), version=base + 1).answers == [False]  # stale: ignored
     pub.close()
     assert _ranks(ray, leader) == [(base + 1, False, checksum(new))] * 2
     assert _generates(ray, leader)  # the follower's digest equals the leader's
-
-
-class AlteredInFlight(WeightPublisher):
-    """Flips one bit of the third bucket's bytes on the wire, after the sender took its digests."""
-
-    def _broadcast(self, t):
-        self.count = getattr(self, "count", 0) + 1
-        if self.count == 5:  # data and digests alternate: the third bucket's data
-            t = t.clone()
-            t.view(torch.uint8).view(-1)[t.numel() * t.element_size() // 2] ^= 4
-            self.kept = t  # alive until its broadcast completes
-        return super()._broadcast(t)
 
 
 def test_a_collective_load_refused_part_way_leaves_the_sp_group_not_generating(ray_session, sp_rollout):
@@ -104,12 +86,12 @@ def test_a_collective_load_refused_part_way_leaves_the_sp_group_not_generating(r
     cfg = WeightSyncConfig(transport="collective", timeout_s=60, bucket_mb=nbytes(state) / 8 / 2**20)
     pub = AlteredInFlight(cfg, [leader])
     with pytest.raises(ChecksumMismatch, match="bytes changed on the way"):
-        pub.publish(_perturbed(state, seed=base + 3), version=base + 3)
+        pub.publish(perturbed(state, seed=base + 3), version=base + 3)
     # the leader stopped after two buckets, the follower got them and no end: neither is whole
     assert [(v, torn) for v, torn, _ in _ranks(ray, leader)] == [(base, True)] * 2
     assert not _generates(ray, leader)
     # the next (intact) publish over the same group loads on both ranks, and generation resumes
-    new = _perturbed(state, seed=base + 4)
+    new = perturbed(state, seed=base + 4)
     assert WeightPublisher.publish(pub, new, version=base + 4).answers == [True]  # count past 5
     pub.close()
     assert _ranks(ray, leader) == [(base + 4, False, checksum(new))] * 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+from weight_sync_helpers import AlteredInFlight, perturbed
 
 from common.config import RunConfig, WeightSyncConfig
 from common.weight_group import WeightSyncTimeout
@@ -35,12 +35,6 @@ def rollout(ray_session, tmp_path_factory):
         ray_session.kill(a)
 
 
-def _perturbed(state: dict, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-            for k, v in state.items()}
-
-
 def _held(ray, actors) -> list[tuple[int, str]]:
     """(version, checksum of the transformer's weights) each actor holds."""
     probe = [a.__ray_call__.remote(lambda self: (self.version(), checksum(
@@ -54,15 +48,15 @@ def test_both_actors_get_bit_identical_weights_and_ignore_stale(ray_session, rol
     base = ray.get(actors[0].version.remote())
     cfg = WeightSyncConfig(transport=transport, checksum=True, timeout_s=30, bucket_mb=1)
     pub = WeightPublisher(cfg, actors)
-    new = _perturbed(state, seed=base + 1)
+    new = perturbed(state, seed=base + 1)
     rep = pub.publish(new, version=base + 1)
     assert rep.answers == [True, True] and rep.version == base + 1 and rep.nbytes > 0
     assert _held(ray, actors) == [(base + 1, checksum(new))] * 2
     # a second push over the same group (collective: no new rendezvous)
-    newer = _perturbed(state, seed=base + 2)
+    newer = perturbed(state, seed=base + 2)
     assert pub.publish(newer, version=base + 2).answers == [True, True]
     # a stale push is ignored on the receiving side
-    assert pub.publish(_perturbed(state, seed=99), version=base + 1).answers == [False, False]
+    assert pub.publish(perturbed(state, seed=99), version=base + 1).answers == [False, False]
     assert _held(ray, actors) == [(base + 2, checksum(newer))] * 2
     pub.close()
 
@@ -80,7 +74,7 @@ def test_collective_peer_that_never_joins_times_out_naming_it(ray_session, rollo
     pub = WeightPublisher(cfg, [actors[0], deaf], names=["rollout 0", "rollout 1 (deaf)"])
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=r"rollout 1 \(deaf\) did not join within 3.0 s") as e:
-        pub.publish(_perturbed(state, seed=5), version=1000)
+        pub.publish(perturbed(state, seed=5), version=1000)
     assert "rollout 0," not in str(e.value)
     assert time.monotonic() - t0 < 15
     ray.kill(deaf)
@@ -89,7 +83,7 @@ def test_collective_peer_that_never_joins_times_out_naming_it(ray_session, rollo
     # join would hold every later call, and this publish would time out)
     assert ray.get(actors[0].version.remote(), timeout=30) < 1000
     pub = WeightPublisher(WeightSyncConfig(transport="collective", timeout_s=30), [actors[0]])
-    new = _perturbed(state, seed=6)
+    new = perturbed(state, seed=6)
     assert pub.publish(new, version=1001).answers == [True]
     assert _held(ray, actors[:1]) == [(1001, checksum(new))]
     pub.close()
@@ -109,7 +103,7 @@ def test_receivers_load_bucket_by_bucket_holding_two_at_most(ray_session, rollou
     base = max(ray.get([a.version.remote() for a in actors]))
     ray.get([a.weight_buckets.remote(reset=True) for a in actors])
     pub = WeightPublisher(cfg, actors)
-    new = _perturbed(state, seed=base + 7)
+    new = perturbed(state, seed=base + 7)
     assert pub.publish(new, version=base + 7).answers == [True, True]
     pub.close()
     assert _held(ray, actors) == [(base + 7, checksum(new))] * 2
@@ -117,18 +111,6 @@ def test_receivers_load_bucket_by_bucket_holding_two_at_most(ray_session, rollou
         # the receive buckets alive at once (a bucket counts until its memory can be freed)
         assert 1 <= g["peak"] <= 2 and g["peak_bytes"] <= _two_buckets(state, cfg.bucket_bytes), g
         assert g["live"] == 0 and g["live_bytes"] == 0
-
-
-class AlteredInFlight(WeightPublisher):
-    """Flips one bit of the third bucket's bytes on the wire, after the sender took its digests."""
-
-    def _broadcast(self, t):
-        self.count = getattr(self, "count", 0) + 1
-        if self.count == 5:  # data and digests alternate: the third bucket's data
-            t = t.clone()
-            t.view(torch.uint8).view(-1)[t.numel() * t.element_size() // 2] ^= 4
-            self.kept = t  # alive until its broadcast completes
-        return super()._broadcast(t)
 
 
 def _generates(ray, actor) -> bool:
@@ -148,12 +130,12 @@ def test_collective_bytes_altered_in_flight_are_refused(ray_session, rollout):
     base = max(ray.get([a.version.remote() for a in actors]))
     pub = AlteredInFlight(cfg, actors)
     with pytest.raises(ChecksumMismatch, match="bytes changed on the way"):
-        pub.publish(_perturbed(state, seed=base + 1), version=base + 1)
+        pub.publish(perturbed(state, seed=base + 1), version=base + 1)
     # both actors kept their version; two buckets were loaded, so they refuse to generate
     assert [v for v, _ in _held(ray, actors)] == [base, base]
     assert not _generates(ray, actors[0])
     # the group stayed in step: the next (intact) publish loads, and generation resumes
-    good = _perturbed(state, seed=base + 2)
+    good = perturbed(state, seed=base + 2)
     assert WeightPublisher.publish(pub, good, version=base + 2).answers == [True, True]  # count past 5
     assert _held(ray, actors) == [(base + 2, checksum(good))] * 2
     assert _generates(ray, actors[1])
@@ -165,7 +147,7 @@ def test_object_store_bytes_altered_in_store_are_refused(ray_session, rollout):
 
     ray, (actors, state) = ray_session, rollout
     base = max(ray.get([a.version.remote() for a in actors]))
-    new = _perturbed(state, seed=base + 1)
+    new = perturbed(state, seed=base + 1)
     record = put_stream(stream_state(new, nbytes(state) // 8, base + 1), "fast")
     assert record.checksum.startswith("xxh3:") and len(record.weights.refs) >= 6
     refs = list(record.weights.refs)
