@@ -242,9 +242,10 @@ class GroupReceipt:
 class PullReceipt:
     """What the learner's rank 0 tells the driver about the batch it pulled from the bank.
 
-    `dropped` lists fresh groups the bank found corrupt and dropped on the way out; when it is
-    not empty the batch was given back to the queue and nothing is trained (the driver draws
-    those conditions again first). `box` is [object ref of the TrainBatch] for the other ranks
+    `dropped` lists fresh groups dropped on the way out: corrupt (the bank), untrainable
+    (quarantined) or sampled with other settings (learner/admit.py), each with its reason in
+    `reasons`; when it is not empty the batch was given back to the queue and nothing is trained
+    (the driver draws those conditions again first). `box` is [object ref of the TrainBatch] for the other ranks
     (None with one rank): the driver passes it on and never reads it.
     """
 
@@ -257,4 +258,6 @@ class PullReceipt:
     bank_entries: int = 0
     spread: dict[str, float] = field(default_factory=dict)    # health: share of groups with no spread
     dropped: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)     # dropped group id -> why
+    notes: list[str] = field(default_factory=list)            # what rank 0 took out of the batch, for the log
     box: list | None = None

@@ -34,6 +34,7 @@ from common.actors import kill_and_wait
 from common.config import ConfigError, RunConfig
 from common.dispatch import verb
 from common.experts import rows_on_frozen_expert
+from common.sde import rollout_spec
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
@@ -177,12 +178,14 @@ class LearnerRank:
         bank.requeue_pending()  # a pull whose answer was lost left its groups pending
         bank.dropped_ids = []
         batch = bank.pull(n, version)
-        dropped = list(bank.dropped_ids)
-        if dropped:  # corrupt fresh groups were dropped: give the rest back, the driver refills first
+        why = {g: "corrupt" for g in bank.dropped_ids}
+        dropped, notes = self._admit(bank, batch, version)
+        why.update(dropped)
+        if why:  # fresh groups were dropped: give the rest back, the driver refills first
             bank.requeue_pending()
-            return PullReceipt(dropped=dropped)
+            return PullReceipt(dropped=list(why), reasons=why, notes=notes)
         self._batch = batch
-        out = PullReceipt(group_ids=[g.group_id for g in batch.fresh],
+        out = PullReceipt(notes=notes, group_ids=[g.group_id for g in batch.fresh],
                           condition_ids=[g.condition.id for g in batch.fresh],
                           versions=[g.policy_version for g in batch.fresh],
                           bank_entries=sum(len(b) for b in batch.bank))
@@ -197,6 +200,35 @@ class LearnerRank:
             if self.world_size > 1:
                 out.box = [ray.put(batch)]  # one copy in the object store, read by the other ranks
         return out
+
+    def _admit(self, bank, batch: TrainBatch, version: int) -> tuple[dict[str, str], list[str]]:
+        """Take out what does not fit this run (learner/admit.py): untrainable entries to the
+        quarantine, banked entries of other settings evicted, their fresh groups dropped.
+        Returns ({dropped group id: why}, lines for the driver's log)."""
+        from learner.admit import Admission, admit
+
+        adm = Admission(rollout_spec(self.cfg), tuple(self.trainer.model.latent_shape))
+        verdict = admit(batch, adm, version)
+        for eid, why in verdict.quarantine.items():
+            bank.quarantine(eid, why)
+        for cid, eids in verdict.evict.items():
+            bank.evict(cid, eids)
+        for gid in verdict.dropped:
+            bank.drop_pulled(gid)
+        return verdict.dropped, verdict.notes()
+
+    def quarantine_pulled(self, reason: str) -> list[str]:
+        """Rank 0: the pulled batch could not be trained (`reason`: the step's error). Every entry
+        it used goes to the quarantine and its groups are dropped; returns their ids."""
+        if self._batch is None:
+            return []
+        bank, batch, self._batch = self._open_bank(), self._batch, None
+        for group, entries in zip(batch.fresh, batch.bank or [[] for _ in batch.fresh], strict=True):
+            for t in [*group.members, *(e[0] for e in entries)]:
+                if t.bank_id:
+                    bank.quarantine(t.bank_id, reason)
+            bank.drop_pulled(group.group_id)
+        return [g.group_id for g in batch.fresh]
 
     def train_pulled(self, box: list | None) -> dict[str, float]:
         """Train on the batch rank 0 pulled (rank 0 reads its own copy; others the object store)."""
@@ -385,6 +417,8 @@ class LearnerGroup:
     pull = verb("pull", on="rank0", doc="Rank 0 pulls the batch from the bank; the driver gets ids and versions only.")
     commit = verb("commit", on="rank0")
     commit_ids = verb("commit_ids", on="rank0")
+    quarantine_pulled = verb("quarantine_pulled", on="rank0",
+                             doc="Rank 0 quarantines the batch it pulled and could not train; the dropped group ids.")
     weights_record = verb("weights_record", doc="The record of the packed payload's ref (rank 0's): "
                           "the payload stays in the object store; every rank joins the gather.")
     save_policy = verb("save_policy", collect="none")

@@ -381,6 +381,20 @@ class MemoryBank:
         log.warning("bank: quarantined entry %s: %s", entry_id, why)
 
     @_reachable
+    def evict(self, condition_id: str, entry_ids: list[str]) -> None:
+        """Take banked entries out of a condition's index and delete them (entries this run cannot
+        use, such as those sampled with other settings; not counted as corrupt or quarantined)."""
+        for eid in entry_ids:
+            check_eid(eid)
+        self._evict_banked(condition_id, list(entry_ids))
+
+    @_reachable
+    def drop_pulled(self, group_id: str) -> None:
+        """A group this consumer pulled and will not train: out of pending into the dead list, its
+        members deleted (the caller draws its condition again). Listed in `dropped_ids`."""
+        self._drop_group(group_id)
+
+    @_reachable
     def quarantined(self) -> list[dict[str, Any]]:
         """The quarantine's records, newest first: {id, reason, time, condition, version,
         banked, seq} (the last QUARANTINE_CAP)."""

@@ -17,7 +17,15 @@ from torch import Tensor
 
 from common.config import RunConfig, SamplerConfig, WindowConfig
 from common.images import condition_image
-from common.sde import ODE, Schedule, Scheme, make_scheme, sample_step, scheme_from_config
+from common.sde import (
+    ODE,
+    Schedule,
+    Scheme,
+    make_scheme,
+    rollout_spec,
+    sample_step,
+    scheme_from_config,
+)
 from common.types import Cond, Condition, Group, Trajectory
 from rollout_worker.dpm import DPMSolver2M
 from rollout_worker.models.base import VideoModel, encoder_fingerprint, negative_kwargs
@@ -235,8 +243,7 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     # one copy), stamped with the full spec of the scheme its steps ran with, on the configured
     # schedule (a compressed tail is never recorded), so the learner replays it exactly, and with
     # the encoded condition (one object for the group); NFT's rollouts are ODE throughout
-    ran = ODE() if cfg.grpo.loss == "nft" else scheme
-    spec, store = ran.spec(schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
+    spec, store = rollout_spec(cfg, schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
                    guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,

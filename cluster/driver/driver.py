@@ -11,6 +11,7 @@ The loop reads generate → score → store → train → publish; its parts eac
 - `stream.PromptStream`: which condition and seed come next;
 - `fleet.RolloutFleet`: dispatch groups to rollout actors, collect receipts, handle failures;
 - `publish.Publisher`: the newest weights as the version actors load next;
+- `drops.Drops`: groups taken out on the way to the learner (corrupt, quarantined, other settings);
 - `pools.Placement`: every pool placed one way, in a placement group.
 
 Dispatch is continuous: each rollout actor gets its next group as soon as it delivers one.
@@ -41,6 +42,7 @@ import numpy as np
 
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
+from cluster.driver.drops import Drops
 from cluster.driver.errors import ConfigStop, LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle
@@ -92,6 +94,7 @@ class Driver:
         self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
         self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
         self.stream = PromptStream([], cfg.train.seed, self.state)
+        self.drops = Drops(self.state, self.note)  # groups taken out on the way to the learner
         # set by setup(): the bank, the pools and the loop's parts
         self.bank = self.redis = self.bank_ref = self.actor_cfg = self.rewards = self.learner = None
         self.fleet: RolloutFleet | None = None
@@ -279,14 +282,18 @@ class Driver:
         self._check_lease()
         try:
             pulled: PullReceipt = self._bank("pull", self.learner.pull, self.cfg.train.groups_per_step, s.step)
+            for line in pulled.notes:
+                self.note(line)
             if pulled.dropped:
-                self._refill_dropped(pulled.dropped)
+                self.drops.refill(pulled.dropped, pulled.reasons)
                 return None
             if not pulled.group_ids:
                 raise StopRun("the bank returned no fresh groups to train on")
             with s.lock:
                 s.counts["groups_pulled"] += len(pulled.group_ids)
-            stats = self.learner.train_pulled(pulled)
+            stats = self.drops.train_or_quarantine(self.learner, pulled, self._bank)
+            if stats is None:
+                return None
             with s.lock:
                 for g in pulled.group_ids:
                     s.open.pop(cursor_of(g), None)
@@ -320,17 +327,6 @@ class Driver:
         except StopRun:
             self.state.uncommitted = list(gids)  # the checkpoint commits them on resume
             raise
-
-    def _refill_dropped(self, gids: list[str]) -> None:
-        """Fresh groups the bank dropped as corrupt: no longer queued; their cursors are drawn again."""
-        s = self.state
-        with s.lock:
-            s.counts["groups_produced"] -= len(gids)
-            s.counts["groups_dropped"] += len(gids)
-        for n in filter(lambda n: n is not None, map(cursor_of, gids)):
-            s.redraw(n)
-        self.note(f"the bank dropped {len(gids)} corrupt fresh group(s) ({', '.join(gids)}); "
-                  "drawing their conditions again")
 
     def export_policy(self) -> None:
         """Every rollout actor loads the run's exported policy: the newest weights, or with

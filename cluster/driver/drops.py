@@ -1,0 +1,75 @@
+"""Groups taken out on their way to the learner, and what the driver does about each.
+
+A fresh group leaves the queue untrained when the bank finds it corrupt, when the learner's rank
+0 finds it untrainable (quarantined) or sampled with other settings (learner/admit.py), or when
+the learner's step raised on its batch (the batch is quarantined whole: no resume meets it again).
+Each is counted by kind in the driver's counts, said in one line, and its cursor drawn again, so
+the prompt stream does not change. Steps that raise TRAIN_FAILURES times in a row are the
+learner's fault, not the data's: the run stops in one line (and checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+from cluster.driver.errors import StopRun
+from cluster.driver.state import DriverState, cursor_of
+from common.types import PullReceipt
+
+TRAIN_FAILURES = 3  # learner steps failing in a row (each batch quarantined) before the run stops
+# a dropped group's count, by the first word of its reason (PullReceipt.reasons)
+COUNTS = {"corrupt": "groups_dropped", "quarantined": "groups_quarantined", "other settings": "groups_resampled"}
+
+
+class Drops:
+    def __init__(self, state: DriverState, note: Callable[[str], None]):
+        self.state, self.note = state, note
+        self.failures = 0   # learner steps failed in a row
+
+    def refill(self, gids: list[str], reasons: dict[str, str]) -> None:
+        """Fresh groups no longer queued: counted by kind, said once per reason, cursors drawn again."""
+        s = self.state
+        by_reason: dict[str, list[str]] = defaultdict(list)
+        for g in gids:
+            by_reason[reasons.get(g, "corrupt")].append(g)
+        with s.lock:
+            s.counts["groups_produced"] -= len(gids)
+            for why, these in by_reason.items():
+                s.counts[COUNTS[why.split(":")[0]]] += len(these)
+        for n in filter(lambda n: n is not None, map(cursor_of, gids)):
+            s.redraw(n)
+        for why, these in by_reason.items():
+            self.note(f"dropped {len(these)} fresh group(s) ({why}): {', '.join(these)}; "
+                      "drawing their conditions again")
+
+    def train_or_quarantine(self, learner, pulled: PullReceipt, bank_call):
+        """The step on the pulled batch, or None when it raised: the batch quarantined, its
+        groups refilled. `bank_call(what, fn, *args)`: the driver's bank call (retries, fencing)."""
+        import ray
+
+        try:
+            stats = learner.train_pulled(pulled)
+        except ray.exceptions.RayActorError:
+            raise   # a dead learner: the driver stops the run (a resume requeues the pending groups)
+        except ray.exceptions.RayTaskError as e:
+            why = last_line(e)
+            self.failures += 1
+            gids = bank_call("quarantine", learner.quarantine_pulled, f"the step failed on it: {why}")
+            with self.state.lock:
+                self.state.counts["groups_pulled"] -= len(pulled.group_ids)
+            self.refill(gids, dict.fromkeys(gids, f"quarantined: the step failed on it: {why}"))
+            if self.failures >= TRAIN_FAILURES:
+                raise StopRun(f"{self.failures} steps in a row failed in the learner, the last "
+                              f"with: {why}") from None
+            return None
+        self.failures = 0
+        return stats
+
+
+def last_line(e: BaseException, limit: int = 300) -> str:
+    """The cause's own message: its type and the last non-empty line, cut to a readable length."""
+    cause = getattr(e, "cause", None) or e
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+    text = f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
+    return text if len(text) <= limit else text[:limit] + "…"
