@@ -217,18 +217,20 @@ class LearnerRank:
             bank.drop_pulled(gid)
         return verdict.dropped, verdict.notes()
 
-    def quarantine_pulled(self, reason: str) -> list[str]:
+    def quarantine_pulled(self, reason: str) -> tuple[list[str], int]:
         """Rank 0: the pulled batch could not be trained (`reason`: the step's error). Every entry
-        it used goes to the quarantine and its groups are dropped; returns their ids."""
+        it used goes to the quarantine and its groups are dropped; returns their ids and the
+        policy version (unchanged unless the step failed after its optimizer step)."""
+        version = self.trainer.version
         if self._batch is None:
-            return []
+            return [], version
         bank, batch, self._batch = self._open_bank(), self._batch, None
         for group, entries in zip(batch.fresh, batch.bank or [[] for _ in batch.fresh], strict=True):
             for t in [*group.members, *(e[0] for e in entries)]:
                 if t.bank_id:
                     bank.quarantine(t.bank_id, reason)
             bank.drop_pulled(group.group_id)
-        return [g.group_id for g in batch.fresh]
+        return [g.group_id for g in batch.fresh], version
 
     def train_pulled(self, box: list | None) -> dict[str, float]:
         """Train on the batch rank 0 pulled (rank 0 reads its own copy; others the object store)."""

@@ -274,8 +274,10 @@ class Driver:
 
     def train(self) -> dict[str, float] | None:
         """Rank 0 pulls fresh groups (plus bank entries of their conditions), every rank takes one
-        optimizer step, rank 0 commits. None when the bank dropped a corrupt fresh group: its
-        cursor is drawn again and nothing is trained until the step's groups are all there."""
+        optimizer step, rank 0 commits. None when a fresh group was dropped on the way (corrupt,
+        untrainable, other settings) or the step raised on the batch (quarantined whole): their
+        cursors are drawn again and nothing is trained until the step's groups are all there
+        (cluster/driver/drops.py)."""
         import ray
 
         t0, s = time.monotonic(), self.state

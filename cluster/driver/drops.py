@@ -55,10 +55,13 @@ class Drops:
         except ray.exceptions.RayTaskError as e:
             why = last_line(e)
             self.failures += 1
-            gids = bank_call("quarantine", learner.quarantine_pulled, f"the step failed on it: {why}")
+            gids, version = bank_call("quarantine", learner.quarantine_pulled, f"the step failed on it: {why}")
             with self.state.lock:
                 self.state.counts["groups_pulled"] -= len(pulled.group_ids)
             self.refill(gids, dict.fromkeys(gids, f"quarantined: the step failed on it: {why}"))
+            if version != self.state.step:   # it failed after the optimizer step: weights and step disagree
+                raise StopRun(f"the learner's step failed after it updated the weights (version {version}, "
+                              f"step {self.state.step}), with: {why}") from None
             if self.failures >= TRAIN_FAILURES:
                 raise StopRun(f"{self.failures} steps in a row failed in the learner, the last "
                               f"with: {why}") from None
