@@ -156,14 +156,18 @@ class Driver:
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
 
     def _guard(self) -> None:
-        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
-        and deletes the Redis URL file (cluster/driver/watchdog.py)."""
+        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server,
+        deletes the Redis URL file and ends the processes of the local Ray cluster this driver
+        started (cluster/driver/watchdog.py)."""
         from cluster.driver.watchdog import Watchdog
 
         s = self.started
-        if s.redis is None and s.secret_dir is None:
+        session = s.ray.own_session if s.ray is not None else None
+        if s.redis is None and s.secret_dir is None and session is None:
             return
         s.watchdog = Watchdog.start()
+        if session is not None:
+            s.watchdog.end_ray_session(session)
         if s.redis is not None and s.redis.pid is not None:
             s.watchdog.kill_with_me(s.redis.pid)
             sock = s.redis.socket  # a short 0700 directory of its own when the run dir's path is too long
@@ -510,10 +514,10 @@ class Driver:
             s.redis.stop()
         if s.secret_dir is not None:
             shutil.rmtree(s.secret_dir, ignore_errors=True)
-        if s.watchdog is not None:  # done by hand: it has nothing left to do
-            s.watchdog.stop()
         if s.ray is not None:
             s.ray.shutdown()
+        if s.watchdog is not None:  # done by hand: it has nothing left to do
+            s.watchdog.stop()
 
     def note(self, text: str) -> None:
         if self.console is not None:
