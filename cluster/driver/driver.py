@@ -156,9 +156,9 @@ class Driver:
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
 
     def _guard(self) -> None:
-        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server,
-        deletes the Redis URL file and ends the processes of the local Ray cluster this driver
-        started (cluster/driver/watchdog.py)."""
+        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
+        (and each one a restart() launches), deletes the Redis URL file and ends the processes of
+        the local Ray cluster this driver started (cluster/driver/watchdog.py)."""
         from cluster.driver.watchdog import Watchdog
 
         s = self.started
@@ -168,8 +168,8 @@ class Driver:
         s.watchdog = Watchdog.start()
         if session is not None:
             s.watchdog.end_ray_session(session)
-        if s.redis is not None and s.redis.pid is not None:
-            s.watchdog.kill_with_me(s.redis.pid)
+        if s.redis is not None:
+            s.redis.on_start(s.watchdog.kill_with_me)  # the running server, and each restart's
             sock = s.redis.socket  # a short 0700 directory of its own when the run dir's path is too long
             if sock is not None and sock.parent != s.redis.data_dir:
                 s.watchdog.remove_with_me(sock.parent)

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ GRACE_S = 5.0  # how long a Ray process has to exit after SIGTERM before it gets
 class Watchdog:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
+        self._lock = threading.Lock()  # EmbeddedRedis.restart() may tell it from another thread
 
     @classmethod
     def start(cls) -> Watchdog:
@@ -48,8 +50,11 @@ class Watchdog:
     def _say(self, line: str) -> None:
         if "\n" in line:
             raise ValueError(f"watchdog: {line!r} is not one line")
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        with self._lock:
+            if self.proc.stdin.closed:
+                return  # stopped: the driver cleaned up itself, nothing is left to follow
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
 
     def kill_with_me(self, pid: int) -> None:
         self._say(f"pid {int(pid)}")

@@ -102,6 +102,44 @@ def test_the_watchdog_stops_redis_and_deletes_the_url_file_when_its_owner_is_sig
         child.kill()
 
 
+RESTARTED = """
+import sys, time
+from pathlib import Path
+from common.config import load_config
+from cluster.driver.driver import Driver
+from cluster.runs.run_dir import RunDir
+from memory_bank.embedded import EmbeddedRedis
+
+cfg = load_config("configs/quickstart.yaml", [f"run.root={sys.argv[1]}", "run.name=r"])
+driver = Driver(cfg, RunDir.create(cfg))
+driver.started.redis = EmbeddedRedis(data_dir=Path(sys.argv[1]) / "redis").start()
+driver._guard()                          # what setup does once the bank is up
+first = driver.started.redis.pid
+driver.started.redis.restart()           # a new redis-server process, after the watchdog was told
+print(first, driver.started.redis.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_watchdog_follows_a_restart_of_the_embedded_redis(tmp_path):
+    """EmbeddedRedis.restart() launches a new redis-server: the driver's watchdog is told of it
+    too (EmbeddedRedis.on_start), so a SIGKILLed driver leaves no restarted server behind."""
+    child = subprocess.Popen([sys.executable, "-c", RESTARTED, str(tmp_path)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    second = None
+    try:
+        first, second = map(int, child.stdout.readline().split())
+        assert first != second and _gone(first) and not _gone(second)
+        assert _exe(second).endswith("redis-server")
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert when(lambda: _gone(second), 15), "the restarted redis-server outlived its driver"
+    finally:
+        child.kill()
+        if second is not None and not _gone(second):
+            os.kill(second, signal.SIGKILL)
+
+
 def test_sigkill_of_vgrpo_train_takes_its_redis_and_password_file_along(tmp_path):
     """The real driver, SIGKILLed mid-run: no redis-server of it left, no URL file; `vgrpo runs`
     and `vgrpo resume` read its status.json as stale, not running."""
