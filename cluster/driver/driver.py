@@ -90,7 +90,8 @@ class Driver:
         self.learner_lost = False
         self.lease_lost = False
         self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
-        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
+        # training health (cluster/health/); `numerics` reads the skipped-in-a-row count the state keeps
+        self.health = DriverHealth(cfg, run_dir, self.note, StopRun, lambda: self.state.skipped_in_a_row)
         self.stream = PromptStream([], cfg.train.seed, self.state)
         # set by setup(): the bank, the pools and the loop's parts
         self.bank = self.redis = self.bank_ref = self.actor_cfg = self.rewards = self.learner = None
@@ -306,11 +307,15 @@ class Driver:
         return _step_values(stats.values, pulled, s.step - 1)
 
     def _skipped(self, values: dict[str, Any]) -> None:
-        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted and
-        said, naming the groups; the health check `numerics` stops the run when it goes on."""
+        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted (in
+        all, and in a row: a checkpoint keeps both) and said, naming the groups; the health check
+        `numerics` stops the run when it goes on."""
         from learner.finite_guard import GROUPS, SKIPPED
 
-        if values.get(SKIPPED) != 1.0:
+        with self.state.lock:
+            skipped = values.get(SKIPPED) == 1.0
+            self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
             return
         with self.state.lock:
             self.state.counts["updates_skipped"] += 1
