@@ -375,7 +375,9 @@ class Driver:
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
-        except StopRun as e:
+        except (StopRun, OSError) as e:
+            if isinstance(e, OSError):  # a full disk under the run dir (a metrics row, a plot): one line
+                e = self._disk_full(e)
             # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
             self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
@@ -386,6 +388,15 @@ class Driver:
         finally:
             for s, handler in prev.items():
                 signal.signal(s, handler)
+
+    def _disk_full(self, e: OSError) -> StopRun:
+        """The run stops at this step in one line naming the file; any other OSError goes on up."""
+        from learner.checkpoint import disk_full_line, is_disk_full
+
+        if not is_disk_full(e):
+            raise e
+        path = e.filename or self.run_dir.path  # a write() that ran out has no file name: the run dir
+        return StopRun(disk_full_line(self.run_dir.checkpoints, self.state.step, path))
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested.is_set():
