@@ -64,14 +64,18 @@ def is_disk_full(e: BaseException) -> bool:
     return "no space left on device" in text or "disk quota exceeded" in text
 
 
-def disk_full_line(root: str | os.PathLike, step: int) -> str:
-    """The one line a full disk gives: where, how much is free, which checkpoint stands."""
+def disk_full_line(root: str | os.PathLike, step: int, path: str | os.PathLike | None = None) -> str:
+    """The one line a full disk gives: where, how much is free, which checkpoint stands. `root`:
+    the checkpoints dir; `path`: a file of the run dir a write outside a checkpoint failed on."""
     try:
-        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+        free = f"{shutil.disk_usage(path or root).free / 2**20:.1f} MiB free"
     except (OSError, ValueError):
         free = "free space unknown"
     done = list_checkpoints(root)
     stands = f"the newest complete checkpoint, {done[-1].name}, stands" if done else "no complete checkpoint yet"
+    if path is not None:
+        return (f"{path}: no space left on device at step {step} ({free}); the run stops and {stands}; "
+                "free space, then continue with vgrpo resume")
     return (f"{root}: no space left on device writing the checkpoint of step {step} ({free}); nothing of it "
             f"was kept and {stands}; free space (or lower train.keep_checkpoints), then continue with vgrpo resume")
 

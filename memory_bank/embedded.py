@@ -29,6 +29,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -180,6 +181,7 @@ class EmbeddedRedis:
         self._sock_dir: Path | None = None   # a short 0700 directory when data_dir is too long
         self._password = secrets.token_urlsafe(32)
         self._proc: subprocess.Popen | None = None
+        self._on_start: list[Callable[[int], None]] = []
         self.startup_timeout_s = startup_timeout_s
 
     @property
@@ -198,6 +200,17 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         """The server's process id while it runs (a watchdog of the caller's stops it if the caller is killed)."""
         return self._proc.pid if self._proc is not None else None
+
+    def on_start(self, fn: Callable[[int], None]) -> None:
+        """fn(pid) for the server running now and for every one a later start() or restart()
+        launches: a watchdog that must stop the server follows it across restarts."""
+        self._on_start.append(fn)
+        if self.running:
+            fn(self._proc.pid)
+
+    def _started(self) -> None:
+        for fn in self._on_start:
+            fn(self._proc.pid)
 
     @property
     def url(self) -> SecretStr:
@@ -228,6 +241,7 @@ class EmbeddedRedis:
                 break
         else:
             raise BankUnavailable(f"embedded redis-server ({self.binary}) failed to start: {last}")
+        self._started()
         atexit.register(self.stop)
         log.info("embedded redis-server %s on %s (aof=%s): %s", self.binary, self.where, self.aof,
                  self.binary_why)
@@ -288,6 +302,7 @@ class EmbeddedRedis:
         last = self._launch()
         if not self.running:
             raise BankUnavailable(f"embedded redis-server failed to restart on {self.where}: {last}")
+        self._started()
         return self
 
     def stop(self) -> None:

@@ -115,3 +115,41 @@ def test_numerics_stops_the_run_after_nonfinite_max_skipped_steps_in_a_row():
     assert "health.nonfinite_max = 3" in mon.stop_reason
     warn = HealthMonitor(load_config(None, ["health.nonfinite_max=1", "health.stop_on=[]"]))
     assert [f.level for f in warn.observe(_row(1, True))] == ["warn"]
+
+
+def test_the_skipped_in_a_row_count_goes_on_across_a_checkpoint_and_resume(tmp_path, bank):
+    """N-1 skipped in a row, a checkpoint, a resume, one more skipped: `numerics` stops the run
+    (the count is in extra.json's DriverState, not only in the stopped driver's monitor). The
+    driver's own _skipped and health hook, the checkpoint's JSON and the real resume.restore
+    on a real bank; a checkpoint written before the field existed still loads, counting from 0."""
+    import json
+
+    from cluster.driver.driver import Driver
+    from cluster.driver.resume import restore
+    from cluster.driver.state import DriverState
+    from cluster.runs.run_dir import RunDir
+
+    cfg = load_config("configs/quickstart.yaml", [f"run.root={tmp_path}", "run.name=r", "health.nonfinite_max=3"])
+    first = Driver(cfg, RunDir.create(cfg))
+
+    def step(driver: Driver, n: int, skipped: bool) -> None:  # what train() and _after_step do with the row
+        driver._skipped(_row(n, skipped))
+        driver.state.step = n
+        driver.health.on_step(_row(n, skipped))
+
+    for n, skipped in enumerate([True, False, True, True], 1):  # a finite step resets the count
+        step(first, n, skipped)
+    assert first.health.monitor.stop_reason is None and first.state.skipped_in_a_row == 2
+    extra = json.loads(json.dumps(first.state.saved()))   # what the checkpoint's extra.json holds
+    assert extra["skipped_in_a_row"] == 2
+
+    second = Driver(cfg, RunDir.open(tmp_path / "r"))
+    restore(second.state, extra, tmp_path / "r/checkpoints/step_4", bank, lambda gids, s: 0, lambda line: None)
+    step(second, 5, True)
+    assert second.health.monitor.stop_reason is not None
+    assert "3 optimizer steps in a row" in second.health.monitor.stop_reason
+
+    old = {k: v for k, v in extra.items() if k != "skipped_in_a_row"}  # written before it was kept
+    assert DriverState.from_saved(old, "extra.json").skipped_in_a_row == 0
+    with pytest.raises(checkpoint.CheckpointError, match="'skipped_in_a_row'"):
+        DriverState.from_saved({**extra, "skipped_in_a_row": -1}, "extra.json")

@@ -126,7 +126,20 @@ def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> Non
         run_dir.remove()
         console.print(f"removed {run_dir.location}: the run failed before its first checkpoint")
     else:
-        run_dir.set_status(state, reason)
+        _if_room(lambda: run_dir.set_status(state, reason), console,
+                 "status.json still says running: `vgrpo runs` and `vgrpo resume` read it as stale")
+
+
+def _if_room(write, console, what: str) -> None:
+    """A write after the run stopped: on a full disk (the stop's line said so) a note, not a traceback."""
+    from learner.checkpoint import is_disk_full
+
+    try:
+        write()
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        console.print(f"note: no space left on device: {what}")
 
 
 def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
@@ -143,8 +156,10 @@ def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, 
         driver.stop_reason = driver.checkpoint_failed
     if driver.stop_reason is not None:
         # a fault the run could not ride out: one line, and how to continue
-        health = report_health(driver.health, driver.step, console)
-        run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
+        def summary() -> None:
+            health = report_health(driver.health, driver.step, console)
+            run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
+        _if_room(summary, console, "summary.json not written")
         console.print(f"error: {driver.stop_reason}")
         console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
         return driver.stop_code, "stopped", driver.stop_reason

@@ -92,7 +92,8 @@ class Driver:
         self.learner_lost = False
         self.lease_lost = False
         self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
-        self.health = DriverHealth(cfg, run_dir, self.note, StopRun)  # training health (cluster/health/)
+        # training health (cluster/health/); `numerics` reads the skipped-in-a-row count the state keeps
+        self.health = DriverHealth(cfg, run_dir, self.note, StopRun, lambda: self.state.skipped_in_a_row)
         self.stream = PromptStream([], cfg.train.seed, self.state)
         self.drops = Drops(self.state, self.note)  # groups taken out on the way to the learner
         # set by setup(): the bank, the pools and the loop's parts
@@ -160,15 +161,19 @@ class Driver:
 
     def _guard(self) -> None:
         """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
-        and deletes the Redis URL file (cluster/driver/watchdog.py)."""
+        (and each one a restart() launches), deletes the Redis URL file and ends the processes of
+        the local Ray cluster this driver started (cluster/driver/watchdog.py)."""
         from cluster.driver.watchdog import Watchdog
 
         s = self.started
-        if s.redis is None and s.secret_dir is None:
+        session = s.ray.own_session if s.ray is not None else None
+        if s.redis is None and s.secret_dir is None and session is None:
             return
         s.watchdog = Watchdog.start()
-        if s.redis is not None and s.redis.pid is not None:
-            s.watchdog.kill_with_me(s.redis.pid)
+        if session is not None:
+            s.watchdog.end_ray_session(session)
+        if s.redis is not None:
+            s.redis.on_start(s.watchdog.kill_with_me)  # the running server, and each restart's
             sock = s.redis.socket  # a short 0700 directory of its own when the run dir's path is too long
             if sock is not None and sock.parent != s.redis.data_dir:
                 s.watchdog.remove_with_me(sock.parent)
@@ -311,11 +316,15 @@ class Driver:
         return _step_values(stats.values, pulled, s.step - 1)
 
     def _skipped(self, values: dict[str, Any]) -> None:
-        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted and
-        said, naming the groups; the health check `numerics` stops the run when it goes on."""
+        """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted (in
+        all, and in a row: a checkpoint keeps both) and said, naming the groups; the health check
+        `numerics` stops the run when it goes on."""
         from learner.finite_guard import GROUPS, SKIPPED
 
-        if values.get(SKIPPED) != 1.0:
+        with self.state.lock:
+            skipped = values.get(SKIPPED) == 1.0
+            self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
             return
         with self.state.lock:
             self.state.counts["updates_skipped"] += 1
@@ -364,7 +373,9 @@ class Driver:
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
-        except StopRun as e:
+        except (StopRun, OSError) as e:
+            if isinstance(e, OSError):  # a full disk under the run dir (a metrics row, a plot): one line
+                e = self._disk_full(e)
             # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
             self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
@@ -375,6 +386,15 @@ class Driver:
         finally:
             for s, handler in prev.items():
                 signal.signal(s, handler)
+
+    def _disk_full(self, e: OSError) -> StopRun:
+        """The run stops at this step in one line naming the file; any other OSError goes on up."""
+        from learner.checkpoint import disk_full_line, is_disk_full
+
+        if not is_disk_full(e):
+            raise e
+        path = e.filename or self.run_dir.path  # a write() that ran out has no file name: the run dir
+        return StopRun(disk_full_line(self.run_dir.checkpoints, self.state.step, path))
 
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested.is_set():
@@ -508,10 +528,10 @@ class Driver:
             s.redis.stop()
         if s.secret_dir is not None:
             shutil.rmtree(s.secret_dir, ignore_errors=True)
-        if s.watchdog is not None:  # done by hand: it has nothing left to do
-            s.watchdog.stop()
         if s.ray is not None:
             s.ray.shutdown()
+        if s.watchdog is not None:  # done by hand: it has nothing left to do
+            s.watchdog.stop()
 
     def note(self, text: str) -> None:
         if self.console is not None:

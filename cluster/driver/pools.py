@@ -26,6 +26,13 @@ ROLES = ("rollout", "reward", "learner")
 class RayHandle:
     started_here: bool
     joined: bool = False  # joined a cluster by address (`ray job submit`, RAY_ADDRESS)
+    session_dir: str | None = None  # the local cluster's session directory, when started here
+
+    @property
+    def own_session(self) -> str | None:
+        """The Ray session whose processes die with this driver (its watchdog ends them): one it
+        started itself, never a joined cluster's or one this process found running."""
+        return self.session_dir if self.started_here and not self.joined else None
 
     def spans_nodes(self) -> bool:
         """Whether actors may run on other nodes than the driver's: a joined cluster (which may
@@ -85,9 +92,9 @@ def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> Ray
                         ", ".join(missing))
         return RayHandle(started_here=False, joined=True)
     resources = {k: v * copies for k, v in local_resources(cfg).items()}
-    ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
-             runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
-    return RayHandle(started_here=True)
+    ctx = ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
+                   runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
+    return RayHandle(started_here=True, session_dir=ctx.address_info.get("session_dir"))
 
 
 def actor_options(pool: PoolConfig, role: str, **extra: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def restore(state: DriverState, extra: dict[str, Any], ckpt: Path, bank,
 
     saved = DriverState.from_saved(extra, f"{ckpt}/extra.json")
     note(restore_bank(bank, bank_step_dir(ckpt, saved.step)))  # before any requeue
-    state.step, state.cursor = saved.step, saved.cursor
+    state.step, state.cursor, state.skipped_in_a_row = saved.step, saved.cursor, saved.skipped_in_a_row
     state.counts.update(saved.counts)
     bank.requeue_pending()
     if saved.uncommitted:  # groups the saved learner trained, whose commit Redis missed

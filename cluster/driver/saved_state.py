@@ -6,7 +6,7 @@ so nothing is started, written or half-restored on bad input:
 
 - `status.json`: the run's state and sessions (a stale `running` is recognised: `stale_note`);
 - `trainer.pt`: the trainer state's structure and every tensor's shape, against the optimizer's
-  and anchors' copies and (for the toy family, cheap to build here) the model itself;
+  and anchors' copies and the model itself (toy built; wan and hunyuan15 built on meta);
 - `bank/index.json`: the dump's counts, sizes and offsets (a negative byte count would disable
   `bank.max_bytes`). Its SHA-256 and entries are checked when it is restored (memory_bank/dump.py).
 
@@ -92,8 +92,8 @@ def check_not_running(f: Path, status: dict[str, Any]) -> str | None:
 # --- trainer.pt -------------------------------------------------------------------------------
 
 def check_trainer_state(ckpt: Path, cfg, step: int) -> None:
-    """A single-rank trainer.pt: its structure, its shapes against each other, and (toy) against
-    the model this run builds; CheckpointError naming the file and the field."""
+    """A single-rank trainer.pt: its structure, its shapes against each other and against the
+    model this run builds (model_shapes); CheckpointError naming the file and the field."""
     f = ckpt / "trainer.pt"
     state = load_state_file(f, mmap=True)
 
@@ -146,14 +146,25 @@ def _check_optimizer(opt: Any, shapes: list[tuple], need) -> None:
 
 
 def model_shapes(cfg) -> dict[str, tuple]:
-    """The trainable weights' shapes of the model this run builds: the toy family only (a
-    second copy of a real video model in the driver would cost its memory); {} otherwise."""
-    if cfg.model.family != "toy":
-        return {}
+    """The trainable weights' shapes of the model this run builds, as the learner names them.
+    Toy: built (CPU-sized by design). wan / hunyuan15: the transformer(s) alone from their
+    config.json, parameters and LoRA adapters on the meta device (no weight read, nothing
+    allocated: a 14B expert costs the driver no memory). {} for a hub id: nothing is fetched
+    before Ray starts (the learner's load_state_dict checks the names there)."""
+    from contextlib import nullcontext
+
+    import torch
+
     from learner.policy import Policy
     from rollout_worker.models import build_model
+    from rollout_worker.models.base import is_local
 
-    policy = Policy(build_model(cfg), cfg.optim, [], seed=cfg.train.seed)
+    toy = cfg.model.family == "toy"
+    if not toy and not (cfg.model.path and is_local(cfg.model.path)):
+        return {}
+    model = build_model(cfg) if toy else build_model(cfg, "cpu", components="transformer", empty=True)
+    with nullcontext() if toy else torch.device("meta"):
+        policy = Policy(model, cfg.optim, [], seed=cfg.train.seed)
     return {n: tuple(p.shape) for n, p in policy.params.items()}
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from learner.checkpoint import CheckpointError
 
-SAVED = ("step", "cursor", "open", "counts", "uncommitted")  # the fields a checkpoint's extra.json holds
+SAVED = ("step", "cursor", "open", "counts", "uncommitted", "skipped_in_a_row")  # what extra.json holds
 
 
 def group_id(cursor: int, version: int, attempt: int = 0) -> str:
@@ -43,6 +43,8 @@ class DriverState:
     open: dict[int, str | None] = field(default_factory=dict)  # drawn, not yet trained: cursor -> pushed id
     counts: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     uncommitted: list[str] = field(default_factory=list)       # trained, but Redis was down for the commit
+    # the last steps the finite-update guard skipped, in a row (health `numerics`): a resume goes on counting
+    skipped_in_a_row: int = 0
     # not saved: a resume derives them from `open` and the bank
     replay: list[int] = field(default_factory=list)            # cursors drawn again before new ones
     attempts: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))  # cursor -> failures
@@ -61,7 +63,8 @@ class DriverState:
         with self.lock:
             return {"step": self.step, "cursor": self.cursor,
                     "open": {str(c): g for c, g in self.open.items()},
-                    "counts": dict(self.counts), "uncommitted": list(self.uncommitted)}
+                    "counts": dict(self.counts), "uncommitted": list(self.uncommitted),
+                    "skipped_in_a_row": self.skipped_in_a_row}
 
     @classmethod
     def from_saved(cls, extra: dict[str, Any], where: str) -> DriverState:
@@ -82,8 +85,10 @@ class DriverState:
             isinstance(k, str) and is_count(n) for k, n in v.items())), "a map of name -> count") or {}
         uncommitted = need("uncommitted", lambda v: v is None or (isinstance(v, list) and all(
             isinstance(g, str) for g in v)), "a list of group ids") or []
+        # absent from checkpoints written before it was kept: 0, as those runs' resumes counted
+        in_a_row = need("skipped_in_a_row", lambda v: v is None or is_count(v), "a whole number >= 0") or 0
         return cls(step=step, cursor=cursor, open={int(c): g for c, g in opened.items()},
-                   counts=defaultdict(int, counts), uncommitted=list(uncommitted))
+                   counts=defaultdict(int, counts), uncommitted=list(uncommitted), skipped_in_a_row=in_a_row)
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -156,7 +156,9 @@ class HealthMonitor:
         return {"fixed": "pi0", "moving": "moving", "dual": "moving"}.get(self.cfg.kl.strategy)
 
     # 1. per step
-    def observe(self, record: dict[str, Any]) -> list[Finding]:
+    def observe(self, record: dict[str, Any], skipped_in_a_row: int | None = None) -> list[Finding]:
+        """skipped_in_a_row: the steps the finite-update guard skipped in a row, this one included,
+        as the driver counts them (across a resume); None: counted from the rows observed."""
         step = int(record.get("step", 0))
         msgs: list[Message] = []
         if self.numerics is None and _num(record, "onpolicy_rows") > 0:  # the first update with fresh rows
@@ -165,7 +167,8 @@ class HealthMonitor:
                              "limit": self.h.numerics_frac * self.cfg.grpo.clip_eps,
                              "clip_eps": self.cfg.grpo.clip_eps}
             msgs += check_numerics(record, self.cfg)
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if record.get("update_skipped") == 1.0 else 0
+        self.skipped_in_a_row = (skipped_in_a_row if skipped_in_a_row is not None
+                                 else self.skipped_in_a_row + 1 if record.get("update_skipped") == 1.0 else 0)
         msgs += check_nonfinite(record, self.cfg, self.skipped_in_a_row)
         msgs += check_on_policy(record, self.cfg)
         msgs += check_zero_spread(record, self.cfg)

@@ -32,8 +32,12 @@ GAUGES = {"logratio_onpolicy_absmax": ("vgrpo_onpolicy_logratio_absmax", {}),
 
 
 class DriverHealth:
-    def __init__(self, cfg: RunConfig, run_dir, note: Callable[[str], None], stop_exc: type[Exception]):
+    def __init__(self, cfg: RunConfig, run_dir, note: Callable[[str], None], stop_exc: type[Exception],
+                 skipped_in_a_row: Callable[[], int] | None = None):
+        """skipped_in_a_row: the driver's count of steps skipped in a row (its DriverState, which a
+        checkpoint keeps, so a resume goes on counting); None: the monitor counts the rows it sees."""
         self.cfg, self.run_dir, self.note, self.stop_exc = cfg, run_dir, note, stop_exc
+        self.skipped_in_a_row = skipped_in_a_row
         self.monitor = HealthMonitor(cfg)
         self.on = cfg.health.enabled
         self.held_out_lines: list[str] = []  # held-out findings, carried into the next step's row
@@ -46,7 +50,7 @@ class DriverHealth:
         if not self.on:
             return
         first = self.monitor.numerics is None
-        found = self.monitor.observe(record)
+        found = self.monitor.observe(record, self.skipped_in_a_row() if self.skipped_in_a_row else None)
         record.update(self.monitor.record_keys(found))
         if self.held_out_lines:
             record["health/findings"] = self.held_out_lines + record.get("health/findings", [])

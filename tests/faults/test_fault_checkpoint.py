@@ -402,3 +402,66 @@ def test_policy_that_does_not_fit_the_model_is_named(work):
     save_file(payload, str(ckpt / POLICY_FILE))
     with pytest.raises(CheckpointError, match=re.escape(str(ckpt / POLICY_FILE)) + ": does not fit the run's model"):
         load_policy(cfg, ckpt)
+
+
+def _grown(state: dict, name: str) -> None:
+    """`name` one row longer, in the weights and every anchor alike: consistent with each other,
+    so only the model's own shape can tell."""
+    policy = state["policy"]
+    t = policy["params"][name]
+    policy["params"][name] = torch.zeros((t.shape[0] + 1, *t.shape[1:]), dtype=t.dtype)
+    for anchor in policy["anchors"].values():
+        if name in anchor:
+            anchor[name] = policy["params"][name].clone()
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_a_wan_trainer_state_of_another_shape_is_one_line_before_ray(tmp_path, finetune):
+    """A tiny real Wan (diffusers classes saved by their own save_pretrained), its trainer.pt
+    written by the real Trainer, one tensor then of a shape this model's config does not give:
+    `vgrpo resume` says so in one line naming the file and the tensor, exit 2, before Ray. The
+    shapes come from the transformer's config.json built on the meta device, no weight read."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from cluster.driver.saved_state import model_shapes
+    from rollout_worker.models.tiny import tiny_wan_components
+
+    WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), **tiny_wan_components("t2v")).save_pretrained(tmp_path / "wan")
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [
+        "model.family=wan", "model.task=t2v", f"model.path={tmp_path / 'wan'}", "model.num_frames=5",
+        "model.height=16", "model.width=16", "model.max_sequence_length=16", "model.dtype=float32",
+        f"optim.finetune={finetune}", f"run.root={tmp_path}", "run.name=run"])
+    run = RunDir.create(cfg)
+    trainer = Trainer(cfg, build_model(cfg, "cpu", components="transformer")).setup()
+    trainer.version = 2
+    d = trainer.save_checkpoint(run.checkpoints, {"step": 2, "cursor": 4, "open": {}, "counts": {},
+                                                  "uncommitted": [], "bank": None})
+    shapes = model_shapes(cfg)
+    assert shapes == {n: tuple(p.shape) for n, p in trainer.policy.params.items()}  # meta == the real build
+    name = next(n for n, s in shapes.items() if len(s) == 2)
+    f = _edit_state(d, lambda s: _grown(s, name))
+    before = _hashes(tmp_path / "run")
+    # transformers warns on stderr that torchvision is missing (this venv's, not vgrpo's line)
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "resume", str(tmp_path / "run")], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                              "TRANSFORMERS_VERBOSITY": "error"}, capture_output=True, text=True, timeout=240)
+    _assert_one_line(out, f, f"'policy.params.{name}'", "the model's weight has")
+    assert "Ray" not in out.stdout + out.stderr
+    assert _hashes(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("family, variant", [("wan", "i2v_a14b"), ("hunyuan15", "i2v")])
+def test_model_shapes_on_meta_are_the_built_learners_for_every_family(tmp_path, family, variant):
+    """What the resume check compares trainer.pt with (built on meta: no weights read) is what the
+    real learner build trains, for Wan 2.2's two experts and HunyuanVideo 1.5, LoRA and full."""
+    from test_learner_lean import _cfg, _save  # tiny real Wan / HunyuanVideo 1.5 checkpoints
+
+    from cluster.driver.saved_state import model_shapes
+    from learner.policy import Policy
+
+    _save(family, variant, tmp_path / "ckpt")
+    for finetune in ("lora", "full"):
+        cfg = _cfg(family, "i2v", tmp_path / "ckpt", optim={"finetune": finetune, "lora_rank": 4})
+        real = Policy(build_model(cfg, "cpu", components="transformer"), cfg.optim, [], seed=cfg.train.seed)
+        want = {n: tuple(p.shape) for n, p in real.params.items()}
+        assert model_shapes(cfg) == want and want

@@ -173,3 +173,71 @@ def test_a_checkpoint_saved_again_at_the_same_step_is_never_seen_half_new(bank, 
     else:
         assert [p.name for p in listed] == ["step_00000001"]
         assert (listed[0] / "policy.safetensors").is_file() and (listed[0] / "bank" / "index.json").is_file()
+
+
+def _fill_up(disk: Path) -> Path:
+    """Take every free byte of the mount (the kernel's own ENOSPC from then on)."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    try:  # the last partial chunk: single bytes
+        with open(filler, "ab", buffering=0) as f:
+            while f.write(b"\0"):
+                pass
+    except OSError:
+        pass
+    return filler
+
+
+@pytest.mark.timeout(900)
+def test_a_disk_that_fills_up_during_vgrpo_train_stops_it_in_one_line_and_resume_goes_on(small_disk):
+    """The real `vgrpo train` with run.root on a small tmpfs that fills up mid-run (after the
+    first checkpoint): it stops with one line saying the disk is full and naming the path, a
+    non-zero exit and no traceback; the complete checkpoint before it stands; and once space is
+    freed `vgrpo resume` continues from it."""
+    import sys
+
+    from fault_helpers import ROOT, TWO_PROMPTS, when
+
+    from cluster.runs.run_dir import RunDir
+
+    disk = small_disk(64 * 1024 * 1024)
+    prompts = disk.parent / "prompts.txt"
+    prompts.write_text(TWO_PROMPTS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "2000"}
+    args = ["-c", "configs/quickstart.yaml", "--no-eval", f"run.root={disk}", "run.name=full",
+            "train.mode=sync", "train.steps=40", "train.groups_per_step=2", "train.checkpoint_every=2",
+            "sampler.group_size=4", "schedule.steps=6", "bank.capacity=64", f"train.prompts={prompts}",
+            "health.enabled=false"]
+    run = disk / "full"
+    driver = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert when(lambda: checkpoint.list_checkpoints(run / "checkpoints"), 400, poll_s=0.5), \
+            "the run wrote no checkpoint"
+        first = checkpoint.list_checkpoints(run / "checkpoints")[-1]
+        filler = _fill_up(disk)                            # mid-run: the disk is full from here on
+        out, err = driver.communicate(timeout=400)
+    finally:
+        driver.kill()
+    assert driver.returncode not in (0, None), (out[-2000:], err[-2000:])
+    assert "Traceback" not in out + err, err[-4000:]
+    full = [ln for ln in (out + err).splitlines() if "no space left on device" in ln.lower()]
+    assert full and str(disk) in full[-1], (out[-2000:], err[-2000:])
+    stands = checkpoint.list_checkpoints(run / "checkpoints")
+    assert first in stands and dist_checkpoint.verify_newest(run / "checkpoints", 1) == stands[-1]
+    step = int(stands[-1].name.split("_")[-1])
+    filler.unlink()                                        # space again
+    resumed = subprocess.run([sys.executable, "-m", "cluster.cli", "resume", str(run), f"train.steps={step + 2}",
+                              "--no-eval"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "Traceback" not in resumed.stderr, resumed.stdout[-3000:]
+    # it went on from that checkpoint: the rows past it (the lost step's, a torn one) were dropped
+    assert [r["step"] for r in RunDir.open(run).read_metrics()] == list(range(1, step + 3))
+    assert checkpoint.list_checkpoints(run / "checkpoints")[-1].name == f"step_{step + 2:08d}"
