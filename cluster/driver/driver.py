@@ -160,25 +160,11 @@ class Driver:
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
 
     def _guard(self) -> None:
-        """A SIGKILLed driver runs no teardown: its watchdog then stops the embedded redis-server
-        (and each one a restart() launches), deletes the Redis URL file and ends the processes of
-        the local Ray cluster this driver started (cluster/driver/watchdog.py)."""
-        from cluster.driver.watchdog import Watchdog
+        """A SIGKILLed driver runs no teardown: its watchdog does it (cluster/driver/watchdog.py)."""
+        from cluster.driver.watchdog import guard
 
         s = self.started
-        session = s.ray.own_session if s.ray is not None else None
-        if s.redis is None and s.secret_dir is None and session is None:
-            return
-        s.watchdog = Watchdog.start()
-        if session is not None:
-            s.watchdog.end_ray_session(session)
-        if s.redis is not None:
-            s.redis.on_start(s.watchdog.kill_with_me)  # the running server, and each restart's
-            sock = s.redis.socket  # a short 0700 directory of its own when the run dir's path is too long
-            if sock is not None and sock.parent != s.redis.data_dir:
-                s.watchdog.remove_with_me(sock.parent)
-        if s.secret_dir is not None:
-            s.watchdog.remove_with_me(s.secret_dir)
+        s.watchdog = guard(s.ray.own_session if s.ray is not None else None, s.redis, s.secret_dir)
 
     def _start_pools(self) -> None:
         from cluster.driver.pools import reward_actor_count

@@ -76,6 +76,26 @@ class Watchdog:
             self.proc.kill()
 
 
+def guard(ray_session: str | None, redis, secret_dir: Path | None) -> Watchdog | None:
+    """A watchdog for what this driver started outside Ray and its own Ray session: it stops the
+    embedded redis-server (and each one a restart() launches), deletes the Redis URL file (and a
+    socket directory of its own) and ends the processes of the local Ray cluster the driver
+    started (None: a joined cluster). None when there is nothing to guard."""
+    if redis is None and secret_dir is None and ray_session is None:
+        return None
+    dog = Watchdog.start()
+    if ray_session is not None:
+        dog.end_ray_session(ray_session)
+    if redis is not None:
+        redis.on_start(dog.kill_with_me)  # the running server, and each restart's
+        sock = redis.socket  # a short 0700 directory of its own when the run dir's path is too long
+        if sock is not None and sock.parent != redis.data_dir:
+            dog.remove_with_me(sock.parent)
+    if secret_dir is not None:
+        dog.remove_with_me(secret_dir)
+    return dog
+
+
 def _hold(pid: int) -> int | None:
     """A pidfd for pid (None when it is gone already, or pidfds are not available)."""
     try:
