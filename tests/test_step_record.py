@@ -20,7 +20,7 @@ def _record(step, counts, bank):
     return step_record(step, 4.0, {"loss": 0.1, "staleness_max": 0}, counts, timers, 0, bank)
 
 
-BANK = {"entries": 8, "bytes": 1024, "fresh": 2, "corrupt": 0, "redis_latency_ms": 1.5}
+BANK = {"entries": 8, "bytes": 1024, "fresh": 2, "corrupt": 0, "quarantined": 3, "redis_latency_ms": 1.5}
 
 
 def test_record_has_throughput_idle_ratios_counts_and_bank():
@@ -29,7 +29,8 @@ def test_record_has_throughput_idle_ratios_counts_and_bank():
     assert r["videos_per_s"] == pytest.approx(5.0)
     assert r["idle/rollout"] == pytest.approx(0.25) and r["idle/learner"] == pytest.approx(0.5)
     assert r["groups_trained"] == 5 and r["rollout_timeouts"] == 1 and r["actor_restarts"] == 0
-    assert r["bank/fresh"] == 2 and r["bank/redis_latency_ms"] == 1.5
+    assert r["bank/fresh"] == 2 and r["bank/redis_latency_ms"] == 1.5 and r["bank/quarantined"] == 3
+    assert r["groups_quarantined"] == r["groups_resampled"] == r["groups_dropped"] == 0
 
 
 def test_counters_advance_by_what_happened_since_the_last_step():
