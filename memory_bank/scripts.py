@@ -194,9 +194,10 @@ def _with_evict(body: str, e: int, b: int, z: int, s: int, c: int, q: int, t: in
 # Enforces bank.max_bytes: queued (fresh + pending) groups, and the condition records they name,
 # are never evicted, so a group that does not fit beside them is refused ({-2, reclaim, queued
 # bytes, what its condition adds}); banked entries are a cache, so the oldest are evicted to make
-# room. The group's condition record must exist: the producer writes it first unless cinfo
-# already counts it; one dropped in between answers {-3, reclaim} (write it again). A refused
-# push deletes a record no entry names.
+# room. The group's condition record must exist: the producer writes it first unless it stored
+# it before (it does not ask); one missing answers {-3, reclaim} (write it again). The group
+# record keeps the condition record's key (`ck`, for the pull). A refused push deletes a record
+# no entry names.
 # Returns {1 | 0 (our own retry) | -1 (duplicate) | -2 (full) | -3, reclaim()[, queued, extra]}.
 PUSH = FENCE + _with_evict("""
 local ck, cbytes = ARGV[9], tonumber(ARGV[10])
