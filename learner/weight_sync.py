@@ -46,7 +46,8 @@ class WeightStream:
 
     def __init__(self, manifest: W.Manifest, tensors: Iterator[Tensor]):
         self.manifest, self.tensors = manifest, iter(tensors)
-        self.buckets = W.fill(manifest, self.tensors)
+        # two buffers in turn: a bucket stays valid while the next one is filled (two in flight)
+        self.buckets = W.fill(manifest, self.tensors, ring=2)
 
     def drain(self) -> None:
         """Produce every tensor not yet produced (the learner's other ranks gather them all)."""

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 LOW_WATERMARK = 0.9
 """Over max_bytes, commit evicts the oldest banked entries down to this share of it."""
 SNAPSHOT_FORMAT = 1
+STORED_CONDS_CAP = 4096
+"""Condition records a producer remembers having stored (it then skips resending them)."""
 WAIT_LOG_S = 30.0
 """While producers wait for space, one log line this often."""
 P = ParamSpec("P")
@@ -108,6 +110,7 @@ class MemoryBank:
         self.consumer = check_name(consumer or uuid.uuid4().hex[:16], "consumer id")
         self.groups_per_step: int | None = None
         self.group_bytes = 0            # the largest group this producer pushed (space estimate)
+        self._stored_conds = RecentKeys(STORED_CONDS_CAP)  # condition records this producer stored
         self._wait_since: float | None = None
         self._wait_logged = 0.0
 
@@ -170,12 +173,13 @@ class MemoryBank:
     def _queue(self, cmds: list, group: Group, ck: str, record: dict, cbytes: int, total: int,
                info: list[str], eids: list[str]) -> tuple[int, list, int, int]:
         """Run the PUSH script after `cmds` (the entries' writes), in one round trip, with the
-        condition record written first unless cinfo counts it; when the record was dropped in
-        between (its last entries evicted), write it again and retry. Returns (code, the ids
+        condition record written first unless this producer stored it before (`_stored_conds`:
+        no round trip to ask); when the record is gone (its last entries were evicted since),
+        the script answers -3 and the record is written again. Returns (code, the ids
         evicted or reclaimed, queued bytes, what the condition added to the queued bytes)."""
         k, token = self.keys, uuid.uuid4().hex
         write_record = ("HSET", k.cond_record(ck), *[x for kv in record.items() for x in kv])
-        if not self.r.hexists(k.cinfo, ck):
+        if ck not in self._stored_conds:   # else the script answers -3 if it was dropped since
             cmds = [*cmds, write_record]
         for _ in range(3):
             replies = run(self.r, [*cmds, self.scripts.push.call(
@@ -188,9 +192,12 @@ class MemoryBank:
                 raise err
             res, out, *rest = replies[-1]
             self._reclaim(out)           # banked entries evicted to make room, and older trash
+            if res in (0, 1):
+                self._stored_conds.remember(ck)
             if res != -3:
                 queued, extra = [*rest, 0, 0][:2]
                 return res, out, int(queued), int(extra)
+            self._stored_conds.forget(ck)
             cmds = [write_record]
         return -3, [], 0, 0
 
@@ -246,15 +253,17 @@ class MemoryBank:
         batch = TrainBatch(fresh=[], bank=[], version=version)
         if not groups:
             return batch
-        # 2. Banked entry ids per condition, filtered by staleness.
+        # 2. Banked entry ids (and their condition records' keys) per condition, filtered by
+        #    staleness.
         banked = {_s(row[0]): self._fresh_enough(_s(row[0]), row[1:], version) for row in banks}
-        # 3. Decode each group, and its condition's bank entries once per pull (one round
-        #    trip per group, one more for condition records not read yet); skip what is corrupt.
+        # 3. Decode each group, and its condition's bank entries once per pull (one round trip
+        #    per group, which also reads the condition records they name); skip what is corrupt.
         cache: dict[str, list[Entry]] = {}
         conds: dict[str, Cond] = {}   # one object per condition record and pull
-        for gid, cid, ver, eids in ([_s(v) for v in row] for row in groups):
-            group, entries = self._load_group(gid, cid, ver, eids.split(),
-                                              [] if cid in cache else banked.get(cid, []), conds)
+        for gid, cid, ver, eids, ck in ([_s(v) for v in row] for row in groups):
+            bank_eids = {} if cid in cache else banked.get(cid, {})
+            group, entries = self._load_group(gid, cid, ver, eids.split(), list(bank_eids), conds,
+                                              {ck, *bank_eids.values()} - {""})
             cache.setdefault(cid, entries)
             if group is None:
                 self._drop_group(gid)
@@ -511,33 +520,36 @@ class MemoryBank:
         return n
 
     # ------------------------------------------------------------------ internals
-    def _fresh_enough(self, cid: str, flat: list, version: int) -> list[str]:
-        """A condition's banked entry ids (oldest first) within the staleness bound;
-        `flat` alternates entry id and its einfo JSON."""
-        keep, bad = [], []
+    def _fresh_enough(self, cid: str, flat: list, version: int) -> dict[str, str]:
+        """A condition's banked entry ids (oldest first) within the staleness bound, each with
+        the key of its condition record ('' if unknown); `flat` alternates entry id and its
+        einfo JSON."""
+        keep, bad = {}, []
         for eid, info in zip(flat[::2], flat[1::2], strict=True):
             eid = _s(eid)
             try:
-                v = int(json.loads(info)["v"])
+                d = json.loads(info)
+                v = int(d["v"])
             except (TypeError, ValueError, KeyError):
                 self._corrupt(f"bank entry {eid[:80]!r} of condition {cid!r}: bad index info")
                 bad.append(eid)
                 continue
             if version - v <= self.cfg.max_staleness:
-                keep.append(eid)
+                keep[eid] = d["k"] if isinstance(d.get("k"), str) else ""
         if bad:
             self._evict_banked(cid, bad)
         return keep
 
     def _load_group(self, gid: str, cid: str, version: str, eids: list[str], bank_eids: list[str],
-                    conds: dict[str, Cond]) -> tuple[Group | None, list[Entry]]:
-        """Decode a pulled group (None when no member is usable) and the given bank entries."""
+                    conds: dict[str, Cond], records: set[str]) -> tuple[Group | None, list[Entry]]:
+        """Decode a pulled group (None when no member is usable) and the given bank entries;
+        `records`: the condition records they name, as far as the index says."""
         try:
             v = int(version)
         except ValueError:
             self._corrupt(f"group {gid!r}: record missing or incomplete")
             return None, []
-        fetched = self._fetch(eids + bank_eids, cid, members=set(eids), conds=conds)
+        fetched = self._fetch(eids + bank_eids, cid, members=set(eids), conds=conds, records=records)
         own = set(eids)
         members = [e for eid, e in fetched if eid in own]
         bank = [e for eid, e in fetched if eid not in own]
@@ -584,11 +596,14 @@ class MemoryBank:
         return [e for e in bank if e.id not in bad], out
 
     def _fetch(self, eids: list[str], cid: str, members: set[str] = frozenset(),
-               conds: dict[str, Cond] | None = None) -> list[tuple[str, Entry]]:
-        """Decode entries (one atomic round trip) with their encoded conditions (`_with_conds`);
-        corrupt ones are logged, counted and evicted. A banked entry whose keys are both gone was
-        evicted after the index was read: it is skipped, not corrupt. A group member (`members`)
-        is never evicted while queued, so a gone member is corrupt."""
+               conds: dict[str, Cond] | None = None, records: set[str] = frozenset()
+               ) -> list[tuple[str, Entry]]:
+        """Decode entries (one atomic round trip, which also reads the condition `records` not
+        in `conds` yet) with their encoded conditions (`_with_conds`); corrupt ones are logged,
+        counted and evicted. A banked entry whose keys are both gone was evicted after the index
+        was read: it is skipped, not corrupt. A group member (`members`) is never evicted while
+        queued, so a gone member is corrupt."""
+        conds = {} if conds is None else conds
         good_ids, bad = [], []
         for eid in eids:
             try:
@@ -600,14 +615,17 @@ class MemoryBank:
         # MULTI/EXEC: no eviction's DEL can fall between an entry's meta and blob reads; the
         # blobs are received straight into their own buffers (memory_bank.wire)
         raw: list = []
+        read = sorted(ck for ck in records if ck not in conds and _valid_eid(ck)) if good_ids else []
         if good_ids:
             k = self.keys
             cmds = [("MULTI",), *[c for eid in good_ids for c in (("HGETALL", k.meta(eid)),
-                                                                   ("GET", k.blob(eid)))], ("EXEC",)]
+                                                                   ("GET", k.blob(eid)))],
+                    *[("HGETALL", k.cond_record(ck)) for ck in read], ("EXEC",)]
             replies = run(self.r, cmds)
             if isinstance(replies[-1], Exception):
                 raise replies[-1]
-            raw = [_pairs(r) if i % 2 == 0 else r for i, r in enumerate(replies[-1])]
+            raw = [_pairs(r) if i % 2 == 0 else r for i, r in enumerate(replies[-1][:2 * len(good_ids)])]
+            self._take_records(read, [_pairs(r) for r in replies[-1][2 * len(good_ids):]], cid, conds)
         out, gone = [], []
         for i, eid in enumerate(good_ids):
             if not raw[2 * i] and raw[2 * i + 1] is None and eid not in members:
@@ -626,7 +644,7 @@ class MemoryBank:
             except CorruptEntry as err:
                 self._corrupt(f"entry {eid} of condition {cid!r}: {err}")
                 bad.append(eid)
-        out = self._with_conds(out, cid, members, {} if conds is None else conds, bad, gone)
+        out = self._with_conds(out, cid, members, conds, bad, gone, tried=set(read))
         if gone:
             log.debug("bank: %d entries of condition %r evicted while being fetched", len(gone), cid)
         if bad or gone:
@@ -634,26 +652,19 @@ class MemoryBank:
         return out
 
     def _with_conds(self, fetched: list[tuple[str, Entry]], cid: str, members: set[str],
-                    conds: dict[str, Cond], bad: list[str], gone: list[str]) -> list[tuple[str, Entry]]:
+                    conds: dict[str, Cond], bad: list[str], gone: list[str],
+                    tried: set[str] = frozenset()) -> list[tuple[str, Entry]]:
         """Set each entry's trajectory.cond from its condition record (read once per record and
-        pull: `conds`). An entry whose record cannot be read is corrupt (`bad`), unless it is a
-        banked entry evicted since it was read (`gone`): its record went with its last entry."""
+        pull: `conds`; those not `tried` with the entries are read now, in one round trip). An
+        entry whose record cannot be read is corrupt (`bad`), unless it is a banked entry
+        evicted since it was read (`gone`): its record went with its last entry."""
         k = self.keys
-        want = sorted({e.cond_key for _, e in fetched} - set(conds))
+        want = sorted({e.cond_key for _, e in fetched} - set(conds) - tried)
         if want:
             pipe = self.r.pipeline(transaction=False)
             for ck in want:
                 pipe.hgetall(k.cond_record(ck))
-            for ck, raw in zip(want, pipe.execute(), strict=True):
-                try:
-                    key, rec_cid, cond = codec.decode_cond(raw, copy=False) if raw else (ck, cid, None)
-                    if cond is not None and (key != ck or rec_cid != cid):
-                        raise CorruptEntry(f"it is {key}/{rec_cid!r}, not {ck}/{cid!r}")
-                except CorruptEntry as err:
-                    self._corrupt(f"condition record {ck} of condition {cid!r}: {err}")
-                    continue
-                if cond is not None:
-                    conds[ck] = cond
+            self._take_records(want, pipe.execute(), cid, conds)
         out, missing = [], []
         for eid, e in fetched:
             if e.cond_key in conds:
@@ -670,6 +681,20 @@ class MemoryBank:
                     self._corrupt(f"entry {eid} of condition {cid!r}: its condition record is missing or damaged")
                     bad.append(eid)
         return out
+
+    def _take_records(self, keys: list[str], raws: list, cid: str, conds: dict[str, Cond]) -> None:
+        """Decode condition records (HGETALL replies) of condition `cid` into `conds`; a missing
+        one is left out, a damaged one is logged and counted, and left out too."""
+        for ck, raw in zip(keys, raws, strict=True):
+            try:
+                key, rec_cid, cond = codec.decode_cond(raw, copy=False) if raw else (ck, cid, None)
+                if cond is not None and (key != ck or rec_cid != cid):
+                    raise CorruptEntry(f"it is {key}/{rec_cid!r}, not {ck}/{cid!r}")
+            except CorruptEntry as err:
+                self._corrupt(f"condition record {ck} of condition {cid!r}: {err}")
+                continue
+            if cond is not None:
+                conds[ck] = cond
 
     def _evict_banked(self, cid: str, eids: list[str]) -> None:
         """Remove entries from a condition's index (no-op for eids not in it) and delete them."""
@@ -710,6 +735,25 @@ class MemoryBank:
     def _corrupt(self, what: str) -> None:
         log.error("bank: skipped %s", what)
         self.r.hincrby(self.keys.counts, "corrupt", 1)
+
+
+class RecentKeys:
+    """A set of at most `cap` keys; past it, the least recently remembered is forgotten."""
+
+    def __init__(self, cap: int):
+        self.cap, self._keys = cap, OrderedDict[str, None]()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def remember(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.cap:
+            self._keys.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        self._keys.pop(key, None)
 
 
 def _checked_heads(group: Group) -> list[str]:

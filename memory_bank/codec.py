@@ -23,6 +23,7 @@ final latents only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -162,7 +163,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool) -> Entry:
     if member < 0 or trained < 0:
         raise CorruptEntry(f"field 'member'/'trained' negative: {member}/{trained}")
     cfg_scale, composite, created = (_float(m, f) for f in ("guidance_scale", "composite", "created"))
-    spec = _spec(m)
+    spec = _spec(m["scheme"], m["scheme_params"], m["sigmas"])
     steps = _steps(m, len(spec.sigmas))
     try:
         check_eid(m["cond_key"])
@@ -205,8 +206,12 @@ def _fields(meta: Mapping[Any, Any]) -> dict[str, str]:
     return m
 
 
-def _spec(m: dict[str, str]) -> SchemeSpec:
-    """The scheme's full spec; its arguments must be exactly what encode writes for it."""
+@functools.lru_cache(maxsize=256)
+def _spec(scheme: str, scheme_params: str, sigmas: str) -> SchemeSpec:
+    """The scheme's full spec from its three fields; its arguments must be exactly what encode
+    writes for it. A function of the fields' text and a spec is immutable, so the spec of
+    fields already read is reused (a group's members, every pull of a run, share one)."""
+    m = {"scheme": scheme, "scheme_params": scheme_params, "sigmas": sigmas}
     if m["scheme"] not in SCHEMES:
         raise CorruptEntry(f"field 'scheme' is {m['scheme']!r}, expected one of {sorted(SCHEMES)}")
     sigmas = _json_list(m, "sigmas", float)

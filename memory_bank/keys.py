@@ -9,7 +9,8 @@ Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
   queue; a consumer requeues only its own), `ns:{ns}:consumers` set of those consumer ids,
   `ns:{ns}:lease` the live run's ownership lease (TTL), `ns:{ns}:owner` the run that owns the data,
   `ns:{ns}:done` / `ns:{ns}:dead` capped lists of committed / dropped groups,
-  `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token,
+  `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token, bytes and
+  the key of its condition record (`ck`),
   `ns:{ns}:c:<cid>` list: a condition's banked entry ids, oldest first,
   `ns:{ns}:einfo` hash eid -> JSON {b: bytes, c: composite, v: version, cond: cid, k: cond key},
   `ns:{ns}:cinfo` hash cond key -> JSON {b: bytes, n: entries naming it, q: queued entries

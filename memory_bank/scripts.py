@@ -46,7 +46,8 @@ end
 # KEYS: fresh, pending (the consumer's own), einfo, consumers (+ lease). ARGV: (fence, ttl +)
 # n, group_prefix, cond_prefix, consumer id. Reliable queue: a pulled group stays in its consumer's `pending`
 # until commit, so a learner crash loses nothing (requeue puts it back). Returns, in one
-# round trip, {groups, banks}: groups[i] = {gid, cond, version, eids}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
+# round trip, {groups, banks}: groups[i] = {gid, cond, version, eids, cond record key ('' for a
+# group pushed before groups named it)}; banks[j] = {cid, eid1, einfo1, eid2, einfo2, ...}.
 # Group and condition keys are built here; they share the {ns} slot with KEYS.
 PULL = FENCE + """
 local groups, conds, banks = {}, {}, {}
@@ -54,8 +55,8 @@ redis.call('SADD', KEYS[4], ARGV[4])
 for _ = 1, tonumber(ARGV[1]) do
   local g = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
   if not g then break end
-  local rec = redis.call('HMGET', ARGV[2] .. g, 'cond', 'version', 'eids')
-  groups[#groups + 1] = {g, rec[1] or '', rec[2] or '', rec[3] or ''}
+  local rec = redis.call('HMGET', ARGV[2] .. g, 'cond', 'version', 'eids', 'ck')
+  groups[#groups + 1] = {g, rec[1] or '', rec[2] or '', rec[3] or '', rec[4] or ''}
   if rec[1] then conds[rec[1]] = true end
 end
 for cid, _ in pairs(conds) do
@@ -193,9 +194,10 @@ def _with_evict(body: str, e: int, b: int, z: int, s: int, c: int, q: int, t: in
 # Enforces bank.max_bytes: queued (fresh + pending) groups, and the condition records they name,
 # are never evicted, so a group that does not fit beside them is refused ({-2, reclaim, queued
 # bytes, what its condition adds}); banked entries are a cache, so the oldest are evicted to make
-# room. The group's condition record must exist: the producer writes it first unless cinfo
-# already counts it; one dropped in between answers {-3, reclaim} (write it again). A refused
-# push deletes a record no entry names.
+# room. The group's condition record must exist: the producer writes it first unless it stored
+# it before (it does not ask); one missing answers {-3, reclaim} (write it again). The group
+# record keeps the condition record's key (`ck`, for the pull). A refused push deletes a record
+# no entry names.
 # Returns {1 | 0 (our own retry) | -1 (duplicate) | -2 (full) | -3, reclaim()[, queued, extra]}.
 PUSH = FENCE + _with_evict("""
 local ck, cbytes = ARGV[9], tonumber(ARGV[10])
@@ -234,7 +236,7 @@ for i = 0, n - 1 do
   eids[#eids + 1] = ARGV[11 + 2 * i]
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
-           'eids', table.concat(eids, ' '), 'bytes', total)
+           'eids', table.concat(eids, ' '), 'bytes', total, 'ck', ck)
 redis.call('INCRBY', KEYS[4], total)
 redis.call('INCRBY', KEYS[6], total)
 redis.call('HINCRBY', KEYS[5], 'pushed', 1)

@@ -110,14 +110,15 @@ def loads(blob: bytes | bytearray | memoryview | Blob, copy: bool = True, verify
         bufs = dict(zip(blob.names, blob.parts[1:], strict=True))
         if any(len(bufs[name]) != stop - begin for begin, stop, name, _, _ in specs):
             raise ValueError("Blob parts do not match its header")
-        data = None
+        data = joined = None
     else:
         data = head[8 + n:]
         if not copy and (isinstance(blob, bytes) or (isinstance(blob, memoryview) and blob.readonly)):
             buf = data
         else:
             buf = bytearray(data)    # the one copy: writable memory the tensors own
-        bufs = {name: memoryview(buf)[begin:stop] for begin, stop, name, _, _ in specs}
+        joined = memoryview(buf)
+        bufs = {name: joined[begin:stop] for begin, stop, name, _, _ in specs}
     if verify and data is not None:   # a Blob's digest was just computed from these very parts
         _verify_digest(meta, header, data)
     out = {}
@@ -126,9 +127,33 @@ def loads(blob: bytes | bytearray | memoryview | Blob, copy: bool = True, verify
         for begin, stop, name, dtype, shape in specs:
             out[name] = torch.empty(shape, dtype=dtype) if stop == begin else torch.frombuffer(
                 bufs[name], dtype=dtype, count=math.prod(shape)).reshape(shape)
-            if verify and not finite(out[name]):
-                raise ValueError(f"tensor {name!r} has non-finite values")
+        if verify:
+            _check_finite(specs, out, joined)
     return out
+
+
+def _check_finite(specs: list[tuple], out: dict[str, Tensor], joined: memoryview | None) -> None:
+    """Refuse a non-finite float in any tensor. Tensors of one dtype that lie back to back in
+    the data (`joined`; None for a Blob, whose parts lie apart) are checked as one: the check
+    costs a few microseconds per call, against a fraction of one per kilobyte."""
+    runs: list[list] = []              # [dtype, begin, end, names]
+    for begin, stop, name, dtype, _ in specs:
+        if not dtype.is_floating_point or stop == begin:
+            continue
+        run = runs[-1] if runs else None
+        if joined is not None and run is not None and run[0] == dtype and run[2] == begin:
+            run[2] = stop
+            run[3].append(name)
+        else:
+            runs.append([dtype, begin, stop, [name]])
+    for dtype, begin, stop, names in runs:
+        if len(names) == 1:
+            whole = out[names[0]]
+        else:
+            whole = torch.frombuffer(joined[begin:stop], dtype=dtype)
+        if not finite(whole):
+            bad = next(n for n in names if not finite(out[n]))
+            raise ValueError(f"tensor {bad!r} has non-finite values")
 
 
 def _specs(header: dict, data_len: int) -> list[tuple]:

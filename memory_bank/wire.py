@@ -149,12 +149,32 @@ class _Reader:
         self.pos += 2
         return view.toreadonly()
 
+    def _small_bulks(self, n: int) -> list[bytes] | None:
+        """The n items of an array when they are all small bulk strings already in the buffer
+        (an HGETALL of entry fields), parsed in one pass; None (nothing consumed) otherwise."""
+        buf, pos, out = self.buf, self.pos, []
+        for _ in range(n):
+            end = buf.find(b"\r\n", pos)
+            if end < 0 or buf[pos] != 36:        # b"$"
+                return None
+            size = int(buf[pos + 1:end])
+            if not 0 <= size < BIG or end + size + 4 > len(buf):
+                return None
+            out.append(bytes(buf[end + 2:end + 2 + size]))
+            pos = end + size + 4
+        self.pos = pos
+        return out
+
     def reply(self) -> Any:
         """One reply; RESP3 maps and sets come back as flat lists, as RESP2 sends them, and
         out-of-band push messages are skipped."""
         while True:
             line = self._line()
-            kind, rest = line[:1], line[1:]
+            kind = line[:1]
+            if kind in (b"*", b"%", b"~") and (n := int(line[1:]) * (2 if kind == b"%" else 1)) > 0 \
+                    and (fast := self._small_bulks(n)) is not None:
+                return fast
+            rest = line[1:]
             if kind in (b"$", b"="):                     # bulk, verbatim string
                 n = int(rest)
                 if n < 0:

@@ -18,6 +18,7 @@ import torch
 from bank_helpers import make_cond, make_group
 
 from common.types import Cond
+from memory_bank import scripts
 from memory_bank.bank import MemoryBank
 from memory_bank.codec import cond_nbytes, encode_cond
 from memory_bank.errors import BankFull, DuplicateGroup
@@ -153,16 +154,64 @@ def test_a_refused_duplicate_leaves_no_record(bank):
     assert len(list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*condrec:*"))) == 1
 
 
-def test_a_record_dropped_during_a_push_is_written_again(bank, monkeypatch):
-    """The producer skips writing a record cinfo already counts; if its last entries are evicted
-    before the push script runs, the script answers 'missing' and the producer writes it again."""
-    g = make_group("c0", "g0", g=2, shape=SMALL)
-    real = bank.r.hexists
-    monkeypatch.setattr(bank.r, "hexists", lambda key, field: True if key == bank.keys.cinfo else real(key, field))
-    bank.push_group(g)                                 # first try: no record, refused; second: written
+@pytest.mark.parametrize("bank", [{"enabled": False}], indirect=True)
+def test_a_known_record_is_not_resent_and_a_dropped_one_is_written_again(bank, monkeypatch):
+    """A push is one round trip. The producer writes a condition's record with its first group
+    and then neither resends it nor asks whether it is there; when it was dropped since (its last
+    entries left the bank), the push script answers 'missing' and the record is written again."""
+    sent: list[list] = []
+    real = scripts.wire.execute
+    monkeypatch.setattr(scripts.wire, "execute", lambda client, cmds: sent.append(list(cmds)) or real(client, cmds))
+    monkeypatch.setattr(bank.r, "execute_command", lambda *a, **kw: pytest.fail(f"redis-py call {a[0]}"))
+    record = bank.keys.cond_record(encode_cond("c0", make_cond("c0"))[0])
+
+    def push(gid: str, seed: int) -> list[bool]:
+        """Push a group of c0; for each round trip it took, whether it wrote the record."""
+        sent.clear()
+        bank.push_group(make_group("c0", gid, g=2, seed=seed, shape=SMALL))
+        return [any(c[:2] == ("HSET", record) for c in cmds) for cmds in sent
+                if any(c[0] != "EVAL" for c in cmds)]   # not a script the server had to be sent
+
+    assert push("g0", 0) == [True]
+    assert push("g1", 1) == [False]
     monkeypatch.undo()
-    batch = bank.pull(1, 0)
-    assert batch.fresh[0].size == 2 and torch.equal(batch.fresh[0].cond.tensors["text"], g.cond.tensors["text"])
+    bank.commit(bank.pull(2, 0), 1)                    # nothing banked: the record goes too
+    assert not bank.r.exists(record) and _check_accounting(bank) == {}
+    monkeypatch.setattr(scripts.wire, "execute", lambda client, cmds: sent.append(list(cmds)) or real(client, cmds))
+    assert push("g2", 2) == [False, True]              # refused as missing, then written
+    assert push("g3", 3) == [False]
+    monkeypatch.undo()
+    batch = bank.pull(2, 0)
+    assert [g.size for g in batch.fresh] == [2, 2]
+    assert all(torch.equal(g.cond.tensors["text"], make_cond("c0").tensors["text"]) for g in batch.fresh)
+    _check_accounting(bank)
+
+
+def test_a_pull_reads_the_condition_records_with_the_entries(bank, monkeypatch):
+    """A pull is two round trips (move the groups, read their entries): the records its fresh
+    groups and banked entries name are read with the entries. A group whose record names no
+    condition record key (pushed by an older bank) still has its record read, in a third."""
+    for i in range(2):
+        bank.push_group(make_group(f"c{i}", f"a{i}", g=2, seed=i, shape=SMALL))
+    bank.commit(bank.pull(2, 0), 1)                    # banked: the next groups' bank entries
+    bank.push_group(make_group("c0", "b0", g=2, seed=10, shape=SMALL))
+    bank.push_group(make_group("c2", "b1", g=2, seed=11, shape=SMALL))   # nothing banked of c2
+    bank.r.hdel(bank.keys.group("b1"), "ck")
+    sent: list[list] = []
+    real = scripts.wire.execute
+    monkeypatch.setattr(scripts.wire, "execute", lambda client, cmds: sent.append(list(cmds)) or real(client, cmds))
+    pipelines = []
+    real_pipe = bank.r.pipeline
+    monkeypatch.setattr(bank.r, "pipeline", lambda *a, **kw: pipelines.append(1) or real_pipe(*a, **kw))
+    batch = bank.pull(1, 1)
+    assert len([c for c in sent if any(x[0] != "EVAL" for x in c)]) == 2 and pipelines == []
+    assert batch.fresh[0].group_id == "b0" and len(batch.bank[0]) == 2
+    assert {id(t.cond) for t in batch.fresh[0].members} == {id(t.cond) for t, _, _ in batch.bank[0]}
+    assert torch.equal(batch.fresh[0].cond.tensors["text"], make_cond("c0").tensors["text"])
+    batch = bank.pull(1, 1)                            # b1 names no key: its record read after
+    assert pipelines == [1] and batch.fresh[0].group_id == "b1"
+    assert torch.equal(batch.fresh[0].cond.tensors["text"], make_cond("c2").tensors["text"])
+    monkeypatch.undo()
     _check_accounting(bank)
 
 

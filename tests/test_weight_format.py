@@ -104,6 +104,26 @@ def test_fill_takes_each_tensor_only_when_its_bucket_is_filled():
         list(W.fill(m, iter(list(state.values())[:3])))
 
 
+def test_fill_in_a_ring_reuses_two_buffers_and_keeps_the_last_two_buckets_whole():
+    """ring=2 (the collective sender): two buffers in turn, not fresh memory per bucket; a bucket
+    stays intact while the next one is filled (the sender has two in flight)."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"p{i}": torch.randn(4 + i % 3, generator=g) for i in range(12)}
+    state["big"] = torch.randn(40, generator=g)              # alone in its bucket: itself
+    m = W.plan(state, bucket_bytes=48, version=0)
+    ref = [b.clone() for b in W.fill(m, (state[e.name] for e in m.entries))]
+    held, ptrs = [], set()
+    for i, bucket in enumerate(W.fill(m, (state[e.name] for e in m.entries), ring=2)):
+        held = [*held[-1:], (i, bucket)]                    # two at a time, as the sender holds
+        for j, b in held:
+            assert torch.equal(b, ref[j]), (i, j)
+        if len(m.members(i)) > 1:
+            ptrs.add(bucket.untyped_storage().data_ptr())
+        else:
+            assert bucket.data_ptr() == state[m.members(i)[0].name].data_ptr()
+    assert len(m.buckets) >= 6 and len(ptrs) == 2
+
+
 @pytest.mark.parametrize("alg", ["xxh3", "sums", "blake2b"])
 def test_checksum_is_per_tensor_so_bucketing_does_not_change_it(alg):
     state = _state()
