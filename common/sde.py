@@ -384,12 +384,13 @@ def scheme_from_config(cfg, schedule: Schedule) -> Scheme:
                        cfg.sde.flow_first_step, cfg.sde.clamp_c, cfg.sde.cps_log_prob)
 
 
-def rollout_spec(cfg, schedule: Schedule | None = None) -> SchemeSpec:
+def rollout_spec(cfg, schedule: Schedule | None = None, scheme: Scheme | None = None) -> SchemeSpec:
     """The spec a run's rollouts are stamped with (rollout_worker.sampler.sample_group): its
     configured scheme on its configured schedule; DiffusionNFT's (grpo.loss=nft) are ODE throughout.
-    The learner admits only trajectories of this spec (learner/admit.py)."""
+    The learner admits only trajectories of this spec (learner/admit.py). `schedule`, `scheme`:
+    the config's, when the caller built them already."""
     schedule = schedule or Schedule.from_config(cfg.schedule)
-    ran = ODE() if cfg.grpo.loss == "nft" else scheme_from_config(cfg, schedule)
+    ran = ODE() if cfg.grpo.loss == "nft" else scheme or scheme_from_config(cfg, schedule)
     return ran.spec(schedule)
 
 

@@ -126,6 +126,7 @@ class LearnerRank:
         self.cfg = RunConfig.model_validate(cfg)
         self._bank_ref, self._bank = bank, None
         self._batch: TrainBatch | None = None   # rank 0: pulled, not yet committed
+        self._admission = None                  # rank 0: what a pulled entry must fit (learner/admit.py)
         torch.set_num_threads(self.cfg.pools.learner.torch_threads)
         self.rank, self.world_size, self.sp = rank, world_size, sp
         self.mesh: fsdp.LearnerMesh | None = None
@@ -207,8 +208,9 @@ class LearnerRank:
         Returns ({dropped group id: why}, lines for the driver's log)."""
         from learner.admit import Admission, admit
 
-        adm = Admission(rollout_spec(self.cfg), tuple(self.trainer.model.latent_shape))
-        verdict = admit(batch, adm, version)
+        if self._admission is None:  # the run's settings and model: fixed for the process's life
+            self._admission = Admission(rollout_spec(self.cfg), tuple(self.trainer.model.latent_shape))
+        verdict = admit(batch, self._admission, version)
         for eid, why in verdict.quarantine.items():
             bank.quarantine(eid, why)
         for cid, eids in verdict.evict.items():

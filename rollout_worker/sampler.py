@@ -243,7 +243,7 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     # one copy), stamped with the full spec of the scheme its steps ran with, on the configured
     # schedule (a compressed tail is never recorded), so the learner replays it exactly, and with
     # the encoded condition (one object for the group); NFT's rollouts are ODE throughout
-    spec, store = rollout_spec(cfg, schedule), _LATENT_DTYPES[cfg.sampler.latent_dtype]
+    spec, store = rollout_spec(cfg, schedule, scheme), _LATENT_DTYPES[cfg.sampler.latent_dtype]
     members = [
         Trajectory(condition=condition, group_id=group_id, member=i, seed=seed, spec=spec,
                    guidance_scale=cfg.model.guidance_scale, policy_version=policy_version,

@@ -307,13 +307,13 @@ class Driver:
         `numerics` stops the run when it goes on."""
         from learner.finite_guard import GROUPS, SKIPPED
 
+        skipped = values.get(SKIPPED) == 1.0
         with self.state.lock:
-            skipped = values.get(SKIPPED) == 1.0
             self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
+            if skipped:
+                self.state.counts["updates_skipped"] += 1
         if not skipped:
             return
-        with self.state.lock:
-            self.state.counts["updates_skipped"] += 1
         self.note(f"step {self.state.step}: non-finite loss or gradient (loss {values.get('loss')}, grad norm "
                   f"{values.get('grad_norm')}): the optimizer step was skipped, the weights are unchanged; "
                   f"from group(s) {values.get(GROUPS)}")

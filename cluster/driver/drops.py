@@ -50,9 +50,7 @@ class Drops:
 
         try:
             stats = learner.train_pulled(pulled)
-        except ray.exceptions.RayActorError:
-            raise   # a dead learner: the driver stops the run (a resume requeues the pending groups)
-        except ray.exceptions.RayTaskError as e:
+        except ray.exceptions.RayTaskError as e:  # not a dead learner (RayActorError): the driver stops for that
             why = last_line(e)
             self.failures += 1
             gids, version = bank_call("quarantine", learner.quarantine_pulled, f"the step failed on it: {why}")
