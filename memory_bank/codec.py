@@ -320,9 +320,9 @@ def encode_cond(cid: str, cond: Cond) -> tuple[str, dict[str, str | bytes]]:
     key = _cond_digest(cid, cond.encoder, blob)
     fields: dict[str, str | bytes] = {"format": FORMAT, "key": key, "condition": cid, "encoder": cond.encoder,
                                       "blob": blob}
-    try:
-        decode_cond(fields, copy=False)
-    except CorruptEntry as e:
+    try:  # the key was just computed from these bytes: not hashed again (SHA-256 of MBs at scale)
+        _decode_cond(fields, copy=False, key_checked=True)
+    except Exception as e:  # noqa: BLE001 — as decode_cond: any failure to read it back refuses it
         raise ValueError(f"condition {cid!r}: its encoded tensors cannot be stored: {e}") from None
     return key, fields
 
@@ -343,7 +343,8 @@ def decode_cond(fields: Mapping[Any, Any], copy: bool = True) -> tuple[str, str,
         raise CorruptEntry(f"undecodable condition record: {type(e).__name__}: {e}") from e
 
 
-def _decode_cond(fields: Mapping[Any, Any], copy: bool) -> tuple[str, str, Cond]:
+def _decode_cond(fields: Mapping[Any, Any], copy: bool, key_checked: bool = False
+                 ) -> tuple[str, str, Cond]:
     raw = {_text(k, "field name"): v for k, v in fields.items()}
     blob = raw.get("blob")
     m = {k: _text(v, k) for k, v in raw.items() if k != "blob"}
@@ -355,7 +356,7 @@ def _decode_cond(fields: Mapping[Any, Any], copy: bool) -> tuple[str, str, Cond]
         raise CorruptEntry(f"condition record: field 'format' is {m['format']!r}, expected {FORMAT!r}")
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CorruptEntry("condition record: blob missing")
-    if _cond_digest(m["condition"], m["encoder"], bytes(blob)) != m["key"]:
+    if not key_checked and _cond_digest(m["condition"], m["encoder"], bytes(blob)) != m["key"]:
         raise CorruptEntry(f"condition record {m['key'][:40]!r}: its bytes do not match its key (damaged)")
     try:
         t = loads(blob, copy=copy)
