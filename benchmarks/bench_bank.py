@@ -38,11 +38,15 @@ SPEC = Sage(0.5).spec(Schedule.explicit(torch.linspace(1, 0, 21).tolist()))
 WARMUP = 3
 
 
-def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator) -> Group:
-    """G members whose stored tensors (x, x_next, final_latents) total about entry_mb each."""
+def make_group(entry_mb: float, g: int, version: int, gen: torch.Generator,
+               enc: Cond | None = None) -> Group:
+    """G members whose stored tensors (x, x_next, final_latents) total about entry_mb each, of
+    the one condition "bench" encoded as `enc` (drawn when None). A run's rollouts encode one
+    prompt to the same tensors each time, so its groups share one condition record."""
     w = max(1, round(entry_mb * 2**20 / (4 * (2 * K + 1) * C * F * H)))
     cond = Condition(id="bench", prompt="a benchmark prompt")
-    enc = Cond({"text": torch.randn(1, 16, 64, generator=gen)}, None, "bench")  # the encoded condition, once
+    if enc is None:
+        enc = Cond({"text": torch.randn(1, 16, 64, generator=gen)}, None, "bench")
     gid = uuid.uuid4().hex
     members = [Trajectory(
         condition=cond, group_id=gid, member=i, seed=i, spec=SPEC,
@@ -67,7 +71,8 @@ def bench_size(client, entry_mb: float, iters: int, g: int) -> dict:
     # one condition, capacity G, staleness 0: each pull reads exactly the fresh group
     bank = MemoryBank(client, BankConfig(namespace=ns, capacity=g, max_staleness=0,
                                          max_bytes=1 << 40))
-    groups = [make_group(entry_mb, g, v, gen) for v in range(min(iters, 3))]
+    enc = Cond({"text": torch.randn(1, 16, 64, generator=gen)}, None, "bench")  # the prompt, encoded once
+    groups = [make_group(entry_mb, g, v, gen, enc) for v in range(min(iters, 3))]
     blobs = [[bytes(encode(uuid.uuid4().hex, m, grp.scores.heads, grp.scores.values[i], 0.0,
                            cond_key=encode_cond(grp.condition.id, grp.cond)[0])[1])
               for i, m in enumerate(grp.members)] for grp in groups]
