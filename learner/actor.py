@@ -219,6 +219,18 @@ class LearnerRank:
             bank.drop_pulled(gid)
         return verdict.dropped, verdict.notes()
 
+    def drop_pulled(self, gids: list[str]) -> int:
+        """Rank 0: drop these groups of the pulled batch untrained (their members deleted) and give
+        the rest back to the queue; returns how many were dropped."""
+        if self._batch is None:
+            return 0
+        bank, batch, self._batch = self._open_bank(), self._batch, None
+        drop = [g.group_id for g in batch.fresh if g.group_id in set(gids)]
+        for gid in drop:
+            bank.drop_pulled(gid)
+        bank.requeue_pending()
+        return len(drop)
+
     def quarantine_pulled(self, reason: str) -> tuple[list[str], int]:
         """Rank 0: the pulled batch could not be trained (`reason`: the step's error). Every entry
         it used goes to the quarantine and its groups are dropped; returns their ids and the
@@ -423,6 +435,8 @@ class LearnerGroup:
     commit_ids = verb("commit_ids", on="rank0")
     quarantine_pulled = verb("quarantine_pulled", on="rank0",
                              doc="Rank 0 quarantines the batch it pulled and could not train; the dropped group ids.")
+    drop_pulled = verb("drop_pulled", on="rank0",
+                       doc="Rank 0 drops these groups of its pulled batch untrained and requeues the rest.")
     weights_record = verb("weights_record", doc="The record of the packed payload's ref (rank 0's): "
                           "the payload stays in the object store; every rank joins the gather.")
     save_policy = verb("save_policy", collect="none")

@@ -282,6 +282,8 @@ class Driver:
                 return None
             if not pulled.group_ids:
                 raise StopRun("the bank returned no fresh groups to train on")
+            if self.drops.superseded(self.learner, pulled, self._bank):
+                return None
             with s.lock:
                 s.counts["groups_pulled"] += len(pulled.group_ids)
             stats = self.drops.train_or_quarantine(self.learner, pulled, self._bank)

@@ -6,6 +6,8 @@ the learner's step raised on its batch (the batch is quarantined whole: no resum
 Each is counted by kind in the driver's counts, said in one line, and its cursor drawn again, so
 the prompt stream does not change. Steps that raise TRAIN_FAILURES times in a row are the
 learner's fault, not the data's: the run stops in one line (and checkpoints).
+A group superseded by a later attempt of its cursor is dropped too, but not drawn again: that
+attempt stands for the cursor (`superseded`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ class Drops:
         for why, these in by_reason.items():
             self.note(f"dropped {len(these)} fresh group(s) ({why}): {', '.join(these)}; "
                       "drawing their conditions again")
+
+    def superseded(self, learner, pulled: PullReceipt, bank_call) -> bool:
+        """Drop the pulled groups that no longer stand for their cursor (DriverState.superseded:
+        a rollout actor that died between its push and its answer left its group queued, and the
+        cursor was drawn again), untrained and not drawn again; the rest go back to the queue.
+        Returns whether any was dropped (the step is then pulled again)."""
+        stale = self.state.superseded(pulled.group_ids)
+        if not stale:
+            return False
+        bank_call("drop superseded", learner.drop_pulled, stale)
+        with self.state.lock:
+            self.state.counts["groups_superseded"] += len(stale)
+        self.note(f"dropped {len(stale)} fresh group(s) superseded by a later attempt of their "
+                  f"condition (pushed by a rollout actor that died before it answered): {', '.join(stale)}")
+        return True
 
     def train_or_quarantine(self, learner, pulled: PullReceipt, bank_call):
         """The step on the pulled batch, or None when it raised: the batch quarantined, its

@@ -36,6 +36,12 @@ def version_of(gid: str) -> int | None:
     return int(part[0][1:]) if part and part[0][:1] == "v" and part[0][1:].isdigit() else None
 
 
+def attempt_of(gid: str) -> int:
+    """The attempt in a group id `g0000012-v3-a1` (0 without the suffix)."""
+    last = gid.rsplit("-", 1)[-1]
+    return int(last[1:]) if gid.count("-") >= 2 and last[:1] == "a" and last[1:].isdigit() else 0
+
+
 @dataclass
 class DriverState:
     step: int = 0                   # optimizer steps done == the learner's policy version
@@ -57,6 +63,25 @@ class DriverState:
             self.attempts[n] += 1
             if n not in self.replay:
                 self.replay.insert(0, n)
+
+    def superseded(self, gids: list[str]) -> list[str]:
+        """The pulled groups that no longer stand for their cursor: an attempt the cursor was drawn
+        again after (a push that landed though its actor died before it could say so), another
+        attempt than the one the cursor received, or a cursor already trained."""
+        out = []
+        with self.lock:
+            for g in gids:
+                n = cursor_of(g)
+                if n is None:
+                    continue
+                if n not in self.open:
+                    out.append(g)                           # trained already
+                elif (have := self.open[n]) is not None:
+                    if have != g:
+                        out.append(g)                       # the cursor received another attempt
+                elif attempt_of(g) < self.attempts[n]:
+                    out.append(g)                           # drawn again since this attempt
+        return out
 
     def saved(self) -> dict[str, Any]:
         """The fields a checkpoint records (JSON-ready)."""

@@ -7,7 +7,8 @@ from typing import Any
 from common.metrics import Metrics
 
 COUNTS = ("groups_produced", "groups_trained", "groups_refilled", "invalid_members", "actor_restarts",
-          "rollout_timeouts", "updates_skipped", "groups_dropped", "groups_quarantined", "groups_resampled")
+          "rollout_timeouts", "updates_skipped", "groups_dropped", "groups_quarantined", "groups_resampled",
+          "groups_superseded")
 BANK_KEYS = ("entries", "bytes", "fresh", "corrupt", "quarantined", "redis_latency_ms")
 # Prometheus counter <- the driver's running count it follows. Rollout, reward and learner
 # actors export their own work from their own pools (common/actor_metrics.py); the driver
