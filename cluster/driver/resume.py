@@ -51,5 +51,6 @@ def reconcile(state: DriverState, bank, opened: set[int], note: Callable[[str], 
     state.replay = sorted((opened | set(range(state.cursor, top))) - set(present))
     state.cursor = top
     state.open = {**{c: None for c in state.replay}, **present}
-    state.counts["groups_produced"] = state.counts["groups_trained"] + len(queued)
+    # one per cursor: of two queued attempts of one cursor, the other is superseded at its pull
+    state.counts["groups_produced"] = state.counts["groups_trained"] + len(present)
     state.counts["groups_pulled"] = state.counts["groups_trained"]  # pending groups were requeued
