@@ -24,6 +24,21 @@ from learner import checkpoint as ckpt
 from learner.checkpoint import DiskFull
 
 
+def try_write(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]
+              ) -> tuple[Path | None, str | None]:
+    """(the step dir, None), or (None, one line) for a write that failed and left the last
+    checkpoint standing: a full disk, or a learner that died while writing (only the staged
+    step is lost; it was never committed)."""
+    import ray
+
+    try:
+        return write_checkpoint(learner, bank, state, root, note), None
+    except DiskFull as e:
+        return None, str(e)
+    except ray.exceptions.RayActorError as e:
+        return None, f"the learner died while writing a checkpoint ({type(e).__name__})"
+
+
 def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]) -> Path:
     from memory_bank.dump import dump_bank
     from memory_bank.errors import BankUnavailable

@@ -481,21 +481,18 @@ class Driver:
     def checkpoint(self) -> Path | None:
         """Learner state plus what a resume needs (cluster/driver/checkpoint.py). None when the
         learner is gone (the last checkpoint stands)."""
-        from cluster.driver.checkpoint import write_checkpoint
+        from cluster.driver.checkpoint import try_write
 
         if self.learner_lost or self.lease_lost or (self.started.lease is not None and self.started.lease.lost):
             why = "the learner is gone" if self.learner_lost else "another run holds the bank's lease"
             self.note(f"no checkpoint: {why}; the last checkpoint stands")
             return None
-        from learner.checkpoint import DiskFull
-
-        self.checkpoint_failed = None
-        try:
-            return write_checkpoint(self.learner, self.bank, self.state, self.run_dir.checkpoints, self.note)
-        except DiskFull as e:  # one line; the run stops at this step (`_after_step`), the last checkpoint stands
-            self.checkpoint_failed = str(e)
-            self.note(f"no checkpoint: {e}")
-            return None
+        path, self.checkpoint_failed = try_write(self.learner, self.bank, self.state, self.run_dir.checkpoints,
+                                                 self.note)
+        if self.checkpoint_failed:  # one line; the run stops at this step (`_after_step`), the last one stands
+            self._learner_check()
+            self.note(f"no checkpoint: {self.checkpoint_failed}")
+        return path
 
     def teardown(self) -> None:
         """Stop what setup started, in reverse order (setup may have stopped part-way)."""
