@@ -26,6 +26,16 @@ def tiny_cfg(tmp_path: Path, name: str, *extra: str, steps: int = 5):
         f"train.prompts={prompts}", f"run.root={tmp_path}", f"run.name={name}", *extra])
 
 
+class Lines:
+    """A console for a Driver that keeps the lines it is given."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def log(self, text: str) -> None:
+        self.lines.append(text)
+
+
 class Ledger:
     """What was pushed and what trained, from the bank's own records (the real Redis is used).
 

@@ -6,7 +6,7 @@ tests/test_s3_run.py met when its SIGKILL landed during a checkpoint write)."""
 from __future__ import annotations
 
 import pytest
-from fault_helpers import tiny_cfg
+from fault_helpers import Lines, tiny_cfg
 
 from cluster.driver.driver import Driver
 from cluster.runs.run_dir import RunDir
@@ -34,14 +34,6 @@ def _arm_die_in_the_second_policy_write(rank) -> None:
         checkpoint.write_policy = write_then_die
 
     ray.get(rank.__ray_call__.remote(arm), timeout=60)
-
-
-class Lines:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def log(self, text: str) -> None:
-        self.lines.append(text)
 
 
 def test_a_learner_dying_mid_checkpoint_stops_in_one_line_and_the_last_checkpoint_stands(ray_session, tmp_path):

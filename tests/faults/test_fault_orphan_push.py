@@ -7,7 +7,7 @@ at that moment."""
 from __future__ import annotations
 
 import pytest
-from fault_helpers import Ledger, tiny_cfg
+from fault_helpers import Ledger, Lines, tiny_cfg
 
 from cluster.driver.driver import Driver
 from cluster.driver.state import attempt_of, cursor_of
@@ -34,14 +34,6 @@ def _arm_die_after_the_first_push(rollout) -> None:
         bank.push_group = push_then_die
 
     ray.get(rollout.__ray_call__.remote(arm), timeout=60)
-
-
-class Lines:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def log(self, text: str) -> None:
-        self.lines.append(text)
 
 
 @pytest.fixture(scope="module")

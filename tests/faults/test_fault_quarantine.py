@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fault_helpers import tiny_cfg
+from fault_helpers import Lines, tiny_cfg
 
 from cluster.driver.driver import Driver
 from cluster.driver.drops import TRAIN_FAILURES
@@ -18,14 +18,6 @@ from cluster.runs.run_dir import RunDir
 
 pytestmark = pytest.mark.timeout(900)
 FUTURE = str(10 ** 38)   # a 39-digit policy version: the codec reads it, no learner has reached it
-
-
-class Lines:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def log(self, text: str) -> None:
-        self.lines.append(text)
 
 
 def _set_version(bank, eid: str, version: str) -> None:
