@@ -43,7 +43,7 @@ from common.sde import Param, SchemeSpec, scheme_from_spec
 from common.types import Cond, Condition, Trajectory
 from memory_bank.errors import CorruptEntry
 from memory_bank.keys import check_eid
-from memory_bank.tensorfile import Blob, dumps, finite, loads, pack
+from memory_bank.tensorfile import Blob, check_finite, dumps, loads, pack
 
 FORMAT = "3"
 OLD_FORMATS = {
@@ -180,7 +180,7 @@ def _decode(meta: Mapping[Any, Any], blob: bytes | None, copy: bool,
         raise CorruptEntry("field 'heads' is empty")
     if len(scores) != len(heads):
         raise CorruptEntry(f"field 'scores' has {len(scores)} values for {len(heads)} heads")
-    t = _tensors(blob, len(steps), copy) if given is None else _checked(given, len(steps))
+    t = _tensors(blob, len(steps), copy, given)
     traj = Trajectory(
         condition=Condition(id=m["condition"], prompt=m["prompt"]),
         group_id=m["group"], member=member, seed=seed, spec=spec, guidance_scale=cfg_scale,
@@ -257,23 +257,16 @@ def _steps(m: dict[str, str], n_sigmas: int) -> list[int]:
     return steps
 
 
-def _tensors(blob: bytes | None, k: int, copy: bool) -> dict[str, Tensor]:
-    """The blob's tensors: safetensors only (no pickle), exactly the expected names and shapes."""
-    if not isinstance(blob, (bytes, bytearray, memoryview, Blob)):
+def _tensors(blob: bytes | None, k: int, copy: bool, given: dict[str, Tensor] | None = None
+             ) -> dict[str, Tensor]:
+    """The blob's tensors: safetensors only (no pickle), exactly the expected names and shapes.
+    `given`: the tensors just packed, checked as loads checks what it reads (every float finite)."""
+    if given is None and not isinstance(blob, (bytes, bytearray, memoryview, Blob)):
         raise CorruptEntry("blob missing")
     try:
-        t = loads(blob, copy=copy)
+        t = loads(blob, copy=copy) if given is None else check_finite(given)
     except ValueError as e:
         raise CorruptEntry(f"blob rejected: {e}") from None
-    return _step_tensors(t, k) if k else _final_only(t)
-
-
-def _checked(t: dict[str, Tensor], k: int) -> dict[str, Tensor]:
-    """Tensors just packed (so of dtypes a blob stores), checked as `_tensors` checks them once
-    read: every float finite, then names, shapes and dtypes."""
-    for name, v in t.items():
-        if not finite(v):
-            raise CorruptEntry(f"blob rejected: tensor {name!r} has non-finite values")
     return _step_tensors(t, k) if k else _final_only(t)
 
 

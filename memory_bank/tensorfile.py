@@ -152,8 +152,16 @@ def _check_finite(specs: list[tuple], out: dict[str, Tensor], joined: memoryview
         else:
             whole = torch.frombuffer(joined[begin:stop], dtype=dtype)
         if not finite(whole):
-            bad = next(n for n in names if not finite(out[n]))
-            raise ValueError(f"tensor {bad!r} has non-finite values")
+            check_finite({n: out[n] for n in names})
+
+
+def check_finite(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors`, unless a float among them (in name order) holds a non-finite value: then
+    ValueError naming it."""
+    for name in sorted(tensors):
+        if not finite(tensors[name]):
+            raise ValueError(f"tensor {name!r} has non-finite values")
+    return tensors
 
 
 def _specs(header: dict, data_len: int) -> list[tuple]:

