@@ -131,7 +131,7 @@ class MemoryBank:
         # 1. Validate: scored, one condition, shapes agree.
         gid, heads = group.group_id, _checked_heads(group)
         # 2. Encode the condition once and the members (frames are not stored).
-        ck, record = codec.encode_cond(group.condition.id, group.cond)
+        ck, record = codec.encode_cond(group.condition.id, group.cond, checked=self._stored_conds)
         cbytes = codec.cond_nbytes(record)
         eids = [uuid.uuid4().hex for _ in group.members]
         encoded = [codec.encode(eid, m, heads, group.scores.values[i], float(group.composite[i]), cond_key=ck)

@@ -31,7 +31,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -308,12 +308,14 @@ def _final_only(t: dict[str, Tensor]) -> dict[str, Tensor]:
 # --- encoded conditions: one record per (condition, encoder, bytes) ----------------------------
 
 
-def encode_cond(cid: str, cond: Cond) -> tuple[str, dict[str, str | bytes]]:
+def encode_cond(cid: str, cond: Cond, checked: Container[str] = ()) -> tuple[str, dict[str, str | bytes]]:
     """(key, record hash fields) of a group's encoded condition (one row); ValueError on bad input.
 
     The key is the SHA-256 (32 hex characters) of the condition id, what encoded it
     (`cond.encoder`) and the tensors' bytes: the groups of one condition encoded alike share one
-    record, and a record never changes under its key."""
+    record, and a record never changes under its key. So a record whose key is in `checked`
+    (records this caller encoded before, and stored) is not read back again: its bytes are the
+    ones that were."""
     _utf8(cid, "condition.id")
     _utf8(cond.encoder, "cond.encoder")
     tensors = {f"c.{k}": v for k, v in cond.tensors.items()}
@@ -326,6 +328,8 @@ def encode_cond(cid: str, cond: Cond) -> tuple[str, dict[str, str | bytes]]:
     key = _cond_digest(cid, cond.encoder, blob)
     fields: dict[str, str | bytes] = {"format": FORMAT, "key": key, "condition": cid, "encoder": cond.encoder,
                                       "blob": blob}
+    if key in checked:
+        return key, fields
     try:  # the key was just computed from these bytes: not hashed again (SHA-256 of MBs at scale)
         _decode_cond(fields, copy=False, key_checked=True)
     except Exception as e:  # noqa: BLE001 — as decode_cond: any failure to read it back refuses it

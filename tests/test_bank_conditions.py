@@ -187,6 +187,34 @@ def test_a_known_record_is_not_resent_and_a_dropped_one_is_written_again(bank, m
     _check_accounting(bank)
 
 
+def test_a_stored_record_is_read_back_once_per_producer(bank, monkeypatch):
+    """encode_cond reads a record back by decode's rules before it is stored; a key names its
+    bytes, so a record this producer stored is not read back on each later push (at Wan scale
+    that is a pass over megabytes of text embedding per push). Another condition, or another
+    encoding of this one, is a new key and is read back."""
+    from memory_bank import codec
+
+    reads: list[str] = []
+    real = codec._decode_cond
+    monkeypatch.setattr(codec, "_decode_cond", lambda fields, *a, **kw: reads.append(fields["key"]) or real(fields, *a, **kw))
+    for i in range(3):
+        bank.push_group(make_group("c0", f"g{i}", g=2, seed=i, shape=SMALL))
+    key0 = encode_cond("c0", make_cond("c0"))[0]
+    assert reads == [key0, key0]                       # the first push, and the line above
+    bank.push_group(make_group("c1", "h0", g=2, seed=9, shape=SMALL))
+    key1 = encode_cond("c1", make_cond("c1"))[0]
+    assert reads[2:] == [key1, key1]
+    bad = make_group("c0", "g9", g=2, seed=0, shape=SMALL)
+    two_rows = Cond({"text": torch.zeros(2, 3)}, None, bad.cond.encoder)
+    for m in bad.members:                              # what is checked before the key, each time
+        m.cond = two_rows
+    with pytest.raises(ValueError, match="do not have one row"):
+        bank.push_group(bad)
+    monkeypatch.undo()
+    assert [g.size for g in bank.pull(4, 0).fresh] == [2, 2, 2, 2]
+    _check_accounting(bank)
+
+
 def test_a_pull_reads_the_condition_records_with_the_entries(bank, monkeypatch):
     """A pull is two round trips (move the groups, read their entries): the records its fresh
     groups and banked entries name are read with the entries. A group whose record names no
