@@ -465,6 +465,11 @@ class LearnerConfig(Section):
     before the first collective), and how long the driver waits for the group to form."""
     checkpoint_timeout_s: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S)
     """How long ranks wait for the slowest rank's checkpoint shard write (or read, on resume)."""
+    rank_failure_grace_s: float = Field(30.0, gt=0.0, le=MAX_TIMEOUT_S)
+    """Once one rank's call has failed (or its process died), how long the others get to end it
+    too. Past it they are waiting on that rank in a collective that cannot complete (until
+    collective_timeout_s), so the driver stops the group and the run, as for a lost learner:
+    `vgrpo resume` continues from the last checkpoint."""
     cpu_offload: bool = False
     """FSDP2's CPUOffloadPolicy: each rank's fp32 master shard, its gradients and the AdamW state
     live in host memory and the optimizer steps there; the GPU holds only the gathered blocks

@@ -397,6 +397,8 @@ class LearnerGroup:
         sp = pool.parallel.sp
         n = dp * sp  # processes: sp per data-parallel rank
         self.cfg, self.world_size = cfg, n
+        self.rank_failure_grace_s = cfg.learner.rank_failure_grace_s  # common/dispatch.in_step
+        self.killed = False
         # A rank cannot rejoin a live process group, so Ray never restarts one on its own;
         # the driver restarts the whole group from its last checkpoint instead.
         default = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": {"learner": 1}}
@@ -414,7 +416,7 @@ class LearnerGroup:
             self._version = ray.get([r.setup.remote(addr, port) for r in self.ranks],
                                     timeout=setup_timeout_s)[0]
         except BaseException:
-            self._kill()
+            self.kill()
             raise
 
     def _stepped(self, stats: dict) -> TrainStats:
@@ -470,12 +472,16 @@ class LearnerGroup:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Barrier on every rank, then end the rank processes without destroying the group."""
+        if self.killed:
+            return
         try:
             ray.get([r.close.remote() for r in self.ranks], timeout=timeout_s)
         except Exception as e:
             log.warning("learner shutdown: ranks did not all reach the barrier (%s)", e)
-        self._kill()
+        self.kill()
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """End the rank processes now (a rank that failed mid-call leaves its peers in a
+        collective). The handles stay: a later call raises Ray's actor-died error."""
         kill_and_wait(self.ranks)
-        self.ranks = []
+        self.killed = True

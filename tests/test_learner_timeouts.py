@@ -1,7 +1,8 @@
 """The learner's process group has a timeout of its own (learner.collective_timeout_s), and the
 waits that are long by nature are barriers with theirs: a rank that loads its model seconds
 after its peer does not kill a group whose collectives time out after one second (gloo on CPU,
-real Ray actors)."""
+real Ray actors). And a rank that fails mid-step does not hold its peers in a collective until
+that timeout: the group stops within learner.rank_failure_grace_s."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from datetime import timedelta
 
 import helpers_tiny
 import pytest
+import torch
 import torch.distributed as dist
-from helpers_tiny import TinyVideoModel
+from helpers_tiny import TinyVideoModel, sample_group
 from ray import cloudpickle
 
 from common.config import load_config
+from common.dispatch import RankFailed
+from common.types import Condition, TrainBatch
 from learner.actor import LearnerGroup, LearnerRank
 
 cloudpickle.register_pickle_by_value(helpers_tiny)
@@ -109,3 +113,35 @@ def test_the_checkpoint_barrier_waits_for_a_slow_shard_write(tmp_path):
     # the control: the group's own one-second timeout would not have allowed for that write
     fast = _run_save(tmp_path / "unsized", timeout_s=None)
     assert "saved" != fast[0] and "Timed out" in fast[0], fast
+
+
+class _OutOfMemoryOnRank1(TinyVideoModel):
+    """Rank 1's forward raises in the step (a GPU out of memory, say) while rank 0 is already in
+    the step's collectives (FSDP's gathers), where it waits for rank 1."""
+
+    def velocity(self, *args, **kw):
+        if dist.get_rank() == 1:
+            raise RuntimeError("out of memory on this rank (a stand-in)")
+        return super().velocity(*args, **kw)
+
+
+def test_a_rank_that_fails_mid_step_stops_the_group_in_seconds_not_at_the_collective_timeout(ray_session):
+    cfg = _cfg("learner.collective_timeout_s=150", "learner.rank_failure_grace_s=2",
+               "sde.scheme=sage", "schedule.steps=4", "schedule.shift=1.0")
+    model = TinyVideoModel(seed=0, layers=1)
+    batch = TrainBatch(fresh=[sample_group(model, Condition(id="c0", prompt="p"), group_size=4, seed=1,
+                                           steps=4, shift=1.0)], version=0)
+    batch.fresh[0].composite = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    group = LearnerGroup(cfg, model_factory=functools.partial(_OutOfMemoryOnRank1, seed=0, layers=1), num_ranks=2)
+    ranks = list(group.ranks)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        group.train_step(batch)
+    took = time.monotonic() - t0
+    assert took < 60, took  # rank 0 would have waited 150 s in the collective
+    assert err.value.rank == 1 and err.value.waiting == [0]
+    assert "out of memory on this rank" in str(err.value)
+    for r in ranks:  # stopped: no rank is left in the collective on its GPU
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(r.version.remote(), timeout=30)
+    group.shutdown()  # after the kill: nothing to wait for

@@ -31,12 +31,14 @@ def try_write(learner, bank, state: DriverState, root: Path, note: Callable[[str
     step is lost; it was never committed)."""
     import ray
 
+    from common.dispatch import why_lost
+
     try:
         return write_checkpoint(learner, bank, state, root, note), None
     except DiskFull as e:
         return None, str(e)
     except ray.exceptions.RayActorError as e:
-        return None, f"the learner died while writing a checkpoint ({type(e).__name__})"
+        return None, f"the learner died while writing a checkpoint ({why_lost(e)})"
 
 
 def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]) -> Path:

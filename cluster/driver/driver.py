@@ -271,6 +271,8 @@ class Driver:
         (cluster/driver/drops.py)."""
         import ray
 
+        from common.dispatch import why_lost
+
         t0, s = time.monotonic(), self.state
         self._check_lease()
         try:
@@ -297,7 +299,7 @@ class Driver:
             self._commit(pulled.group_ids)
         except ray.exceptions.RayActorError as e:
             self.learner_lost = True  # its pulled groups stay pending; a resume requeues them
-            raise StopRun(f"the learner died ({type(e).__name__}); continue from the last checkpoint "
+            raise StopRun(f"the learner died ({why_lost(e)}); continue from the last checkpoint "
                           f"with: vgrpo resume {self.run_dir.location}") from None
         self.timers["train"] += time.monotonic() - t0
         self._skipped(stats.values)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from cluster.driver.errors import StopRun
 from cluster.driver.state import DriverState, cursor_of
+from common.errors import last_line
 from common.types import PullReceipt
 
 TRAIN_FAILURES = 3  # learner steps failing in a row (each batch quarantined) before the run stops
@@ -83,11 +84,3 @@ class Drops:
             return None
         self.failures = 0
         return stats
-
-
-def last_line(e: BaseException, limit: int = 300) -> str:
-    """The cause's own message: its type and the last non-empty line, cut to a readable length."""
-    cause = getattr(e, "cause", None) or e
-    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-    text = f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
-    return text if len(text) <= limit else text[:limit] + "…"

@@ -69,6 +69,8 @@ class Publisher:
         more with a new group when a member failed during it. Actors left out get the record."""
         import ray
 
+        from common.dispatch import why_lost
+
         fleet = self.fleet
         for attempt in range(2):
             members, generation = self.group.form()
@@ -81,6 +83,8 @@ class Publisher:
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self.on_learner_error()
+                if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member: no retry
+                    raise StopRun(f"weight sync of version {version} failed: the learner died ({why_lost(e)})") from None
                 if attempt == 0:  # a member died mid-broadcast: once more, with whoever answers
                     self.group.invalidate()
                     continue

@@ -24,7 +24,7 @@ def _set_version(bank, eid: str, version: str) -> None:
     bank.r.hset(bank.keys.meta(eid), "version", version)
 
 
-def _arm_failures(driver, times: int) -> None:
+def _arm_failures(driver, times: int, rank: int = 0) -> None:
     """The learner's next `times` steps raise inside the rank, as a step the data breaks would."""
     import ray
 
@@ -38,7 +38,31 @@ def _arm_failures(driver, times: int) -> None:
             return real(batch, **kw)
         self.trainer.train_step = failing
 
-    ray.get(driver.learner.ranks[0].__ray_call__.remote(arm), timeout=60)
+    ray.get(driver.learner.ranks[rank].__ray_call__.remote(arm), timeout=60)
+
+
+def test_a_step_that_fails_on_one_learner_rank_stops_the_run_in_seconds_naming_it(ray_session, tmp_path):
+    """Rank 1's step raises while rank 0 is in the step's collectives, waiting for it. Before
+    learner.rank_failure_grace_s the driver quarantined the batch through rank 0, a call that
+    waited behind that collective for learner.collective_timeout_s (here 300 s), and went on
+    with a group out of step; now the run stops within the grace, as for a lost learner."""
+    import time
+
+    cfg = tiny_cfg(tmp_path, "rank1", "pools.learner.num_actors=2", "learner.rank_failure_grace_s=2",
+                   "learner.collective_timeout_s=300", steps=4)
+    driver = Driver(cfg, RunDir.create(cfg))
+    try:
+        driver.setup()
+        _arm_failures(driver, 100, rank=1)
+        t0 = time.monotonic()
+        driver.run()
+        took, step, stop = time.monotonic() - t0, driver.step, driver.stop_reason
+    finally:
+        driver.teardown()
+    assert step == 0 and took < 120, (step, took)
+    assert stop.startswith("the learner died (rank 1 failed (ValueError: mat1 and mat2 shapes cannot be "
+                           "multiplied (armed by the test)) while rank 0 was still in the call 2 s later"), stop
+    assert "vgrpo resume" in stop
 
 
 def _done(bank) -> list[str]:
