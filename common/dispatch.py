@@ -17,8 +17,9 @@ and `kill()`, its ranks are one collective group: a call that fails on one rank 
 dies) while others are still running leaves them waiting on it in a collective that cannot
 complete until the group's own timeout (learner.collective_timeout_s, 30 min by default, on
 every GPU of the group). `ray.get` raises the first error at once, but the group's next call
-would queue behind the waiting ones, and the group would go on out of step. They get `rank_failure_grace_s` to finish or fail too; past it the ranks
-are killed and `RankFailed` (a `RayActorError`: the group is gone) names the rank and its error.
+would queue behind the waiting ones, and the group would go on out of step. So the others get
+`rank_failure_grace_s` to finish or fail too; past it the ranks are killed and `RankFailed` (a
+`RayActorError`: the group is gone) names the rank and its error.
 """
 
 from __future__ import annotations
