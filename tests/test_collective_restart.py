@@ -101,6 +101,18 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
             return out
 
         driver.train = train_then_kill_idle
+        if mode == "async":
+            # hold step 2's training, its batch pulled (so the staleness window has room and the
+            # producer feeds both actors), until actor 0 was killed generating: on a slow machine
+            # the actors could otherwise be idle through step 1 and the attack land at step 2
+            train_pulled = driver.drops.train_or_quarantine
+
+            def held(*args, **kw):
+                if driver.step == 1:
+                    _until(lambda: "mid_group_at" in seen, 120)
+                return train_pulled(*args, **kw)
+
+            driver.drops.train_or_quarantine = held
         dispatch, published_at = driver.fleet.dispatch, {}
 
         def dispatch_noting_the_version(i):
