@@ -123,8 +123,7 @@ def test_peers_that_end_within_the_grace_give_the_calls_own_errors(ray_session):
             g.step(0, peers_s=0.0)
         assert g.killed == 0
     finally:
-        for r in g.ranks:
-            ray.kill(r)
+        g.kill()
 
 
 def test_a_rank_whose_process_dies_stops_the_group_and_its_death_is_the_error(ray_session):
@@ -139,5 +138,4 @@ def test_a_rank_whose_process_dies_stops_the_group_and_its_death_is_the_error(ra
             g2.step(1, peers_s=0.1, dies=True)
         assert g2.killed == 0
     finally:
-        for r in g2.ranks:
-            ray.kill(r)
+        g2.kill()
