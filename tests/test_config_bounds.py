@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
     ("sampler.timeout_s=1e300", "sampler.timeout_s"),
     ("learner.collective_timeout_s=1e300", "learner.collective_timeout_s"),
     ("learner.checkpoint_timeout_s=172800", "learner.checkpoint_timeout_s"),
+    ("learner.rank_failure_grace_s=0", "learner.rank_failure_grace_s"),
+    ("learner.rank_failure_grace_s=1e300", "learner.rank_failure_grace_s"),
     ("bank.max_bytes=1e30", "bank.max_bytes"),
 ])
 def test_values_no_real_run_reaches_are_refused_naming_the_field(override, field):
