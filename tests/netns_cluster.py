@@ -27,9 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SUBNET = "10.213.7"  # test-only: the addresses live on links inside the namespaces only
 GCS_PORT = 6379
-# /etc/hosts first: the files to bind live under the host's /tmp, which the second mount hides
-NODE_SH = ('mount --bind "$2" /etc/hosts && mount --bind "$1" /tmp && hostname "$3" '
-           '&& shift 3 && exec "$@"')
+# /etc/hosts first: the files to bind live under the host's /tmp, which the node's own /tmp
+# hides. What the node runs from under the host's /tmp (a checkout, its venv: $4, one path a
+# line) is bound at the same place inside the node's /tmp first, and comes along with it.
+NODE_SH = ('mount --bind "$2" /etc/hosts && printf "%s\\n" "$4" | while read -r p; do '
+           '[ -z "$p" ] || { mkdir -p "$1${p#/tmp}" && mount --bind "$p" "$1${p#/tmp}"; } || exit 1; '
+           'done && mount --rbind "$1" /tmp && hostname "$3" && shift 4 && exec "$@"')
+
+
+def under_tmp(paths: list[Path]) -> list[str]:
+    """Of `paths`, those under /tmp (a node's own /tmp would hide them), none inside another."""
+    tmp = [p.resolve() for p in paths if p.resolve().is_relative_to("/tmp")]
+    return sorted({str(p) for p in tmp if not any(q != p and p.is_relative_to(q) for q in tmp)})
 
 
 def unavailable() -> str | None:
@@ -192,7 +201,8 @@ class NetnsCluster:
             ray += [f"--address={self.head.ip}:{GCS_PORT}"]
         argv = ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid", "--fork",
                 "--mount-proc", "--propagation", "private", "sh", "-c", NODE_SH, "sh",
-                str(node.tmp), str(self.hosts), name, *ray]
+                str(node.tmp), str(self.hosts), name,
+                "\n".join(under_tmp([ROOT, Path(sys.prefix), BIN])), *ray]
         log = open(self.base / f"{name}.log", "w")
         node.proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         log.close()
