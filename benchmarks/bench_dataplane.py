@@ -237,11 +237,13 @@ def main(argv: list[str] | None = None) -> None:
         big = {"latent": [16, 21, 30, 53], "frames": [81, 480, 848], "step_sleep_s": 0.0}
         if args.quick:
             big = {"latent": [16, 11, 30, 53], "frames": [41, 480, 848], "step_sleep_s": 0.0}
+        if args.smoke:  # the code paths only: small tensors, no sleeps (the rows are not figures)
+            big = {"latent": [16, 3, 8, 8], "frames": [5, 32, 32], "step_sleep_s": 0.0}
         for name, steps in ((("realistic", 1),) if args.smoke else (("realistic", 2), ("realistic_long", 4))):
             rows[name] = _run(root, name, big, 0.0, [
                 "train.mode=sync", f"train.steps={steps}", "train.groups_per_step=1", "sampler.group_size=2",
                 "schedule.steps=20", "sampler.latent_dtype=bfloat16", "bank.capacity=1"])
-        small = {"latent": [4, 2, 8, 8], "frames": [4, 16, 16], "step_sleep_s": 0.2}
+        small = {"latent": [4, 2, 8, 8], "frames": [4, 16, 16], "step_sleep_s": 0.0 if args.smoke else 0.2}
         steps = 1 if args.smoke else 2 if args.quick else 3
         for n in ((1,) if args.smoke else (1, 2, 4)):
             rows[f"rollout{n}"] = _run(root, f"rollout{n}", small, 0.0, [

@@ -36,12 +36,14 @@ def ray_head(tmp_path):
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
         "metrics-export-port", "ray-client-server-port")]
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    # the head's own SIGTERM handler would first drain the node for Serve, 30 s by default
+    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     temp = tempfile.mkdtemp(prefix="vrj", dir="/tmp")  # short: Ray's socket paths have a length limit
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
          "--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp}", *agent_ports,
          '--resources={"rollout": 1, "reward": 1, "learner": 1}'],
-        env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        env=head_env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dash}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
