@@ -3,7 +3,7 @@
 # (its python3 has torch, numpy, xxhash and pyyaml; no pydantic, redis or redis-server).
 #
 #   bash benchmarks/bank_on_device.sh --fetch   # here: the missing packages as wheels in .whl/
-#   bash benchmarks/bank_on_device.sh [ARGS]     # there: install them to /tmp/site and run
+#   bash benchmarks/bank_on_device.sh [ARGS]     # there: install them to a new temp dir and run
 #                                                #   python3 -m benchmarks.bench_bank ARGS
 #
 # --fetch downloads wheels for Python $PYVER (default 3.12, the GPU host's) at the versions the
@@ -30,7 +30,8 @@ if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "bank_on_device: no wheels in .whl/ (run 'bash benchmarks/bank_on_device.sh --fetch' where pip works, and carry .whl)" >&2
     exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="/tmp/site:$PWD"
+site="$(mktemp -d)"   # a fresh target each run: nothing left from another run is imported
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl
+export PYTHONPATH="$site:$PWD"
 echo "machine: $(nproc) cores,$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
 exec timeout 300 python3 -m benchmarks.bench_bank "$@"

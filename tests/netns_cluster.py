@@ -37,7 +37,7 @@ NODE_SH = ('mount --bind "$2" /etc/hosts && printf "%s\\n" "$4" | while read -r 
 
 def under_tmp(paths: list[Path]) -> list[str]:
     """Of `paths`, those under /tmp (a node's own /tmp would hide them), none inside another."""
-    tmp = [p.resolve() for p in paths if p.resolve().is_relative_to("/tmp")]
+    tmp = [r for r in (p.resolve() for p in paths) if r.is_relative_to("/tmp")]
     return sorted({str(p) for p in tmp if not any(q != p and p.is_relative_to(q) for q in tmp)})
 
 
@@ -202,7 +202,7 @@ class NetnsCluster:
         argv = ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid", "--fork",
                 "--mount-proc", "--propagation", "private", "sh", "-c", NODE_SH, "sh",
                 str(node.tmp), str(self.hosts), name,
-                "\n".join(under_tmp([ROOT, Path(sys.prefix), BIN])), *ray]
+                "\n".join(under_tmp([ROOT, Path(sys.prefix)])), *ray]
         log = open(self.base / f"{name}.log", "w")
         node.proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         log.close()
