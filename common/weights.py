@@ -16,6 +16,9 @@ Algorithms (`weight_sync.checksum`, see `alg_for`):
   grid), in torch on whatever device holds the bytes: any changed byte moves the row sum, and
   any swap of two bytes moves one of the two; integer sums are exact, so CPU and GPU agree;
 - `blake2b`: blake2b-128 of the bytes, on the CPU (≈ 1 GiB/s): the strong check on request.
+
+What travels (a version's record, the object store's payload of it) is plain data in
+common/weights_record.py.
 """
 
 from __future__ import annotations
@@ -38,34 +41,6 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DigestAlg = Literal["xxh3", "sums", "blake2b"]
 DIGEST_ALGS: tuple[str, ...] = ("xxh3", "sums", "blake2b")
 SUMS_WIDTH = 4096  # the `sums` grid's row length in bytes
-
-
-@dataclass(frozen=True)
-class WeightsRecord:
-    """One published weights version, the one shape every publisher, registry and receiver uses.
-
-    `weights` is the payload ({name: Tensor}, or a `StreamedWeights` of buckets in the object
-    store), or an ObjectRef of it: refs inside a record travel as refs, so a registry hands out
-    where the bytes are, never the bytes. `checksum` is what the receiver verifies
-    (`"<alg>:<hex>"`, see the module doc; None: off)."""
-
-    version: int
-    weights: Any
-    checksum: str | None = None
-
-
-@dataclass
-class StreamedWeights:
-    """The object-store payload: the manifest (with each tensor's digest) and one ref per
-    bucket, each a list of the bucket's tensors as numpy buffers (Ray maps them without a copy,
-    and the sender copies nothing into a bucket). The receiver gets the refs one at a time, so
-    it never holds more than two buckets."""
-
-    manifest: dict[str, Any]
-    refs: list[Any]
-
-    def nbytes(self) -> int:
-        return sum(int(b["numel"]) * DTYPES[b["dtype"]].itemsize for b in self.manifest["buckets"])
 
 
 class WeightFormatError(ValueError):

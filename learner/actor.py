@@ -36,7 +36,7 @@ from common.dispatch import verb
 from common.experts import rows_on_frozen_expert
 from common.sde import rollout_spec
 from common.types import PullReceipt, TrainBatch, TrainStats
-from common.weights import WeightsRecord
+from common.weights_record import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher

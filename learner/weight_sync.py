@@ -38,6 +38,7 @@ from torch import Tensor
 from common import weights as W
 from common.config import WeightSyncConfig
 from common.weight_group import WeightSyncTimeout, backend_for, join_key, make_process_group
+from common.weights_record import StreamedWeights, WeightsRecord
 
 
 class WeightStream:
@@ -84,7 +85,7 @@ def host_array(bucket: Tensor):
 _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def put_stream(stream: WeightStream, mode: str | bool | None) -> W.WeightsRecord:
+def put_stream(stream: WeightStream, mode: str | bool | None) -> WeightsRecord:
     """Put each bucket into the object store as its tensors arrive (one `ray.put` of the list of
     their numpy buffers: no copy into a bucket), and return the record of the refs, with each
     tensor's digest in the manifest and the combined checksum (`weight_sync.checksum` = mode)."""
@@ -100,7 +101,7 @@ def put_stream(stream: WeightStream, mode: str | bool | None) -> W.WeightsRecord
     if alg is not None:
         m.digest, m.digests = alg, words
         m.checksum = W.combine(alg, [(e.name, e.dtype, e.shape) for e in m.entries], words)
-    return W.WeightsRecord(m.version, W.StreamedWeights(m.to_dict(), refs), m.checksum)
+    return WeightsRecord(m.version, StreamedWeights(m.to_dict(), refs), m.checksum)
 
 
 @dataclass

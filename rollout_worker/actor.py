@@ -18,7 +18,7 @@ constructor loads weights before the actor can generate:
 - `latest_weights`: where the newest published record lives, asked next — the name of a
   named Ray actor, or its handle, whose `latest()` method returns a record or None; or any
   zero-argument callable returning one.
-A published record is a `common.weights.WeightsRecord` (version, weights, checksum).
+A published record is a `common.weights_record.WeightsRecord` (version, weights, checksum).
 
 Sequence parallelism (`pools.rollout.parallel.sp` > 1): the actor is the leader of sp processes
 that generate every group together (rollout_worker/sp_group.py); the driver talks to it alone.
@@ -41,7 +41,8 @@ from common.config import RunConfig, validate
 from common.retry import retry_outage
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt, Scores
-from common.weights import StreamedWeights, WeightsRecord, verify
+from common.weights import verify
+from common.weights_record import StreamedWeights, WeightsRecord
 from rollout_worker.models import build_model
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos

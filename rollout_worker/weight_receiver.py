@@ -23,6 +23,7 @@ from torch import Tensor
 
 from common import weights as W
 from common.weight_group import Backend, WeightSyncTimeout, join_as_peer
+from common.weights_record import StreamedWeights
 
 Sink = Callable[[dict[str, Tensor]], None]
 
@@ -90,7 +91,7 @@ def _from_host(arr, dtype: str) -> Tensor:
     return t if t.dtype == want else t.view(want)
 
 
-def load_streamed(sw: W.StreamedWeights, checksum: str | None, sink: Sink, device: torch.device,
+def load_streamed(sw: StreamedWeights, checksum: str | None, sink: Sink, device: torch.device,
                   who: str, gauge: BucketGauge | None = None, timeout_s: float = 120.0) -> W.Manifest:
     """Check and load an object-store payload bucket by bucket (two mapped at most)."""
     import ray

@@ -10,7 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from common.config import RunConfig
 from common.types import Condition
-from common.weights import ChecksumMismatch, WeightsRecord, checksum
+from common.weights import ChecksumMismatch, checksum
+from common.weights_record import WeightsRecord
 from rollout_worker.actor import RolloutWorker, create_rollout_actors
 from rollout_worker.models.tiny import tiny_wan_components
 
@@ -127,7 +128,8 @@ def test_restarted_worker_checks_a_streamed_record_bucket_by_bucket(ray_session,
     import numpy as np
 
     from cluster.driver.weight_registry import WeightRegistry
-    from common.weights import StreamedWeights, nbytes
+    from common.weights import nbytes
+    from common.weights_record import StreamedWeights
     from learner.weight_sync import put_stream, stream_state
 
     ray = ray_session

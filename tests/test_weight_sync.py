@@ -10,7 +10,8 @@ from weight_sync_helpers import AlteredInFlight, perturbed
 
 from common.config import RunConfig, WeightSyncConfig
 from common.weight_group import WeightSyncTimeout
-from common.weights import ChecksumMismatch, StreamedWeights, checksum, nbytes, plan
+from common.weights import ChecksumMismatch, checksum, nbytes, plan
+from common.weights_record import StreamedWeights
 from learner.weight_sync import WeightPublisher, put_stream, stream_state
 from rollout_worker.actor import create_rollout_actors
 from rollout_worker.models.tiny import tiny_wan_components

@@ -26,7 +26,7 @@ from cluster.driver.errors import ConfigStop, LeaseStop, StopRun
 from cluster.driver.state import DriverState, group_id
 from cluster.driver.stream import PromptStream
 from common.types import GroupReceipt
-from common.weights import WeightsRecord
+from common.weights_record import WeightsRecord
 
 log = logging.getLogger("vgrpo.driver")
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from cluster.driver.errors import StopRun
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.members import GroupMembers
-from common.weights import WeightsRecord
+from common.weights_record import WeightsRecord
 
 
 class Publisher:

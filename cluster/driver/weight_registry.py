@@ -7,7 +7,7 @@ It hands out the ref, never the bytes: the actor reads the payload from the obje
 
 from __future__ import annotations
 
-from common.weights import WeightsRecord
+from common.weights_record import WeightsRecord
 
 
 class WeightRegistry:
