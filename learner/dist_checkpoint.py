@@ -5,7 +5,8 @@ Layout: `<root>/step_00000042/{rank00000.pt, …, meta.json, extra.json}`. A sha
 trainer's state dict with every DTensor replaced by its local tensor (plain tensors only, read
 back with weights_only=True). Loading rebuilds the DTensors from the live state's mesh and
 placements, so a checkpoint resumes on the same number of ranks. `verify` checks every file of
-one (and the rank count) in the driver, before any learner rank starts.
+one (and the rank count) in the driver, before any learner rank starts; it needs neither
+torch.distributed.tensor nor FSDP, which are imported only where a shard is written or read.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from common import storage
 from learner import checkpoint as single_rank
@@ -43,7 +43,6 @@ from learner.checkpoint import (
     verify_file,
     write_torch,
 )
-from learner.fsdp import barrier
 
 
 def shard_file(rank: int) -> str:
@@ -55,6 +54,8 @@ def to_local(tree: Any) -> Any:
     time to the host), recursively through dicts, lists and tuples. A parameter's shard is a
     view of FSDP2's padded storage, so the file holds its few padding rows too; the layout a
     loader sees (plain tensors, the same tree) is the one earlier checkpoints have."""
+    from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (0.5 s)
+
     if isinstance(tree, DTensor):
         return tree.to_local().detach()
     if isinstance(tree, dict):
@@ -66,6 +67,8 @@ def to_local(tree: Any) -> Any:
 
 def from_local(template: Any, loaded: Any, where: str = "state") -> Any:
     """Rewrap local shards as DTensors wherever the live `template` holds a DTensor."""
+    from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (0.5 s)
+
     if isinstance(template, DTensor):
         if not isinstance(loaded, torch.Tensor):
             raise ValueError(f"checkpoint shard: {where} is not a tensor")
@@ -145,6 +148,8 @@ def _wait(timeout_s: float | None, what: str) -> None:
     if timeout_s is None:
         dist.barrier()
     else:
+        from learner.fsdp import barrier  # heavy: torch.distributed.fsdp (0.5 s)
+
         barrier(timeout_s, "learner.checkpoint_timeout_s", what)
 
 
@@ -194,6 +199,8 @@ def _with_optimizer_state(template: dict, loaded: dict, params: list[torch.Tenso
     """A template whose optimizer state models the saved one: a fresh optimizer has none, so each
     parameter's own state tensors (AdamW's moments, shaped as its shard) take its placement;
     scalars (the step count) stay plain tensors, as the optimizer keeps them."""
+    from torch.distributed.tensor import DTensor  # heavy: torch.distributed.tensor (0.5 s)
+
     saved = (loaded.get("optimizer") or {}).get("state") or {}
     live = (template.get("optimizer") or {}).get("state")
     if not saved or live:
