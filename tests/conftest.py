@@ -32,6 +32,15 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_session) -> str:
+    """The session cluster's address, for a `vgrpo` subprocess to join (RAY_ADDRESS) where the
+    test is not about the cluster the command starts: it saves that command a Ray start. Build
+    the subprocess's environment after asking for it: starting the cluster sets RAY_AUTH_MODE=token
+    in os.environ, which a client joining it needs."""
+    return ray_session.get_runtime_context().gcs_address
+
+
 class _ExternalRedis:
     """A Redis named by $REDIS_URL (e.g. Debian's redis-server), shaped like EmbeddedRedis."""
 

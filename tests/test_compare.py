@@ -204,51 +204,12 @@ def test_cost_columns_and_ranking_by_gain_per_rollout_second():
 
 # --- 3. one real tiny comparison through Driver ------------------------------------------------
 
-def test_tiny_compare_runs_rows_through_driver_and_reuses_finished_runs(ray_session, tmp_path):
+def test_tiny_compare_runs_rows_through_driver_reuses_finished_runs_and_runs_two_at_once(ray_session, tmp_path):
+    """Two rows through Driver one at a time, each measuring its own before-evaluation, and a second
+    call that reuses the finished runs; then the same runs two in flight at once (threads, one Ray
+    cluster, one shared before-evaluation): sync mode is deterministic given train.seed, so every
+    record is identical to the one-at-a-time run's."""
     from cluster.compare.runner import run_matrix, write_report
-
-    p = tmp_path / "tiny.yaml"
-    p.write_text(
-        f"base: {QUICKSTART}\n"
-        "budget: [train.steps=2, train.groups_per_step=1, train.eval_seeds=1, sampler.group_size=4,\n"
-        "         schedule.steps=4, bank.capacity=4, train.checkpoint_every=1000, train.mode=sync]\n"
-        "seeds: 1\n"
-        "rows:\n  SAGE dual: [kl.strategy=dual]\n  FlowGRPO: [sde.scheme=flow, sde.eta=null, kl.strategy=none]\n")
-    m = load_matrix(p)
-    notes: list[str] = []
-    out = tmp_path / "out"
-    result = run_matrix(m, out, note=notes.append, share_before=False)
-    assert not result["failed"] and not result["interrupted"], result["failed"]
-    assert [r["row"] for r in result["runs"]] == ["SAGE dual", "FlowGRPO"]
-    for r in result["runs"]:
-        assert r["steps"] == 2 and len(r["after"]["composite"]) == 4  # 4 eval prompts × 1 seed
-    # measured separately, both rows' before-evaluations agree: sharing one is sound
-    b0, b1 = (np.array(r["before"]["values"]) for r in result["runs"])
-    np.testing.assert_allclose(b0, b1, atol=1e-5)
-    assert [[row["step"] for row in ms[0]] for ms in result["metrics"].values()] == [[1, 2], [1, 2]]
-    flow_cfg = (out / "FlowGRPO" / "seed0" / "config.yaml").read_text()
-    assert "scheme: flow" in flow_cfg
-    md = write_report(m, result, out, "vgrpo compare -c tiny.yaml", 1.0)
-    text = md.read_text()
-    assert "| SAGE dual | 1 |" in text and "| FlowGRPO | 1 |" in text
-    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    summary = json.loads((out / "compare.json").read_text())
-    assert set(summary["gains"]) == {"SAGE dual", "FlowGRPO"}
-    for c in summary["cost"].values():   # measured in the same runs, from their metrics.jsonl
-        assert c["rollout_s"] > 0 and c["learner_s"] > 0 and c["gain_per_rollout"] == c["gain"] / c["rollout_s"]
-    assert "## Ranking by gain per rollout-s" in text
-    assert ray_session.is_initialized()  # the fixture's cluster is left running
-    # a second call reuses the finished runs instead of training again
-    notes.clear()
-    again = run_matrix(m, out, note=notes.append)
-    assert sum("reusing" in n for n in notes) == 2
-    assert again["runs"] == result["runs"]
-
-
-def test_parallel_runs_give_the_same_records_as_one_at_a_time(ray_session, tmp_path):
-    """Two runs in flight at once (threads, one Ray cluster) against the same runs one after
-    another: sync mode is deterministic given train.seed, so every record is identical."""
-    from cluster.compare.runner import run_matrix
 
     p = tmp_path / "tiny.yaml"
     p.write_text(
@@ -260,10 +221,37 @@ def test_parallel_runs_give_the_same_records_as_one_at_a_time(ray_session, tmp_p
     m = load_matrix(p)
     assert m.parallel == 2
     notes: list[str] = []
-    one = run_matrix(m, tmp_path / "one", note=notes.append, parallel=1)
-    two = run_matrix(m, tmp_path / "two", note=notes.append)  # the matrix's parallel: 2
-    for res in (one, two):
-        assert not res["failed"] and not res["interrupted"], res["failed"]
+    out = tmp_path / "out"
+    one = run_matrix(m, out, note=notes.append, share_before=False, parallel=1)
+    assert not one["failed"] and not one["interrupted"], one["failed"]
+    assert [r["row"] for r in one["runs"]] == ["SAGE dual", "FlowGRPO"]
+    for r in one["runs"]:
+        assert r["steps"] == 2 and len(r["after"]["composite"]) == 4  # 4 eval prompts × 1 seed
+    # measured separately, both rows' before-evaluations agree: sharing one is sound
+    b0, b1 = (np.array(r["before"]["values"]) for r in one["runs"])
+    np.testing.assert_allclose(b0, b1, atol=1e-5)
+    assert [[row["step"] for row in ms[0]] for ms in one["metrics"].values()] == [[1, 2], [1, 2]]
+    flow_cfg = (out / "FlowGRPO" / "seed0" / "config.yaml").read_text()
+    assert "scheme: flow" in flow_cfg
+    md = write_report(m, one, out, "vgrpo compare -c tiny.yaml", 1.0)
+    text = md.read_text()
+    assert "| SAGE dual | 1 |" in text and "| FlowGRPO | 1 |" in text
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((out / "compare.json").read_text())
+    assert set(summary["gains"]) == {"SAGE dual", "FlowGRPO"}
+    for c in summary["cost"].values():   # measured in the same runs, from their metrics.jsonl
+        assert c["rollout_s"] > 0 and c["learner_s"] > 0 and c["gain_per_rollout"] == c["gain"] / c["rollout_s"]
+    assert "## Ranking by gain per rollout-s" in text
+    assert ray_session.is_initialized()  # the fixture's cluster is left running
+    # a second call reuses the finished runs instead of training again
+    reused: list[str] = []
+    again = run_matrix(m, out, note=reused.append, parallel=1)
+    assert sum("reusing" in n for n in reused) == 2
+    assert again["runs"] == one["runs"]
+
+    # the same runs two at once (the matrix's parallel: 2) give the same records
+    two = run_matrix(m, tmp_path / "two", note=notes.append)
+    assert not two["failed"] and not two["interrupted"], two["failed"]
     assert not any("holds" in n for n in notes)  # the session's cluster fits two runs: no cut
     strip = lambda r: {k: v for k, v in r.items() if k != "wall_s"}  # noqa: E731
     assert [strip(r) for r in one["runs"]] == [strip(r) for r in two["runs"]]

@@ -1,7 +1,9 @@
 """End to end: the driver with every role as its own Ray actor, against a real embedded Redis.
 
 A few steps in each mode on the toy model: versions advance, the bank fills and trims,
-metrics.jsonl and the reward-curve PNG are written, and the run stops cleanly.
+metrics.jsonl and the reward-curve PNG are written, and the run stops cleanly. The data plane stays
+off the driver: group tensors never reach the driver process while it trains (on the design where
+the driver fetched each Group and pulled each TrainBatch this fails at once).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from dataplane_helpers import DATA_TYPES, DriverIngress
 
 from cluster.driver.driver import Driver
 from cluster.evaluation.evaluate import paired
@@ -31,7 +34,7 @@ def _cfg(tmp_path, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, mode):
+def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, monkeypatch, mode):
     import ray
 
     cfg = _cfg(tmp_path, mode)
@@ -40,7 +43,21 @@ def test_driver_trains_with_all_roles_as_actors(ray_session, tmp_path, mode):
     try:
         driver.setup()
         before = driver.evaluate("before", gifs=1)
-        driver.run()
+        ingress = DriverIngress(monkeypatch, driver)  # what the driver takes out of Ray while it trains
+        try:
+            driver.run()
+            receipts, run_stats = [r for r in driver.receipts if r.ok], driver.bank.stats()
+        finally:
+            monkeypatch.undo()
+        # 0. the data plane stays off the driver: group tensors never pass through it
+        assert driver.stop_reason is None and driver.step == STEPS
+        moved = sum(r.latent_bytes + r.frame_bytes for r in receipts)
+        assert len(receipts) >= 6 and moved > 1_000_000          # the groups really were made and stored
+        assert run_stats["pushed"] >= 6 and run_stats["committed"] == 6
+        assert ingress.calls > 0                                  # the spy saw the driver's Ray traffic
+        assert not ingress.types & set(DATA_TYPES), ingress.types
+        assert ingress.bytes < 0.01 * moved, (ingress.bytes, moved)
+        assert ingress.bank_data_calls == []                      # no push, pull or commit on the driver
         driver.checkpoint()
         after = driver.evaluate("after", gifs=1)
         # 1. versions advance, one per optimizer step, and every actor holds the newest one

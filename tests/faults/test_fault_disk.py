@@ -195,11 +195,11 @@ def _fill_up(disk: Path) -> Path:
 
 
 @pytest.mark.timeout(900)
-def test_a_disk_that_fills_up_during_vgrpo_train_stops_it_in_one_line_and_resume_goes_on(small_disk):
+def test_a_disk_that_fills_up_during_vgrpo_train_stops_it_in_one_line_and_resume_goes_on(small_disk, ray_address):
     """The real `vgrpo train` with run.root on a small tmpfs that fills up mid-run (after the
     first checkpoint): it stops with one line saying the disk is full and naming the path, a
     non-zero exit and no traceback; the complete checkpoint before it stands; and once space is
-    freed `vgrpo resume` continues from it."""
+    freed `vgrpo resume` continues from it. Both commands join the session's Ray cluster."""
     import sys
 
     from fault_helpers import ROOT, TWO_PROMPTS, when
@@ -209,7 +209,8 @@ def test_a_disk_that_fills_up_during_vgrpo_train_stops_it_in_one_line_and_resume
     disk = small_disk(64 * 1024 * 1024)
     prompts = disk.parent / "prompts.txt"
     prompts.write_text(TWO_PROMPTS)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "2000"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "2000",
+           "RAY_ADDRESS": ray_address}
     args = ["-c", "configs/quickstart.yaml", "--no-eval", f"run.root={disk}", "run.name=full",
             "train.mode=sync", "train.steps=40", "train.groups_per_step=2", "train.checkpoint_every=2",
             "sampler.group_size=4", "schedule.steps=6", "bank.capacity=64", f"train.prompts={prompts}",

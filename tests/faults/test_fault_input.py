@@ -99,14 +99,18 @@ def test_nothing_read_from_redis_is_unpickled():
         assert not re.search(r"\bimport pickle\b|\bpickle\.loads?\b|cloudpickle|torch\.load\(", text), p
 
 
-def test_a_bank_that_cannot_hold_one_step_exits_2(tmp_path):
+def test_a_bank_that_cannot_hold_one_step_exits_2(ray_session, tmp_path, capfd):
     """bank.max_bytes below one step's groups is refused at the first group pushed (a rollout
-    actor finds it): the run stops naming the field and the bound needed, exit 2 as bad input."""
-    out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "train", "-c", "configs/quickstart.yaml", "--no-eval",
-         f"run.root={tmp_path}", "run.name=small-bank", "bank.max_bytes=1048576", "health.enabled=false"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-2000:])
-    said = " ".join((out.stdout + out.stderr).split())
+    actor finds it): the run stops naming the field and the bound needed, exit 2 as bad input.
+    In this process on the session's Ray (its start is not what is tested); capfd reads the
+    process's own stdout and stderr, whatever wrote them."""
+    from cluster.cli import main
+
+    capfd.readouterr()
+    rc = main(["train", "-c", str(ROOT / "configs/quickstart.yaml"), "--no-eval", f"run.root={tmp_path}",
+               "run.name=small-bank", "bank.max_bytes=1048576", "health.enabled=false"])
+    out = capfd.readouterr()
+    assert rc == 2, (out.out[-2000:], out.err[-2000:])
+    said = " ".join((out.out + out.err).split())
     assert "bank.max_bytes=1048576 cannot hold one training step" in said and "set bank.max_bytes to at least" in said
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.err
