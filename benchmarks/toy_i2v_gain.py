@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=4, help="noise seeds per (image, prompt) pair")
     args = ap.parse_args(argv)
 
-    from cluster.evaluation.policy import evaluate_policy, resolve_target
+    from cluster.evaluation.policy import evaluate_policy
+    from cluster.runs.policy_file import resolve_target
 
     cfg, ckpt = resolve_target(args.run, None)
     out = {}

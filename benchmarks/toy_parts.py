@@ -32,7 +32,8 @@ def main() -> None:
 
     import torch
 
-    from cluster.evaluation.policy import evaluate_policy, resolve_target
+    from cluster.evaluation.policy import evaluate_policy
+    from cluster.runs.policy_file import resolve_target
 
     torch.set_num_threads(1)
     for target in args.targets:

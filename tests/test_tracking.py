@@ -180,9 +180,9 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
 
     import torch
 
-    import cluster.evaluation.evaluate
+    import cluster.evaluation.run_eval
+    from cluster.evaluation.run_eval import step_videos
     from cluster.runs.run_dir import RunDir
-    from cluster.runs.tracking import step_videos
 
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=v", "log.video_every=2", "log.video_pairs=3"])
     asked = []
@@ -193,7 +193,7 @@ def test_step_videos_follow_video_every_and_never_stop_the_run(tmp_path, monkeyp
             raise RuntimeError("actor restarting")
         return torch.zeros(len(evals), 2, 16, 16, 3, dtype=torch.uint8)
 
-    monkeypatch.setattr(cluster.evaluation.evaluate, "sample_pairs", sample_pairs)
+    monkeypatch.setattr(cluster.evaluation.run_eval, "sample_pairs", sample_pairs)
     driver = types.SimpleNamespace(cfg=cfg, run_dir=RunDir.create(cfg), rollouts=[], step=0)
     for step in (1, 2, 3, 4):
         driver.step = step

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from cluster.evaluation.policy import evaluate_policy, load_policy, resolve_target, score
+from cluster.evaluation.policy import evaluate_policy, load_policy, score
+from cluster.runs.policy_file import resolve_target
 from common import storage
 
 

@@ -51,9 +51,9 @@ from cluster.driver.publish import Publisher
 from cluster.driver.state import DriverState, cursor_of
 from cluster.driver.step_record import StepExporter, step_record
 from cluster.driver.stream import PromptStream
+from cluster.evaluation.run_eval import evaluate_run, step_videos
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
-from cluster.runs.tracking import step_videos
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import PullReceipt
@@ -469,8 +469,6 @@ class Driver:
     def evaluate(self, label: str, gifs: int = 4):
         """The fixed evaluation pairs, ODE-sampled by the rollout actors with the newest weights and
         scored by the reward role (cluster/evaluation/run_eval.py); keeps what before_after.png shows."""
-        from cluster.evaluation.run_eval import evaluate_run
-
         self.fleet.sync_idle(POLL_S)
         ev = evaluate_run(self.cfg, self.rollouts, self.rewards.heads, self.run_dir, self.state.step, label, gifs,
                           self.note)

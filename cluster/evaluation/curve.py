@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 
 from cluster.evaluation.evaluate import EvalResult, paired
+from cluster.runs.policy_file import policy_checkpoints
 
 
 def checkpoints(run: Path) -> list[Path]:
-    from cluster.evaluation.policy import policy_checkpoints
-
     return policy_checkpoints(run)
 
 

@@ -8,13 +8,21 @@ pairs it renders: the GIFs, the tracker's grid and before_after.png.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.evaluation.evaluate import EvalResult
+from cluster.data.manifests import side_by_side
+from cluster.evaluation.before_after import shown_pairs
+from cluster.evaluation.eval_set import EvalSet
+from cluster.evaluation.evaluate import EvalResult, sample_pairs, score_pairs
+from cluster.runs.media import write_gif
+from cluster.runs.tracking import tiled
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,13 +37,6 @@ def evaluate_run(cfg, rollouts: list, heads, run_dir, step: int, label: str, gif
                  note: Callable[[str], None]) -> RunEval:
     """Evaluate with the weights the (idle) rollout actors hold; write `gifs` GIFs and the
     tracker's grid video under `label`."""
-    from cluster.data.manifests import side_by_side
-    from cluster.evaluation.before_after import shown_pairs
-    from cluster.evaluation.eval_set import EvalSet
-    from cluster.evaluation.evaluate import score_pairs
-    from cluster.runs.media import write_gif
-    from cluster.runs.tracking import tiled
-
     evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
     gif_pairs = evals.firsts(gifs)  # the first seed of each prompt
     grid = evals.grid(cfg.log.video_pairs)
@@ -58,3 +59,19 @@ def evaluate_run(cfg, rollouts: list, heads, run_dir, step: int, label: str, gif
 def _stack(frames: dict, order: list[int]) -> np.ndarray:
     """The kept evaluation frames of the pairs in `order`, uint8 [len(order), F, H, W, 3]."""
     return np.stack([frames[k].numpy() for k in order])
+
+
+def step_videos(cfg, step: int, rollouts: list, run_dir) -> None:
+    """Every log.video_every steps: the first log.video_pairs evaluation pairs in grid order
+    (the first seed of every prompt first; I2V with their first frames) sampled with the actors'
+    current weights, one tiled video (always written to samples/, and sent to each tracker)."""
+    every = cfg.log.video_every
+    if not every or step % every:
+        return
+    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
+    try:
+        frames = sample_pairs(rollouts, evals.subset(evals.grid(cfg.log.video_pairs))).numpy()
+    except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on
+        log.warning("step %d: no sample video (%s: %s)", step, type(e).__name__, e)
+        return
+    run_dir.log_video("videos/train", tiled(frames), step)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from cluster.evaluation.policy import POLICY_FILE, read_policy_file, resolve_target
 from cluster.runs.model_card import load_snippet, model_card
+from cluster.runs.policy_file import POLICY_FILE, read_policy_file, resolve_target
 from common import storage
 from common.config import ConfigError, RunConfig
 from learner.checkpoint import PREFIX, CheckpointError

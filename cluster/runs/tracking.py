@@ -143,22 +143,3 @@ class Tracker:
     def close(self, state: str = "finished") -> None:
         self._each("close", state)
         self.backends = []
-
-
-def step_videos(cfg: RunConfig, step: int, rollouts: list, run_dir) -> None:
-    """Every log.video_every steps: the first log.video_pairs evaluation pairs in grid order
-    (the first seed of every prompt first; I2V with their first frames) sampled with the actors'
-    current weights, one tiled video (always written to samples/, and sent to each tracker)."""
-    from cluster.evaluation.eval_set import EvalSet
-    from cluster.evaluation.evaluate import sample_pairs
-
-    every = cfg.log.video_every
-    if not every or step % every:
-        return
-    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
-    try:
-        frames = sample_pairs(rollouts, evals.subset(evals.grid(cfg.log.video_pairs))).numpy()
-    except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on
-        log.warning("step %d: no sample video (%s: %s)", step, type(e).__name__, e)
-        return
-    run_dir.log_video("videos/train", tiled(frames), step)

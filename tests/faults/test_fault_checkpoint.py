@@ -392,7 +392,8 @@ def test_policy_that_does_not_fit_the_model_is_named(work):
     """A whole safetensors file whose names are not the run's model (config edited after training)."""
     from safetensors.torch import load_file
 
-    from cluster.evaluation.policy import POLICY_FILE, load_policy, resolve_target
+    from cluster.evaluation.policy import load_policy
+    from cluster.runs.policy_file import POLICY_FILE, resolve_target
 
     cfg, ckpt = resolve_target(str(work / "run"), None)
     assert ckpt == work / "run/checkpoints" / NEWEST

@@ -21,7 +21,7 @@ from helpers_tiny import TinyVideoModel
 
 from cluster.driver.checkpoint import write_checkpoint
 from cluster.driver.state import DriverState
-from cluster.evaluation.policy import policy_checkpoints
+from cluster.runs.policy_file import policy_checkpoints
 from common import storage
 from common.config import RunConfig
 from learner import checkpoint, dist_checkpoint
