@@ -39,8 +39,8 @@ from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights_record import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
 from learner.trainer import Trainer
-from learner.weight_sync import PublishReport, WeightPublisher
-from rollout_worker.models import VideoModel
+from learner.weight_sync import PublishReport, WeightPublisher, put_stream, stream_tensors
+from rollout_worker.models import VideoModel, build_model
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,6 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
     """This rank's Trainer, sharded over `mesh` when given (lean: see `lean_setup`, its default);
     with `sp_mesh` (parallel.sp > 1) its transformers split their video tokens over that SP group,
     after LoRA injection and before sharding."""
-    from rollout_worker.models import build_model
     from rollout_worker.models.base import DTYPES
 
     lean = lean_setup(cfg, mesh, model_factory) if lean is None else lean
@@ -280,8 +279,6 @@ class LearnerRank:
     def _stream(self, version: int):
         """This rank's part of a publish: the payload's tensors (references, no copy) in their
         wire dtypes, gathered one at a time as the stream is walked. Call inside `exported`."""
-        from learner.weight_sync import stream_tensors
-
         policy = self.trainer.policy
         tensors = policy.payload_tensors()
         wire = {k: policy.wire_dtype(k, v) for k, v in tensors.items()}
@@ -305,8 +302,6 @@ class LearnerRank:
         """Rank 0: the payload put into the object store bucket by bucket (learner.weight_sync.
         put_stream), as a WeightsRecord of the refs; None elsewhere. Collective.
         checksum: weight_sync.checksum's mode (None: this run's)."""
-        from learner.weight_sync import put_stream
-
         mode = self.cfg.weight_sync.checksum if checksum is None else checksum
         with self.trainer.exported(ema):
             stream = self._stream(version)

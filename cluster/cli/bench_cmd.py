@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout of an editable install
 
 
@@ -30,7 +32,6 @@ def run(args) -> int:
     import subprocess
     import sys
 
-    from common.config import ConfigError
 
     if not (ROOT / "benchmarks" / "run_all.py").is_file():
         raise ConfigError(f"{ROOT / 'benchmarks'}: not found; the benchmarks ship with the source, so "

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from cluster.compare.runner import run_matrix, write_report
+from common.config import ConfigError
 
 
 def register(sub) -> None:
@@ -49,7 +50,6 @@ def cmd_compare(args) -> int:
     import sys
 
     from cluster.compare.matrix import load_matrix
-    from common.config import ConfigError
 
     matrix = load_matrix(args.config).for_mode(args.quick, args.seeds)
     for w in matrix.warnings():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from common.config import load_config, reconstruction_notes, to_yaml
+
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The `-c CONFIG [key.path=value …]` pair shared by every command that takes a config."""
@@ -23,8 +25,6 @@ def register(sub) -> None:
 
 
 def show_config(args) -> int:
-    from common.config import load_config, reconstruction_notes, to_yaml
-
     cfg = load_config(args.config, args.overrides)
     for note in reconstruction_notes(cfg):
         print(f"# NOTE {note}")

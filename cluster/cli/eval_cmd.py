@@ -9,6 +9,7 @@ from pathlib import Path
 from cluster.evaluation.policy import evaluate_policy, load_policy, score
 from cluster.runs.policy_file import resolve_target
 from common import storage
+from common.config import ConfigError
 
 
 def register(sub) -> None:
@@ -58,8 +59,6 @@ def cmd_eval(args) -> int:
 
         run = storage.location(args.target)
         if not (run / "config.yaml").is_file():
-            from common.config import ConfigError
-
             raise ConfigError(f"{run}: --curve needs a run directory (with config.yaml), not a checkpoint or 'base'")
         text, png = run_curve(run, args.seeds, out,
                               lambda cfg, ckpt, seeds: evaluate_policy(cfg, ckpt, seeds, args.prompts)[0])
@@ -122,7 +121,6 @@ def cmd_sample(args) -> int:
     import numpy as np
 
     from cluster.runs.media import write_gif
-    from common.config import ConfigError
     from common.images import ImageError, load_image
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos

@@ -14,6 +14,7 @@ from cluster.plan.sizing import (
     rollout_peaks,
     rollout_rows,
 )
+from common.config import ConfigError, load_config
 
 
 def _fit(need: float, cap_gib: float) -> str:
@@ -141,7 +142,6 @@ def register(sub) -> None:
 def run(args) -> int:
     from cluster.plan.checks import refuse, run_checks
     from cluster.plan.host import pods_for
-    from common.config import ConfigError, load_config
 
     cfg = load_config(args.config, args.overrides)
     try:

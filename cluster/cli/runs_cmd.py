@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common import storage
+from common.config import ConfigError
 
 
 def register(sub) -> None:
@@ -100,8 +101,6 @@ def _wall(s: float | None) -> str:
 
 
 def run(args) -> int:
-    from common.config import ConfigError
-
     root = storage.location(args.root)  # a folder, or a prefix on an object store (s3://…)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such folder; pass the run.root your runs were written to")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from common.config import ConfigError
+
 REGIMES = {
     "a": "both with FlowGRPO's σ schedule (σ=1 → σ_1)",
     "b": "both clamped at 1-σ ≥ c",
@@ -64,7 +66,6 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from common.config import ConfigError
     from common.sde import Schedule, equalizer_weights, make_scheme
 
     if args.steps < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from cluster.cli.config_cmd import add_config_args
+from common.config import ConfigError, load_config
 
 
 def register(sub) -> None:
@@ -36,7 +37,6 @@ def register(sub) -> None:
 def train(args) -> int:
     from cluster.driver.preflight import check_model_path, health_warnings, preflight
     from cluster.runs.run_dir import RunDir
-    from common.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
     preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
@@ -49,7 +49,6 @@ def train(args) -> int:
 def resume(args) -> int:
     from cluster.driver.preflight import preflight
     from cluster.runs.run_dir import RunDir
-    from common.config import ConfigError, load_config
     from learner import dist_checkpoint
 
     run_dir = RunDir.open(args.run_dir)  # a folder, or a run on an object store (s3://…) staged here

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import save_config
+
 RUN_RECORD = "compare_run.json"
 
 
@@ -227,8 +229,6 @@ class _Round:
 
 def _run_round(plan: list[tuple[str, int]], cfg_of, state: _Round, note) -> None:
     """Run the (row, seed) pairs of `plan` not yet done, reusing finished run directories."""
-    from common.config import save_config
-
     todo: list[tuple[int, str, int]] = []
     for i, (row, s) in enumerate(plan):
         if (row, s) in state.done or f"{row} seed {s}" in state.failed:

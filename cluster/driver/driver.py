@@ -45,7 +45,7 @@ from cluster.data.prompts import load_prompts
 from cluster.driver.drops import Drops
 from cluster.driver.errors import ConfigStop, LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
-from cluster.driver.pools import Placement, RayHandle
+from cluster.driver.pools import Placement, RayHandle, init_ray, reward_actor_count
 from cluster.driver.preflight import check_model_path
 from cluster.driver.publish import Publisher
 from cluster.driver.state import DriverState, cursor_of
@@ -118,8 +118,6 @@ class Driver:
     def setup(self, resume: Path | None = None) -> None:
         import ray
 
-        from cluster.driver.pools import init_ray
-
         cfg, s = self.cfg, self.started
         check_model_path(cfg)
         self.stream.conditions = load_prompts(cfg.train.prompts)
@@ -167,7 +165,6 @@ class Driver:
         s.watchdog = guard(s.ray.own_session if s.ray is not None else None, s.redis, s.secret_dir)
 
     def _start_pools(self) -> None:
-        from cluster.driver.pools import reward_actor_count
         from cluster.driver.weight_registry import start_registry
         from learner.actor import LearnerGroup
         from reward_worker.actor import RewardClient, actor_names, create_reward_actors

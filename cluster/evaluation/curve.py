@@ -15,6 +15,7 @@ import numpy as np
 
 from cluster.evaluation.evaluate import EvalResult, paired
 from cluster.runs.policy_file import policy_checkpoints
+from common.config import ConfigError, load_config
 
 
 def checkpoints(run: Path) -> list[Path]:
@@ -75,8 +76,6 @@ def plot(before: EvalResult, rows: list[dict[str, Any]], path: Path, title: str 
 def run_curve(run: Path, seeds: int | None, out: Path, evaluate) -> tuple[str, Path]:
     """Evaluate the base and each checkpoint of `run` with `evaluate(cfg, ckpt_or_None, seeds)`
     → EvalResult; write curve.json, curve.md and curve.png under `out`."""
-    from common.config import ConfigError, load_config
-
     ckpts = checkpoints(run)
     if not ckpts:
         raise ConfigError(f"{run}: no checkpoint under {run / 'checkpoints'} (train.checkpoint_every, "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.evaluation.eval_set import EvalSet
-from cluster.health.checks import CHECKS, Finding, HealthMonitor
+from cluster.health.checks import CHECKS, Finding, HealthMonitor, health_table
 from common import storage
 from common.config import RunConfig
 from learner.advantages import SPREAD_PREFIX
@@ -170,8 +170,6 @@ def heldout_eval(rollouts: list, heads, evals):
 def report_health(h: DriverHealth, step: int, console, before=None, after=None) -> dict[str, Any] | None:
     """At the end of a run: the before/after hacking check, RUN_DIR/health.json, the console
     table; returns the summary.json section (None with health.enabled=false)."""
-    from cluster.health.checks import health_table
-
     if not h.on:
         return None
     h.final(before, after, step)

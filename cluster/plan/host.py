@@ -28,6 +28,7 @@ from cluster.plan.sizing import (
     learner_offloaded,
 )
 from cluster.plan.timing import load_bytes, publish_bucket_bytes
+from common.config import ConfigError, PodsConfig
 
 PROCESS_BYTES = 4 * GB
 """A role process before it loads anything: Python, torch, the CUDA context, the Ray worker
@@ -152,7 +153,6 @@ def pods_for(cfg, values: str | Path | None = None):
     given, else the config's plan.pods (the chart writes it), else the repository's chart values."""
     import yaml
 
-    from common.config import ConfigError, PodsConfig
 
     if values is None and cfg.plan.pods is not None:
         return cfg.plan.pods, "the config's plan.pods"

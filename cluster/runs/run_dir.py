@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from common import storage
-from common.config import RunConfig, save_config
+from common.config import ConfigError, RunConfig, save_config
 from common.errors import UserError
 
 
@@ -84,8 +84,6 @@ class RunDir:
         try:
             rd.sync()
         except Exception as e:  # the first write to the store: no bucket, no credentials, no access
-            from common.config import ConfigError
-
             shutil.rmtree(rd.path, ignore_errors=True)
             raise ConfigError(f"run.root {cfg.run.root}: cannot write {rd.location} ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); check that the bucket exists and "
