@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -163,8 +164,6 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
 def reshard(module: nn.Module) -> None:
     """Free every gathered (unsharded) copy of `module`'s FSDP2 units: the next forward gathers
     from the shards. Needed after the shards change outside an optimizer step (anchor swaps)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()

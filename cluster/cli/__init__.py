@@ -2,6 +2,9 @@
 
 Modules register with `register(subparsers)` and set `func(args) -> int`; their heavy imports
 (torch, ray) happen inside the handler, so `vgrpo --help` stays fast.
+
+Owns: parsing arguments and printing; no state. A command calls the package that owns the work
+(cluster.driver for a run's lifecycle), and nothing outside this package imports it.
 """
 
 from __future__ import annotations
