@@ -70,10 +70,10 @@ class FramesTaken:
 def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_session, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from cluster.cli.train_cmd import _write_before_after
     from cluster.data.manifests import side_by_side
     from cluster.data.prompts import load_prompts
     from cluster.driver.driver import Driver
+    from cluster.driver.lifecycle import write_grid
     from cluster.evaluation.before_after import write_before_after
     from cluster.evaluation.eval_set import EvalSet, grid_pairs
     from cluster.evaluation.evaluate import sample_pairs
@@ -112,7 +112,7 @@ def test_evaluation_brings_only_the_rendered_frames_and_scores_as_before(ray_ses
         assert np.array_equal(result.values, scores.values.numpy())
         assert np.array_equal(result.composite, composite.numpy())
     # 3. the same pictures: before_after.png, the GIFs, the tracker's grid video
-    _write_before_after(driver, run_dir, Console(file=open(tmp_path / "console.txt", "w")))  # noqa: SIM115
+    write_grid(driver, run_dir, Console(file=open(tmp_path / "console.txt", "w")))  # noqa: SIM115
     old = write_before_after(tmp_path / "old.png", frames.numpy(), frames.numpy(), SEEDS, list(EVAL_PROMPTS),
                              trails=True)  # the toy world: the square's path drawn, as the run draws it
     assert np.array_equal(iio.imread(run_dir.path / "before_after.png"), iio.imread(old))

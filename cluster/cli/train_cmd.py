@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from cluster.cli.config_cmd import add_config_args
 from common.config import ConfigError, load_config
 
@@ -86,111 +84,16 @@ def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
 
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:
-    """Set up, train, evaluate; status.json says how it ended. A new run that fails before it
-    wrote a checkpoint is removed again (nothing in it can be resumed)."""
+    """The run's lifecycle (cluster/driver/lifecycle.py) with this command's console and progress bar."""
     from rich.console import Console
 
+    from cluster.cli.progress import TrainProgress
     from cluster.driver.driver import Driver
-    from cluster.runs.tracking import Tracker
+    from cluster.driver.lifecycle import run_in_dir
 
     console = Console()
     console.print(f"[bold]vgrpo[/] run directory: {run_dir.location}"
                   + (f" (staged in {run_dir.path})" if run_dir.remote else ""))
     driver = Driver(cfg, run_dir, console=console)
-    run_dir.set_status("running")
-    state, reason = "stopped", None
-    try:
-        with console.status("starting Ray, Redis and the actors…"):
-            driver.setup(resume=resume)
-        run_dir.attach(Tracker.open(cfg, run_dir.path, resume_step=driver.step if resume else None))
-        code, state, reason = _train(cfg, run_dir, driver, console, resume, evaluate)
-        return code
-    except BaseException as e:
-        reason = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
-            f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise
-    finally:
-        try:
-            driver.teardown()
-        finally:
-            _close(run_dir, console, fresh=resume is None, state=state, reason=reason)
-
-
-def _close(run_dir, console, fresh: bool, state: str, reason: str | None) -> None:
-    """Close the trackers; record how the run ended, or remove a new run that never checkpointed."""
-    if run_dir.tracker is not None:
-        run_dir.tracker.close("finished" if state == "finished" else
-                              "interrupted" if reason and "interrupted" in reason else "failed")
-    if fresh and state != "finished" and not run_dir.has_checkpoint():
-        run_dir.remove()
-        console.print(f"removed {run_dir.location}: the run failed before its first checkpoint")
-    else:
-        _if_room(lambda: run_dir.set_status(state, reason), console,
-                 "status.json still says running: `vgrpo runs` and `vgrpo resume` read it as stale")
-
-
-def _if_room(write, console, what: str) -> None:
-    """A write after the run stopped: on a full disk (the stop's line said so) a note, not a traceback."""
-    from learner.checkpoint import is_disk_full
-
-    try:
-        write()
-    except OSError as e:
-        if not is_disk_full(e):
-            raise
-        console.print(f"note: no space left on device: {what}")
-
-
-def _train(cfg, run_dir, driver, console, resume, evaluate: bool) -> tuple[int, str, str | None]:
-    """(exit code, final state, reason) of the training and evaluation proper."""
-    from cluster.cli.progress import TrainProgress
-    from cluster.evaluation.evaluate import paired, summary_table
-    from cluster.health.hook import report_health
-
-    before = driver.evaluate("before") if evaluate and resume is None else None
-    with TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step) as progress:
-        driver.run(progress)
-    driver.checkpoint()
-    if driver.checkpoint_failed and driver.stop_reason is None:  # a full disk at the last checkpoint
-        driver.stop_reason = driver.checkpoint_failed
-    if driver.stop_reason is not None:
-        # a fault the run could not ride out: one line, and how to continue
-        def summary() -> None:
-            health = report_health(driver.health, driver.step, console)
-            run_dir.summary_file.write_text(json.dumps({"steps": driver.step, "health": health}, indent=2))
-        _if_room(summary, console, "summary.json not written")
-        console.print(f"error: {driver.stop_reason}")
-        console.print(f"stopped at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
-        return driver.stop_code, "stopped", driver.stop_reason
-    if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
-        console.print(f"interrupted at step {driver.step}; continue with: vgrpo resume {run_dir.location}")
-        by = driver.stopped_by or "Ctrl-C"
-        return (130 if by == "Ctrl-C" else 143), "stopped", f"interrupted ({by}) at step {driver.step}"
-    if evaluate:
-        after = driver.evaluate("after")
-        summary = {"steps": driver.step, "after": after.to_dict()}
-        if before is not None:
-            console.print(summary_table(before, after, f"evaluation: {len(after.composite)} fixed "
-                                        "(prompt, seed) pairs, ODE sampling, before vs after"))
-            summary["before"] = before.to_dict()
-            summary["paired"] = [vars(r) | {"z": r.z} for r in paired(before, after)]
-            _write_before_after(driver, run_dir, console)
-        summary["health"] = report_health(driver.health, driver.step, console, before, after)
-        run_dir.summary_file.write_text(json.dumps(summary, indent=2))
-        if run_dir.tracker is not None:
-            run_dir.tracker.summary({f"{when}/{k}": v for when in ("before", "after") if when in summary
-                                     for k, v in summary[when].items()}, driver.step)
-    else:
-        report_health(driver.health, driver.step, console)
-    console.print(f"done: {driver.step} steps; run directory {run_dir.location}")
-    return 0, "finished", None
-
-
-def _write_before_after(driver, run_dir, console) -> None:
-    """run_dir/before_after.png: the same evaluation pairs before and after training, by eye."""
-    from cluster.evaluation.before_after import write_before_after
-
-    (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
-    path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None),
-                              trails=driver.cfg.model.family == "toy")  # the square's path: what MQ and TA score
-    console.print(f"before/after grid: {path}")
+    progress = lambda: TrainProgress(cfg.train.steps, driver.heads(), console, start_step=driver.step)  # noqa: E731
+    return run_in_dir(driver, run_dir, console, progress, resume=resume, evaluate=evaluate)

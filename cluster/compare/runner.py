@@ -101,8 +101,10 @@ class ActiveDrivers:
 
 def run_one(cfg, before_cache: BeforeCache | None = None, note=print,
             active: ActiveDrivers | None = None) -> dict[str, Any] | None:
-    """Train one run with a Driver; its record, or None when it was interrupted."""
+    """Train one run through the run's lifecycle (cluster/driver/lifecycle.py); its record, or None
+    when it was interrupted. The before-evaluation is shared between runs of the same base."""
     from cluster.driver.driver import Driver
+    from cluster.driver.lifecycle import live
     from cluster.evaluation.evaluate import EvalResult
     from cluster.runs.run_dir import RunDir
 
@@ -111,23 +113,20 @@ def run_one(cfg, before_cache: BeforeCache | None = None, note=print,
     if active is not None:
         active.add(driver)
     t0 = time.monotonic()
+    measure = lambda: driver.evaluate("before", gifs=0)  # noqa: E731
     try:
-        driver.setup()
-        measure = lambda: driver.evaluate("before", gifs=0)  # noqa: E731
-        before = (before_cache or BeforeCache()).get(_before_key(cfg), measure)
-        driver.run()
-        if driver.stop_reason is not None:  # the run could not go on: a failed run, not Ctrl-C
-            raise RuntimeError(f"stopped at step {driver.step}: {driver.stop_reason}")
-        if driver.stop_requested.is_set() and driver.step < cfg.train.steps:
-            return None
-        after = driver.evaluate("after", gifs=1)
+        end = live(driver, before=lambda: (before_cache or BeforeCache()).get(_before_key(cfg), measure),
+                   after_gifs=1)
     finally:
         if active is not None:
             active.discard(driver)
-        driver.teardown()
-    heads = list(after.heads)
+    if end.interrupted:
+        return None
+    if end.state == "stopped":  # the run could not go on: a failed run, not Ctrl-C
+        raise RuntimeError(f"stopped at step {driver.step}: {end.reason}")
+    heads = list(end.after.heads)
     record = {"row": None, "seed": cfg.train.seed, "heads": heads, "steps": driver.step,
-              "before": before.record(), "after": after.record(),
+              "before": end.before.record(), "after": end.after.record(),
               "wall_s": round(time.monotonic() - t0, 1)}
     EvalResult.from_record(record["before"], heads)  # the record reads back as it will be read
     return record
