@@ -9,6 +9,7 @@ from cluster.driver.errors import StopRun
 from cluster.driver.fleet import MAX_FAILED_IN_ROW, RolloutFleet
 from cluster.driver.state import DriverState
 from cluster.driver.stream import PromptStream
+from cluster.driver.versions import Versions
 from common.config import load_config
 
 
@@ -18,7 +19,7 @@ def _driver(tmp_path):
     cfg = load_config(None, [f"run.root={tmp_path}", "run.name=t"])
     state = DriverState()
     stream = PromptStream(load_prompts(cfg.train.prompts), cfg.train.seed, state)
-    fleet = RolloutFleet(cfg, [], state, stream, latest=lambda: None, on_sync_error=lambda: None,
+    fleet = RolloutFleet(cfg, [], state, stream, versions=Versions(0), on_sync_error=lambda: None,
                          timers={}, metrics=None, note=print)
     return SimpleNamespace(next_condition=stream.next, _abandon=fleet.abandon, open=state.open,
                            conditions=stream.conditions, fleet=fleet)

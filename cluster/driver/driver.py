@@ -51,6 +51,7 @@ from cluster.driver.publish import Publisher
 from cluster.driver.state import DriverState, cursor_of
 from cluster.driver.step_record import StepExporter, step_record
 from cluster.driver.stream import PromptStream
+from cluster.driver.versions import Versions
 from cluster.evaluation.run_eval import evaluate_run, step_videos
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
@@ -185,10 +186,9 @@ class Driver:
         rollouts = [RolloutActor.options(**rollout_pg.options(i))
                     .remote(self.actor_cfg, i, None, registry, reward_actors, self.bank_ref) for i in range(n_roll)]
         s.actors += [*rollouts, registry]
-        self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, latest=lambda: self.publisher.latest,
+        self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, versions=Versions(n_roll),
                                   on_sync_error=self._learner_check, timers=self.timers, metrics=self.metrics,
-                                  note=self.note, current=lambda: self.publisher.version,
-                                  serve_record=lambda: self.publisher.serve_record())
+                                  note=self.note, serve_record=lambda: self.publisher.serve_record())
         self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options)
         self.publisher = Publisher(cfg, self.learner, self.fleet, registry, on_learner_error=self._learner_check,
                                    timers=self.timers, metrics=self.metrics)

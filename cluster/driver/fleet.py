@@ -7,7 +7,7 @@ A group that fails (actor death, a deadline, a reward failure, an invalid reward
 from the same cursor; `MAX_FAILED_IN_ROW` failures one after another stop the run. An actor past
 its deadline is killed and restarted by Ray; it reloads the newest weights before its next group.
 
-An actor behind the newest version is given its record (`latest()`) before its next group. With
+An actor behind the newest version (cluster/driver/versions.py) is given its record before its next group. With
 the collective transport the driver keeps no record between restarts, so an actor that is
 behind and finds none is not dispatched: it sets `wants_record`, and the training thread (the
 only one that calls the learner) makes one (`serve_record`, cluster/driver/publish.py).
@@ -25,6 +25,7 @@ from typing import Any
 from cluster.driver.errors import ConfigStop, LeaseStop, StopRun
 from cluster.driver.state import DriverState, group_id
 from cluster.driver.stream import PromptStream
+from cluster.driver.versions import Versions
 from common.types import GroupReceipt
 from common.weights_record import WeightsRecord
 
@@ -51,18 +52,14 @@ class Flight:
 
 class RolloutFleet:
     def __init__(self, cfg, actors: list, state: DriverState, stream: PromptStream, *,
-                 latest: Callable[[], WeightsRecord | None], on_sync_error: Callable[[], None],
+                 versions: Versions, on_sync_error: Callable[[], None],
                  timers: dict[str, float], metrics, note: Callable[[str], None],
-                 current: Callable[[], int] | None = None,
                  serve_record: Callable[[], WeightsRecord | None] | None = None):
         self.cfg, self.actors, self.state, self.stream = cfg, actors, state, stream
-        self.latest, self.on_sync_error = latest, on_sync_error
-        # the newest version published (default: the record's), and who makes a record on request
-        self.current = current or (lambda: getattr(self.latest(), "version", 0))
-        self.serve_record = serve_record or self.latest
+        self.versions, self.on_sync_error = versions, on_sync_error  # who holds which weights (publisher's too)
+        # who makes the newest version's record when an actor asks for one (collective)
+        self.serve_record = serve_record or (lambda: versions.record)
         self.timers, self.metrics, self.note = timers, metrics, note
-        self.actor_version = [0] * len(actors)  # the version each actor holds (-1: restarting)
-        self.wants_record = False               # an actor is behind and there is no record to give it
         self.restarting: dict[int, list] = {}   # failed actor -> [ping ref, asked at, failed at]
         self.failed_since_group: set[int] = set()  # failures seen since the weight group last formed
         self.busy: dict[int, Flight] = {}       # actor index -> its group in flight
@@ -75,7 +72,7 @@ class RolloutFleet:
 
     def behind(self, i: int) -> bool:
         """Actor i holds an older version than the newest published (a restarted one holds v0 at least)."""
-        return max(self.actor_version[i], 0) < self.current()
+        return self.versions.behind(i)
 
     def dispatch(self, i: int) -> bool:
         """Give rollout actor i its next group (its weights first when it is behind). False when
@@ -84,16 +81,16 @@ class RolloutFleet:
         if not self.back(i):
             return False
         sync, sync_version = None, -1
-        latest = self.latest()
+        latest = self.versions.record
         if self.behind(i):
-            if latest is None or latest.version < self.current():
-                self.wants_record = True  # never a group from older weights than the newest published
+            if not self.versions.has_newest_record():
+                self.versions.ask_record()  # never a group from older weights than the newest published
                 return False
             # by reference: the actor maps the packed payload from the object store
             sync = actor.set_weights.remote(latest.weights, latest.version, latest.checksum)
             sync_version = latest.version
         cond, seed, cursor = self.stream.next()
-        version = sync_version if sync is not None else max(self.actor_version[i], 0)
+        version = sync_version if sync is not None else self.versions.holds(i)
         gid = group_id(cursor, version, self.state.attempts[cursor])
         deadline = time.monotonic() + (cfg.weight_sync.timeout_s if sync is not None else cfg.sampler.timeout_s)
         self.busy[i] = Flight(cursor, gid, actor.stage.remote(cond, seed, gid, cursor), actor.deliver.remote(gid),
@@ -141,7 +138,7 @@ class RolloutFleet:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
             # a call to an actor Ray is still restarting is the same failure again, not a new one
-            again = self.actor_version[i] == -1 and isinstance(e, ray.exceptions.ActorUnavailableError)
+            again = self.versions.restarting(i) and isinstance(e, ray.exceptions.ActorUnavailableError)
             del self.busy[i]
             self.restarting_in_row += again
             self.on_failure(i, e)
@@ -164,12 +161,12 @@ class RolloutFleet:
         """The next phase of a group whose call `ref` returned `out`; the receipt when delivered."""
         now = time.monotonic()
         if ref is f.sync:
-            self.actor_version[i] = f.sync_version
+            self.versions.took(i, f.sync_version)
             f.sync, f.deadline = None, now + self.cfg.sampler.timeout_s
             return None
         if not f.staged:
             f.staged, f.deadline = True, now + self._deliver_budget()
-            self.actor_version[i] = max(self.actor_version[i], int(out["version"]))
+            self.versions.reported(i, int(out["version"]))
             return None
         del self.busy[i]
         self._on_receipt(out)
@@ -247,12 +244,11 @@ class RolloutFleet:
 
     def on_failure(self, i: int, err: Exception) -> None:
         """A rollout actor died: Ray restarts it; it gets the current weights before it generates."""
-        if self.actor_version[i] != -1:  # the first failure since it last took weights: one restart
+        if self.versions.lost(i):  # the first failure since it last took weights: one restart
             self.state.counts["actor_restarts"] += 1  # exported with the step's record
             self.note(f"rollout actor {i} failed ({type(err).__name__}); it restarts and reloads weights")
         else:  # calls to an actor that is still restarting fail at once (ActorUnavailableError)
             log.debug("rollout actor %d still restarting (%s)", i, type(err).__name__)
-        self.actor_version[i] = -1  # forces the weights to it before its next group
         self.failed_since_group.add(i)  # and the collective weight group is formed again
         # while Ray restarts it (on another node, a model load: minutes) calls to it fail at once:
         # it gets no group until it answers a ping, so its restart burns no refills (see `back`)
@@ -291,8 +287,8 @@ class RolloutFleet:
         behind = [i for i in range(len(self.actors)) if self.behind(i)]
         if not behind:
             return
-        latest = self.latest()
-        if latest is None or latest.version < self.current():
+        latest = self.versions.record
+        if not self.versions.has_newest_record():
             latest = self.serve_record()  # collective: made now (this is the training thread)
         if latest is None:
             return
@@ -307,6 +303,6 @@ class RolloutFleet:
         for i, c in calls.items():
             try:
                 ray.get(c)
-                self.actor_version[i] = latest.version
+                self.versions.took(i, latest.version)
             except ray.exceptions.RayActorError as e:  # restarting: it loads the registry's weights
                 self.on_failure(i, e)

@@ -62,7 +62,7 @@ class GroupMembers:
 
         fleet = self.fleet
         refs = {i: a.ping.remote() for i, a in enumerate(fleet.actors)}
-        steady = [r for i, r in refs.items() if fleet.actor_version[i] != -1]
+        steady = [r for i, r in refs.items() if not fleet.versions.restarting(i)]
         if steady:
             ray.wait(steady, num_returns=len(steady), timeout=self.timeout_s)
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)

@@ -31,9 +31,8 @@ class Publisher:
                  timers: dict[str, float], metrics):
         self.cfg, self.learner, self.fleet, self.registry = cfg, learner, fleet, registry
         self.on_learner_error, self.timers, self.metrics = on_learner_error, timers, metrics
-        self.latest: WeightsRecord | None = None  # the newest version's record (collective: on request)
+        self.versions = fleet.versions            # the version and record are kept there, with the actors'
         self.published = 0                        # newest step whose weights the rollout actors may load
-        self.version = 0                          # newest version published (step, or step + 1: EMA)
         self.ema = False                          # whether that version is the moving average
         self.group = GroupMembers(fleet, cfg.weight_sync.timeout_s)
 
@@ -45,7 +44,8 @@ class Publisher:
             self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema))
         else:
             self._broadcast(version, ema)
-        self.version, self.ema, self.published = version, ema, step
+        self.versions.published(version)
+        self.ema, self.published = ema, step
         seconds = time.monotonic() - t0
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
@@ -54,15 +54,20 @@ class Publisher:
         """Collective: the newest version's record, made now if an actor asked for one and none is
         kept. Call only from the training thread: the learner's ranks must see their calls in one
         order."""
-        fleet = self.fleet
-        if fleet.wants_record and (self.latest is None or self.latest.version < self.version):
-            self._keep(self.learner.weights_record(self.version, self.cfg.weight_sync.checksum, self.ema))
-        fleet.wants_record = False
-        return self.latest
+        v = self.versions
+        if v.wants_record and not v.has_newest_record():
+            self._keep(self.learner.weights_record(v.current, self.cfg.weight_sync.checksum, self.ema))
+        v.served()
+        return v.record
+
+    @property
+    def version(self) -> int:
+        """The newest version published."""
+        return self.versions.current
 
     def _keep(self, record: WeightsRecord | None) -> None:
         self.registry.set.remote(record)  # a restarted actor's source (None: nothing kept)
-        self.latest = record
+        self.versions.keep(record)
 
     def _broadcast(self, version: int, ema: bool) -> None:
         """One broadcast to the weight group, formed again first when its members changed; once
@@ -91,8 +96,8 @@ class Publisher:
                 raise StopRun(f"weight sync of version {version} failed: {type(cause).__name__}: "
                               f"{str(cause).splitlines()[0] if str(cause) else ''}") from None
         for i in members:
-            fleet.actor_version[i] = version
-        self.version = version
+            self.versions.took(i, version)
+        self.versions.published(version)
         left_out = [i for i in range(len(fleet.actors)) if fleet.behind(i)]
         self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
                    if left_out else None)
