@@ -46,6 +46,7 @@ def train(args) -> int:
 
 def resume(args) -> int:
     from cluster.driver.preflight import preflight
+    from cluster.driver.saved_state import check_saved_state
     from cluster.runs.run_dir import RunDir
     from learner import dist_checkpoint
 
@@ -62,25 +63,6 @@ def resume(args) -> int:
         print(f"note: {line}")
     run_dir.video_fps = cfg.log.video_fps
     return _run(cfg, run_dir, resume=root, evaluate=not args.no_eval)
-
-
-def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
-    """Every file a resume reads, as the record it should be (cluster/driver/saved_state.py):
-    extra.json as a DriverState, trainer.pt's structure and shapes, the bank dump's counts,
-    status.json and metrics.jsonl. One line naming the file and the field (exit 2) before
-    anything starts; returns the notes (a stale `running` status, a torn last metrics line)."""
-    from cluster.driver import saved_state
-    from cluster.driver.state import DriverState
-    from learner.checkpoint import EXTRA_FILE, STATE_FILE, read_extra
-
-    saved = DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
-    if (ckpt / STATE_FILE).is_file():  # a sharded checkpoint's shards are checked by its ranks
-        saved_state.check_trainer_state(ckpt, cfg, saved.step)
-    saved_state.check_bank_index(ckpt)
-    status = saved_state.check_status(run_dir.status_file)
-    notes = [n for n in (saved_state.check_not_running(run_dir.status_file, status),
-                         run_dir.metrics_rows()[1]) if n]
-    return notes
 
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:

@@ -22,7 +22,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from learner.checkpoint import CheckpointError, load_state_file
+from cluster.driver.state import DriverState
+from learner.checkpoint import EXTRA_FILE, STATE_FILE, CheckpointError, load_state_file, read_extra
 
 STATES = ("running", "finished", "stopped")
 
@@ -215,3 +216,18 @@ def check_bank_index(ckpt: Path) -> None:
     counts = index.get("counts", {})
     need(isinstance(counts, dict) and all(isinstance(v, str) and v.lstrip("-").isdigit() and not v.startswith("-")
                                           for v in counts.values()), "'counts'", "must be counts >= 0")
+
+
+def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
+    """Every file a resume reads, as the record it should be (the checks above):
+    extra.json as a DriverState, trainer.pt's structure and shapes, the bank dump's counts,
+    status.json and metrics.jsonl. One line naming the file and the field (exit 2) before
+    anything starts; returns the notes (a stale `running` status, a torn last metrics line)."""
+    saved = DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
+    if (ckpt / STATE_FILE).is_file():  # a sharded checkpoint's shards are checked by its ranks
+        check_trainer_state(ckpt, cfg, saved.step)
+    check_bank_index(ckpt)
+    status = check_status(run_dir.status_file)
+    notes = [n for n in (check_not_running(run_dir.status_file, status),
+                         run_dir.metrics_rows()[1]) if n]
+    return notes

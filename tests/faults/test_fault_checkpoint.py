@@ -248,7 +248,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_note_and_a_stale_status_reco
     import json
 
     from cluster.cli.runs_cmd import describe
-    from cluster.cli.train_cmd import check_saved_state
+    from cluster.driver.saved_state import check_saved_state
 
     run = RunDir.open(work / "run")
     rows = [{"step": s, "reward_mean": 0.1 * s} for s in (1, 2, 3, 4)]

@@ -144,7 +144,7 @@ def test_sigkill_of_vgrpo_train_takes_its_redis_and_password_file_along(tmp_path
     """The real driver, SIGKILLed mid-run: no redis-server of it left, no URL file; `vgrpo runs`
     and `vgrpo resume` read its status.json as stale, not running."""
     from cluster.cli.runs_cmd import describe
-    from cluster.cli.train_cmd import check_saved_state
+    from cluster.driver.saved_state import check_saved_state
     from cluster.runs.run_dir import RunDir
     from common.config import load_config
 
