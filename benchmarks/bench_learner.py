@@ -89,7 +89,7 @@ def bench_step(path: str, quick: bool, device: str = "cpu") -> dict:
     rows = build_rows(batch, cfg)
     cond_all = trainer.conditions(rows)
 
-    lc, pi0 = trainer.loss_cfg, trainer.measures_pi0()
+    lc, pi0 = trainer.method.loss_cfg, trainer.measures_pi0()
 
     def bare() -> None:  # forward+backward of the same rows in the same micro-batches, and the anchor forwards
         for mb in micro_batches(rows, cfg.optim.micro_batch):

@@ -18,6 +18,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from common.methods import method_of
+
 LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -390,7 +392,7 @@ def rollout_spec(cfg, schedule: Schedule | None = None, scheme: Scheme | None = 
     The learner admits only trajectories of this spec (learner/admit.py). `schedule`, `scheme`:
     the config's, when the caller built them already."""
     schedule = schedule or Schedule.from_config(cfg.schedule)
-    ran = ODE() if cfg.grpo.loss == "nft" else scheme or scheme_from_config(cfg, schedule)
+    ran = scheme or scheme_from_config(cfg, schedule) if method_of(cfg).records_steps else ODE()
     return ran.spec(schedule)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
+from common.methods import KL_STRATEGIES
 from common.sde import Scheme, gaussian_kl
 from common.types import Cond
 from learner.rows import MicroBatch
@@ -48,11 +49,11 @@ class LossConfig:
     @property
     def anchor(self) -> str | None:
         """The anchor D_anchor is taken against: π_0 (`fixed`), the moving one, or none."""
-        return {"fixed": "pi0", "moving": "moving", "dual": "moving"}.get(self.strategy)
+        return KL_STRATEGIES[self.strategy].anchor
 
     @property
     def uses_step(self) -> bool:
-        return self.strategy in ("step", "dual")
+        return KL_STRATEGIES[self.strategy].step
 
     @property
     def needs_mu_old(self) -> bool:

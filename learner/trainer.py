@@ -28,22 +28,11 @@ from common.config import RunConfig
 from common.types import Cond, TrainBatch, TrainStats
 from learner import checkpoint, finite_guard
 from learner.kl import KLController
-from learner.losses import LossConfig, compute_loss
-from learner.nft import (
-    NFT_KEYS,
-    NFTMicroBatch,
-    NFTRows,
-    build_nft_rows,
-    nft_loss,
-    nft_micro_batches,
-)
+from learner.methods import build_method
 from learner.policy import Policy, Sharder
-from learner.rows import MicroBatch, Rows, build_rows, micro_batches
 from rollout_worker.models.base import VideoModel
 
 ReduceFn = Callable[[Tensor], Tensor]
-GRPO_KEYS = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
-             "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
 
 
 class Trainer:
@@ -56,14 +45,11 @@ class Trainer:
         """sharder: the lean sharded setup (learner/shard_load.py; the model was built empty): the
         Policy shards and loads the module before any master or anchor is made."""
         cfg = self.cfg
-        # 1. losses and the anchors they need (LoRA anchors are cheap: keep π_0 and moving)
-        self.loss_cfg = LossConfig.from_run(cfg)
-        self.nft = cfg.grpo.loss == "nft"
+        # 1. the method (grpo.loss: learner/methods/) and the anchors its loss needs (LoRA anchors
+        # are cheap: keep π_0 and moving)
+        self.method = build_method(cfg)
         anchors = {"pi0", "moving"} if cfg.optim.finetune == "lora" else set()
-        if self.loss_cfg.anchor is not None:
-            anchors.add(self.loss_cfg.anchor)
-        if self.nft:  # its sampling policy v_old, and π_0 for its KL
-            anchors |= {"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())
+        anchors |= self.method.anchors()
         if cfg.optim.ema_decay > 0:
             anchors.add("ema")
         if sharder is None:
@@ -81,7 +67,7 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def conditions(self, rows: Rows | NFTRows) -> Cond:
+    def conditions(self, rows) -> Cond:
         """The batch's encoded conditions, each once, on the device: those the rollout encoded and
         the trajectories carry (the learner runs no text/image encoder and no VAE)."""
         if rows.cond is None:
@@ -89,41 +75,12 @@ class Trainer:
                              "groups must come from rollout_worker.sampler.sample_group or the bank")
         return rows.cond.to(self.device)
 
-    def micro_loss(self, rows: Rows, mb: MicroBatch, cond_all: Cond, lam_kl: float,
-                   pi0: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch's share of L_total (with grad) and its stats sums; see losses.compute_loss."""
-        lc, policy = self.loss_cfg, self.policy
-        mb = mb.to(self.device)
-        cond = cond_all.index(mb.cond_idx)
-        nxt = mb.sigma_next  # MeanFlow checkpoints also read the step's end (the sampler passes it too)
-        # anchors first: swapping weights after the grad forward would corrupt backward
-        anchor_v = policy.anchor_velocity(lc.anchor, mb.x.float(), mb.sigma, cond, nxt) if lc.anchor else None
-        pi0_v = policy.anchor_velocity("pi0", mb.x.float(), mb.sigma, cond, nxt) if pi0 else None  # health only
-
-        def velocity(x: Tensor, sigma: Tensor, c: Cond) -> Tensor:
-            return policy.velocity(x, sigma, c, nxt)
-
-        return compute_loss(mb, cond, velocity, rows.scheme, lc, lam_kl, rows.n, rows.n_align, anchor_v, pi0_v)
-
-    def nft_micro_loss(self, rows: NFTRows, mb: NFTMicroBatch, cond_all: Cond) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch's share of DiffusionNFT's loss (learner/nft.py): v_old and v_π0 first, no grad."""
-        policy, nc = self.policy, self.cfg.nft
-        mb = mb.to(self.device)
-        cond = cond_all.index(mb.cond_idx)
-        old_v = policy.anchor_velocity("old", mb.xt, mb.sigma, cond)
-        ref_v = policy.anchor_velocity("pi0", mb.xt, mb.sigma, cond) if nc.kl > 0 else None
-        return nft_loss(mb, cond, policy.velocity, old_v, nc, self.cfg.grpo.adv_clip, rows.n, ref_v)
-
     def train_step(self, batch: TrainBatch, *, rank: int = 0, world_size: int = 1,
                    reduce: ReduceFn | None = None, sp: int = 1) -> TrainStats:
         lam_kl = self.kl.value(self.version)
 
-        # 1. rows: advantages, step weights, winner/loser rows (NFT: noised clean latents)
-        if self.nft:
-            rows = build_nft_rows(batch, self.cfg)
-        else:
-            rows = build_rows(batch, self.cfg)
-            rows.on_policy = rows.policy_version == self.version  # sampled by the weights about to be updated
+        # 1. the method's rows: advantages, step weights, winner/loser rows (NFT: noised clean latents)
+        rows = self.method.rows(batch, self.version)
 
         # 2. conditions, as the rollout encoded them
         cond_all = self.conditions(rows)
@@ -141,37 +98,27 @@ class Trainer:
             self._move_anchors(stats)
         stats.update(finite_guard.step_stats(batch, skipped))
         stats.update(rows.stats)
-        if not self.nft:
-            stats.update(_onpolicy_stats(stats, onp_max))
-            if self.loss_cfg.anchor == "pi0":
-                stats["kl/d_pi0"] = stats["kl/d_anchor"]
-            elif not self.measures_pi0(self.version - 1):
-                del stats["kl/d_pi0"]  # not measured at this step
+        self.method.step_stats(self, stats, onp_max)
         stats.update({"kl/lambda": lam_kl, "kl/lambda_next": self.kl.value(self.version),
                       "grad_norm": grad_norm, "logratio_first_absmax": first_logratio,
                       "version": float(self.version), "lr": self.optimizer.param_groups[0]["lr"]})
         return TrainStats(stats)
 
-    def _accumulate(self, rows: Rows | NFTRows, cond_all: Cond, lam_kl: float, rank: int, world_size: int,
+    def _accumulate(self, rows, cond_all: Cond, lam_kl: float, rank: int, world_size: int,
                     reduce: ReduceFn | None, sp: int = 1) -> tuple[dict[str, float], float, float]:
         """Gradients of this rank's micro-batches; (batch-wide stats sums, the first micro-batch's
         max |log r|, the max |log r| over on-policy rows) — NaN / 0 for NFT, which has no ratio.
         `rank`/`world_size` are the data-parallel ones; the loss is scaled by world_size·sp (see
         the module doc)."""
         cfg = self.cfg
-        keys = NFT_KEYS if self.nft else GRPO_KEYS
+        method = self.method
+        keys = method.keys
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(keys), dtype=torch.float64)
         onp_max = torch.zeros(world_size, dtype=torch.float64)  # one slot per rank: a sum-reduce gives the max
         first_logratio = float("nan")
-        if self.nft:
-            mbs = nft_micro_batches(rows, cfg.optim.micro_batch, rank, world_size)
-            loss_of = lambda mb: self.nft_micro_loss(rows, mb, cond_all)  # noqa: E731
-        else:
-            mbs = micro_batches(rows, cfg.optim.micro_batch, rank, world_size)
-            loss_of = lambda mb: self.micro_loss(rows, mb, cond_all, lam_kl, pi0=self.measures_pi0())  # noqa: E731
-        for i, mb in enumerate(mbs):
-            loss, s = loss_of(mb)
+        for i, mb in enumerate(method.micro_batches(rows, cfg.optim.micro_batch, rank, world_size)):
+            loss, s = method.micro_loss(self, rows, mb, cond_all, lam_kl)
             (loss * (world_size * sp)).backward()
             sums += torch.stack([s[k].double().cpu() for k in keys])
             if i == 0 and "logratio_absmax" in s:
@@ -202,26 +149,13 @@ class Trainer:
         return float(grad_norm)
 
     def _move_anchors(self, stats: dict[str, float]) -> None:
-        """After the step: the moving anchor's refresh and λ_KL's update (GRPO), or NFT's v_old
-        following θ with decay nft.old_decay(t)."""
-        cfg, lc, policy = self.cfg, self.loss_cfg, self.policy
-        if self.nft:
-            policy.update_ema(cfg.nft.old_decay(self.version), "old")
-            return
-        if self.version % cfg.kl.anchor_period == 0 and "moving" in policy.anchors:
-            policy.refresh("moving")
-        measured_kl = (lc.beta_anchor * stats["kl/d_anchor"] if lc.anchor else 0.0) + \
-                      (lc.beta_step * stats["kl/d_step"] if lc.uses_step else 0.0)
-        self.kl.update(measured_kl)
+        """After the step: the method's anchors and λ_KL move (learner/methods/)."""
+        self.method.after_step(self, stats)
 
     def measures_pi0(self, version: int | None = None) -> bool:
-        """Whether the step at `version` (default: the current) measures the KL to π_0 for the health
-        checks with an extra no-grad forward: every health.kl_pi0_every steps, when π_0 is kept
-        (LoRA keeps it) and is not the loss's own anchor (then D_anchor is that KL already)."""
-        every = self.cfg.health.kl_pi0_every
-        v = self.version if version is None else version
-        return (every > 0 and v % every == 0 and "pi0" in self.policy.anchors
-                and self.loss_cfg.anchor != "pi0" and not self.nft)
+        """Whether the step at `version` (default: the current) measures the KL to π_0 for the
+        health checks with an extra no-grad forward (the method decides)."""
+        return self.method.measures_pi0(self, self.version if version is None else version)
 
     def shard(self, mesh) -> None:
         """FSDP2-shard the policy's module in place (before the first step) and re-point the
@@ -264,12 +198,12 @@ class Trainer:
 
     def exported(self, ema: bool = True) -> AbstractContextManager:
         """The live module holds the exported policy for the block: the moving average when
-        `ema` and the run keeps one, else the live weights as they are. With `ema` false under
-        grpo.loss=nft it is the sampling policy v_old: what the rollouts are sent (section 6b)."""
+        `ema` and the run keeps one, else what the rollouts are sent: the method's rollout anchor
+        (DiffusionNFT's sampling policy v_old, section 6b) or the live weights as they are."""
         if ema and self.exports_ema:
             return self.policy.swapped("ema")
-        if not ema and self.nft:
-            return self.policy.swapped("old")
+        if not ema and self.method.rollout_anchor is not None:
+            return self.policy.swapped(self.method.rollout_anchor)
         return nullcontext()
 
     def weights_payload(self, ema: bool = False) -> dict[str, Tensor]:
@@ -315,16 +249,6 @@ def ema_decay_at(decay: float, version: int) -> float:
     """The average's decay after optimizer step `version`: min(decay, (1+t)/(10+t)), so that the
     first steps move it (at t = 1, by 8/11) instead of holding it at the base."""
     return min(decay, (1.0 + version) / (10.0 + version))
-
-
-def _onpolicy_stats(stats: dict[str, float], logratio_absmax: float) -> dict[str, float]:
-    """Clip fraction, approx-KL and max |log r| over the rows the pre-update weights sampled
-    (NaN when the batch has none: every row stale or from the bank)."""
-    n = stats.pop("onpolicy/rows")
-    clip, akl = stats.pop("onpolicy/clip"), stats.pop("onpolicy/approx_kl")
-    nan = float("nan")
-    return {"onpolicy_rows": n, "clipfrac_onpolicy": clip / n if n else nan,
-            "approx_kl_onpolicy": akl / n if n else nan, "logratio_onpolicy_absmax": logratio_absmax if n else nan}
 
 
 def _py_rng_to_list(state: tuple) -> list:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from common.config import RunConfig, SamplerConfig, WindowConfig
 from common.images import condition_image
+from common.methods import method_of
 from common.sde import (
     ODE,
     Schedule,
@@ -153,7 +154,7 @@ def recorded_steps(trained: list[list[int]], schedule: Schedule, scheme: Scheme,
     trained steps and, with alignment on, every step any member may train (alignment compares
     members' next latents there). Which steps each member stores is its own trained steps alone
     (`sample_group`). None with grpo.loss=nft: its loss reads only the clean final latents."""
-    if cfg.grpo.loss == "nft":
+    if not method_of(cfg).records_steps:
         return []
     steps = set().union(*map(set, trained)) if trained else set()
     if cfg.align.enabled:
@@ -183,11 +184,12 @@ def plan_steps(schedule: Schedule, scheme: Scheme, recorded: list[int], cfg: Run
     compressed tail (`post_compress`)."""
     scfg, rec = cfg.sampler, set(recorded)
     ode_from = schedule.steps - scfg.ode_last_steps
-    post = cfg.grpo.loss == "nft" or scfg.post_solver != "euler" or scfg.post_compress < 1.0
+    records = method_of(cfg).records_steps
+    post = not records or scfg.post_solver != "euler" or scfg.post_compress < 1.0
     a = max(recorded) + 1 if post and recorded else (0 if post else schedule.steps)
     out = []
     for k in range(a):
-        keep = k in rec or (k < ode_from and scfg.untrained_steps == "scheme" and cfg.grpo.loss != "nft")
+        keep = k in rec or (k < ode_from and scfg.untrained_steps == "scheme" and records)
         out.append(PlannedStep(k, *schedule.pair(k), scheme if keep else ODE()))
     if a == schedule.steps:
         return out

@@ -39,7 +39,7 @@ def _kl_terms(tr: Trainer, rows) -> tuple[float, float]:
     cond = tr.conditions(rows).index(mb.cond_idx)
     av = tr.policy.anchor_velocity("moving", mb.x, mb.sigma, cond)
     with torch.no_grad():
-        _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.loss_cfg, 1.0, rows.n,
+        _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.method.loss_cfg, 1.0, rows.n,
                             rows.n_align, av)
     return float(s["kl/d_anchor"]), float(s["kl/d_step"])
 
@@ -117,7 +117,7 @@ def test_rank_shares_sum_to_the_full_batch_gradient():
             p.grad = None
         for r in range(world):
             for mb in micro_batches(rows, size, r, world):
-                loss, _ = tr.micro_loss(rows, mb, cond_all, lam_kl=1e-3)
+                loss, _ = tr.method.micro_loss(tr, rows, mb, cond_all, lam_kl=1e-3, pi0=False)
                 loss.backward()
         return torch.cat([p.grad.flatten() for p in params])
 

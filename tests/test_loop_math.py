@@ -221,7 +221,7 @@ def test_exact_d_step_compares_with_the_policy_that_sampled_the_row():
     mb = next(micro_batches(rows, rows.n))
     cond = tr.conditions(rows).index(mb.cond_idx)
     with torch.no_grad():
-        _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.loss_cfg, 1.0, rows.n, 0)
+        _, s = compute_loss(mb, cond, tr.policy.velocity, rows.scheme, tr.method.loss_cfg, 1.0, rows.n, 0)
         std = rows.scheme.std(mb.sigma, mb.sigma_next)
         mu_now = rows.scheme.mean(mb.x, tr.policy.velocity(mb.x, mb.sigma, cond), mb.sigma, mb.sigma_next)
         want = gaussian_kl(mu_now, mb.mu_old, std).mean()

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from common.config import RunConfig
+from common.methods import kl_of
 from learner.advantages import SPREAD_PREFIX
 
 CHECKS = ("numerics", "clip", "approx_kl", "zero_spread", "head_against", "kl_growth", "hacking", "stagnation")
@@ -153,7 +154,7 @@ class HealthMonitor:
 
     @property
     def anchor(self) -> str | None:
-        return {"fixed": "pi0", "moving": "moving", "dual": "moving"}.get(self.cfg.kl.strategy)
+        return kl_of(self.cfg).anchor
 
     # 1. per step
     def observe(self, record: dict[str, Any], skipped_in_a_row: int | None = None) -> list[Finding]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.methods import method_of
+
 _BOUNDARY = {"i2v": 0.9, "t2v": 0.875}  # Wan 2.2 A14B's boundary_ratio, as its model_index.json sets it
 
 
@@ -46,7 +48,7 @@ def stored_steps_per_member(cfg) -> int:
     from common.sde import Schedule, scheme_from_config
     from rollout_worker.sampler import draw_trained_steps
 
-    if cfg.grpo.loss == "nft":  # DiffusionNFT's ODE rollouts record no step: final latents only
+    if not method_of(cfg).records_steps:  # ODE rollouts record no step: final latents only
         return 0
     schedule = Schedule.from_config(cfg.schedule)
     scheme = scheme_from_config(cfg, schedule)

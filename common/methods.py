@@ -1,0 +1,68 @@
+"""RL methods as declarations: what the rollout, the planner and the health checks must know of
+each `grpo.loss`, and the KL strategies' anchors, as pure data.
+
+The learner's side of a method (its rows, micro-batches, loss and what it does after a step) is
+its entry in `learner/methods/`, named here by a lazy path as Flow-Factory names its trainers.
+Adding a method is its learner entry, this declaration, the config name and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KLStrategy:
+    anchor: str | None    # the policy D_anchor is taken against: "pi0" (fixed), "moving", or none
+    step: bool            # D_step, the KL between the sampling and the updated policy, is on
+
+
+KL_STRATEGIES: dict[str, KLStrategy] = {  # kl.strategy -> its terms (docs/algorithm.md section 5)
+    "none": KLStrategy(None, False),
+    "fixed": KLStrategy("pi0", False),
+    "step": KLStrategy(None, True),
+    "moving": KLStrategy("moving", False),
+    "dual": KLStrategy("moving", True),
+}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    impl: str             # the learner's entry, "module:Class" (learner/methods/), imported when built
+    records_steps: bool   # rollouts record SDE steps (x_k, x_k+1, logp_old) that the loss replays;
+                          # False: ODE rollouts whose clean final latents the loss trains on
+    uses_kl_strategy: bool  # kl.strategy's anchors and λ_KL apply (False: the method has its own KL)
+    anchors: Callable[..., frozenset[str]]  # cfg -> the anchors its loss evaluates (a no-grad forward each per row)
+    rows_per_video: Callable[..., int] | None = None  # cfg -> learner rows per video; None: the steps a member trains
+    notes: str = ""
+
+
+METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
+    "grpo": MethodSpec("learner.methods.grpo:GRPO", records_steps=True, uses_kl_strategy=True,
+                       anchors=lambda cfg: frozenset({KL_STRATEGIES[cfg.kl.strategy].anchor} - {None}),
+                       notes="the clipped surrogate on recorded SDE steps (every scheme's method: "
+                             "SAGE-GRPO, TAGRPO, DanceGRPO, FlowGRPO, CPS, MixGRPO, Flash-GRPO)"),
+    "nft": MethodSpec("learner.methods.nft:NFT", records_steps=False, uses_kl_strategy=False,
+                      # its sampling policy v_old on every row, and π_0 for its KL
+                      anchors=lambda cfg: frozenset({"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())),
+                      rows_per_video=lambda cfg: max(1, int(_steps(cfg) * cfg.nft.timestep_fraction)),
+                      notes="DiffusionNFT: a flow-matching loss on fresh ODE rollouts' final latents "
+                            "(docs/algorithm.md section 6b; its KL to π_0 is nft.kl)"),
+}
+
+
+def _steps(cfg) -> int:
+    """The schedule's step count (common.sde.Schedule.from_config(cfg.schedule).steps)."""
+    sigmas = cfg.schedule.sigmas
+    return len(sigmas) - 1 if sigmas is not None else cfg.schedule.steps
+
+
+def method_of(cfg) -> MethodSpec:
+    """The declaration of a run's method (cfg: a RunConfig)."""
+    return METHODS[cfg.grpo.loss]
+
+
+def kl_of(cfg) -> KLStrategy:
+    """The KL terms a run's loss carries: kl.strategy's for a method that uses it, else none."""
+    return KL_STRATEGIES[cfg.kl.strategy] if method_of(cfg).uses_kl_strategy else KL_STRATEGIES["none"]
