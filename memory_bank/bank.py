@@ -55,6 +55,13 @@ from memory_bank.scripts import Fence, Scripts, run, run_one
 log = logging.getLogger(__name__)
 
 LOW_WATERMARK = 0.9
+# bank.strategy -> the commit script's mode at a step (which fresh members enter the bank): FIFO,
+# FIFO every second step (TAGRPO's FIFO-S2), or SDU's replacement rule (memory_bank/scripts.py)
+STRATEGIES: dict[str, Callable[[int], str]] = {
+    "fifo": lambda step: "fifo",
+    "fifo_s2": lambda step: "fifo" if step % 2 == 0 else "skip",
+    "sdu": lambda step: "sdu",
+}
 """Over max_bytes, commit evicts the oldest banked entries down to this share of it."""
 SNAPSHOT_FORMAT = 1
 STORED_CONDS_CAP = 4096
@@ -278,8 +285,7 @@ class MemoryBank:
         """After the optimizer step: pending → done, fresh members enter the bank per
         bank.strategy, trained counts go up, evicted entries are deleted."""
         k, cfg = self.keys, self.cfg
-        mode = {"fifo": "fifo", "sdu": "sdu",
-                "fifo_s2": "fifo" if step % 2 == 0 else "skip"}[cfg.strategy]
+        mode = STRATEGIES[cfg.strategy](step)
         if not cfg.enabled:
             mode = "skip"  # bank.enabled=false: a plain exactly-once queue, nothing is banked
         # 1. Move each group out of pending and bank its members, atomically per group.

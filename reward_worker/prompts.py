@@ -21,6 +21,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.scorers import SCORERS
+
 SYSTEM = "You are a helpful assistant."
 """The default system turn of the Qwen2-VL chat template (both released scorers used it)."""
 
@@ -121,8 +123,7 @@ TEST_HPSV3_TEMPLATE = HPSv3Template(
 
 # --- Q-Save: this project's reconstruction ---------------------------------------------
 
-QSAVE_NOTE = ("Q-Save's rubric and answer format are this project's reconstruction; its "
-              "weights and prompt are not public")
+QSAVE_NOTE = SCORERS["qsave"].caveat  # declared with the scorer (common/scorers.py)
 QSAVE_SCALE = (1.0, 5.0)
 """Q-Save's answers are read on this scale; a value outside it is an unparsable answer."""
 

@@ -333,8 +333,10 @@ def test_tagrpo_config_runs_as_written():
 
 
 def test_registry_errors_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match="rewards.models.*ocr"):
-        build_reward_model(RewardModelConfig(name="ocr"))
+    with pytest.raises(ValueError, match="has no scorer; use one of toy"):  # refused when the config loads
+        RewardModelConfig(name="ocr")
+    with pytest.raises(ValueError, match="rewards.models.*ocr"):  # and by the registry (e.g. a model_construct)
+        build_reward_model(RewardModelConfig.model_construct(name="ocr"))
     with pytest.raises(RewardLoadError, match="path is not set"):
         build_reward_model(RewardModelConfig(name="videoalign"))
     with pytest.raises(RewardLoadError, match="HPSv3.safetensors"):

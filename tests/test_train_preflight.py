@@ -27,7 +27,7 @@ CASES = {
                               "rewards.models[0].path is required for name = 'videoalign'"),
     "missing reward path": (["rewards.models=[{name: hpsv3, path: /nonexistent/hpsv3}]"],
                             "rewards.models[0].path = '/nonexistent/hpsv3' does not exist"),
-    "reward with no scorer": (["rewards.models=[{name: ocr}]"], "rewards.models[0].name = 'ocr' has no scorer yet"),
+    "reward with no scorer": (["rewards.models=[{name: ocr}]"], "rewards.models.0.name = 'ocr': has no scorer; use one of toy, toy_i2v"),
     "unknown backend": (["log.backends=[neptune]"], "log.backends.0 = 'neptune' is not allowed"),
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.config import load_config, reconstruction_notes, to_yaml
+from common.scorers import SCORERS
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -28,9 +29,8 @@ def show_config(args) -> int:
     cfg = load_config(args.config, args.overrides)
     for note in reconstruction_notes(cfg):
         print(f"# NOTE {note}")
-    if any(m.name == "qsave" for m in cfg.rewards.models):
-        from reward_worker.prompts import QSAVE_NOTE
-
-        print(f"# NOTE {QSAVE_NOTE}.")
+    for caveat in dict.fromkeys(SCORERS[m.name].caveat for m in cfg.rewards.models):
+        if caveat:
+            print(f"# NOTE {caveat}.")
     print(to_yaml(cfg), end="")
     return 0

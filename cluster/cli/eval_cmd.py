@@ -9,7 +9,7 @@ from pathlib import Path
 from cluster.evaluation.policy import evaluate_policy, load_policy, score
 from cluster.runs.policy_file import resolve_target
 from common import storage
-from common.config import ConfigError
+from common.config import SCHEME_NAMES, ConfigError
 
 
 def register(sub) -> None:
@@ -39,7 +39,7 @@ def register(sub) -> None:
     s.add_argument("-c", "--config", default=None, help="config for 'base'")
     s.add_argument("--image", default=None, help="the first frame (image-to-video runs: model.task = i2v)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"])
+    s.add_argument("--scheme", default="ode", choices=SCHEME_NAMES)
     s.add_argument("--out", default="sample.gif")
     s.set_defaults(func=cmd_sample)
 

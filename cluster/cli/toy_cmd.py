@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from common.config import SCHEME_NAMES
+
 
 def register(sub) -> None:
     p = sub.add_parser("toy", help="the toy world: pretrain, sample, grid",
@@ -66,7 +68,7 @@ def register(sub) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="NAME.safetensors or a directory (default: the committed base)")
-    p.add_argument("--scheme", default="ode", choices=["ode", "dance", "flow", "cps", "sage"],
+    p.add_argument("--scheme", default="ode", choices=SCHEME_NAMES,
                    help="sampling scheme (default ode)")
     p.add_argument("--steps", type=int, default=16, help="sampling steps (default 16)")
     p.add_argument("--shift", type=float, default=3.0, help="schedule shift (default 3)")

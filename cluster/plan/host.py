@@ -29,16 +29,13 @@ from cluster.plan.sizing import (
 )
 from cluster.plan.timing import load_bytes, publish_bucket_bytes
 from common.config import ConfigError, PodsConfig
+from common.scorers import scorer_spec
 
 PROCESS_BYTES = 4 * GB
 """A role process before it loads anything: Python, torch, the CUDA context, the Ray worker
 (an assumption; 3-4 GiB resident is typical for a CUDA torch process under Ray)."""
 REDIS_OVERHEAD = 1.1
 """Redis's own structures and allocator slack over the bytes bank.max_bytes counts."""
-# Reward models in parameters (the released checkpoints): VideoAlign on Qwen2-VL-2B, HPSv3 on
-# Qwen2-VL-7B, Q-Save on Qwen3-VL-8B; toy scorers hold no weights to speak of.
-_REWARD_PARAMS = {"videoalign": 2.21e9, "hpsv3": 8.29e9, "qsave": 8.77e9, "ocr": 0.0, "toy": 0.0,
-                  "toy_i2v": 0.0}
 ROLES = ("rollout", "reward", "learner")
 
 
@@ -47,7 +44,7 @@ def reward_bytes(m) -> float:
     c = 4 if m.dtype == "float32" else 2
     if m.path is not None and Path(m.path).is_dir() and any(Path(m.path).glob("*.safetensors")):
         return c * _safetensors_params(Path(m.path))
-    return c * _REWARD_PARAMS[m.name]
+    return c * scorer_spec(m.name).params  # the released size (common/scorers.py)
 
 
 def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:

@@ -1,0 +1,49 @@
+"""Reward models as declarations: one `ScorerSpec` per `rewards.models[].name`.
+
+Each entry names its implementation by a lazy path (imported only when the scorer is built: a toy
+run never imports transformers), the heads it reports, the released checkpoint's size (the plan's
+host table) and whether it needs a checkpoint. The config's validation, the plan, the preflight
+and the reward registry read it; adding a reward model is its module, this entry, and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common import toyscore
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    impl: str                 # "module:Class", a reward_worker.base.RewardModel
+    heads: tuple[str, ...]    # the scores it reports, in order (the class says the same: tested)
+    params: float             # parameters of the released checkpoint (the plan's host RAM and GPU)
+    needs_path: bool          # rewards.models[].path must name a checkpoint (toy scorers: none)
+    notes: str = ""           # what a user should know before choosing it
+    caveat: str = ""          # said whenever a config uses it (`vgrpo config show`, the scorer's load log)
+    path_at_load: str = ""    # when set, a config without rewards.models[].path is refused as it loads, with this
+
+
+SCORERS: dict[str, ScorerSpec] = {
+    "toy": ScorerSpec("reward_worker.models.toy:ToyReward", toyscore.HEADS, 0.0, False,
+                      "the toy world's verifiable rewards (common/toyscore.py)"),
+    "toy_i2v": ScorerSpec("reward_worker.models.toy:ToyI2VReward", toyscore.I2V_HEADS, 0.0, False,
+                          "the toy rewards plus first-frame agreement"),
+    "videoalign": ScorerSpec("reward_worker.models.videoalign:VideoAlign", ("VQ", "MQ", "TA"), 2.21e9, True,
+                             "VideoAlign (VideoReward) on Qwen2-VL-2B; template_path: a KwaiVGI/VideoAlign checkout"),
+    "hpsv3": ScorerSpec("reward_worker.models.hpsv3:HPSv3", ("HPS",), 8.29e9, True,
+                        "HPSv3 on Qwen2-VL-7B, per frame; its template is read from the hpsv3 wheel"),
+    "qsave": ScorerSpec("reward_worker.models.qsave:QSave", ("visual_quality", "dynamic_quality", "alignment"),
+                        8.77e9, True, "Q-Save on Qwen3-VL-8B, for a checkpoint you supply",
+                        caveat="Q-Save's rubric and answer format are this project's reconstruction; its "
+                               "weights and prompt are not public",
+                        path_at_load="Q-Save's weights are not public: set path to your Qwen3-VL Q-Save "
+                                     "checkpoint, or remove the qsave entry"),
+}
+
+
+def scorer_spec(name: str, field: str = "rewards.models[].name") -> ScorerSpec:
+    """The declaration of a reward model, or one line naming the field and the choices."""
+    if name not in SCORERS:
+        raise ValueError(f"{field} = {name!r} has no scorer; use one of {', '.join(SCORERS)}")
+    return SCORERS[name]
