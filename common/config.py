@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -24,8 +24,12 @@ from pydantic import (
 )
 
 from common.errors import UserError
+from common.families import FAMILIES
+from common.methods import method_of
+from common.scorers import SCORERS
 
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage", "flash"]
+SCHEME_NAMES: tuple[str, ...] = get_args(SchemeName)  # CLI choices; equal to common.sde.SCHEMES (tested)
 
 # Per-scheme default noise level η (docs/algorithm.md section 2); Flash-GRPO's g has no η in its
 # code, so its η is a factor on that g (1 = theirs).
@@ -352,9 +356,17 @@ class BankConfig(Section):
 
 
 class RewardModelConfig(Section):
-    name: Literal["toy", "toy_i2v", "videoalign", "hpsv3", "qsave", "ocr"] = "toy"
-    """qsave: Q-Save's weights and prompt are not public; its rubric and answer format here are
-    this project's reconstruction, for a Qwen3-VL checkpoint you supply."""
+    name: str = "toy"
+    """A declared reward model (common/scorers.py: toy, toy_i2v, videoalign, hpsv3, qsave). qsave:
+    Q-Save's weights and prompt are not public; its rubric and answer format here are this
+    project's reconstruction, for a Qwen3-VL checkpoint you supply."""
+
+    @field_validator("name")
+    @classmethod
+    def _declared(cls, v: str) -> str:
+        if v not in SCORERS:  # read at validation: a scorer declared later is accepted too
+            raise ValueError(f"has no scorer; use one of {', '.join(SCORERS)} (common/scorers.py)")
+        return v
     path: str | None = None
     """Local directory or hub id of the checkpoint (not needed for toy)."""
     weights: dict[str, float] = Field(default_factory=dict)
@@ -384,10 +396,10 @@ class RewardModelConfig(Section):
     """Q-Save: tokens the evaluator may write for its scores."""
 
     @model_validator(mode="after")
-    def _qsave_needs_a_path(self) -> RewardModelConfig:
-        if self.name == "qsave" and self.path is None:
-            raise ValueError("Q-Save's weights are not public: set path to your Qwen3-VL Q-Save "
-                             "checkpoint, or remove the qsave entry")
+    def _path_needed_at_load(self) -> RewardModelConfig:
+        why = SCORERS[self.name].path_at_load
+        if why and self.path is None:
+            raise ValueError(why)
         return self
 
 
@@ -672,7 +684,7 @@ class RunConfig(Section):
     @property
     def records_mu_old(self) -> bool:
         """Rollouts keep the sampling policy's mean μ_old per recorded step (exact D_step, bounded J_align)."""
-        if self.grpo.loss == "nft":  # NFT records no step
+        if not method_of(self).records_steps:  # ODE rollouts record no step
             return False
         return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
 
@@ -704,7 +716,7 @@ class RunConfig(Section):
 
 def _nft_conflict(cfg: RunConfig) -> str | None:
     """DiffusionNFT's rollouts record no SDE step, so nothing that reads one can be on."""
-    if cfg.grpo.loss != "nft":
+    if method_of(cfg).records_steps:
         return None
     fixes = [fix for fix, on in (("align.enabled=false", cfg.align.enabled), ("bank.enabled=false", cfg.bank.enabled),
                                  ("kl.strategy=none", cfg.kl.strategy != "none"),
@@ -713,8 +725,8 @@ def _nft_conflict(cfg: RunConfig) -> str | None:
                                  ("sampler.shared_noise=false", cfg.sampler.shared_noise),
                                  ("sampler.initial_noise=group", cfg.sampler.initial_noise != "group")) if on]
     if fixes:
-        return (f"grpo.loss=nft trains on the clean final latents of fresh ODE rollouts, which record no SDE "
-                f"step: set {', '.join(fixes)} (its KL to π_0 is nft.kl)")
+        return (f"grpo.loss={cfg.grpo.loss} trains on the clean final latents of fresh ODE rollouts, which "
+                f"record no SDE step: set {', '.join(fixes)} (its KL to π_0 is nft.kl)")
     return None
 
 
@@ -724,13 +736,13 @@ def _sampler_conflict(cfg: RunConfig) -> str | None:
         return ("grpo.rectify=true and grpo.equalizer=true both weight each step; keep one "
                 "(Flash-GRPO: grpo.equalizer=false)")
     post = s.post_solver != "euler" or s.post_compress < 1.0
-    if post and s.untrained_steps != "ode" and g.loss != "nft":
+    if post and s.untrained_steps != "ode" and method_of(cfg).records_steps:
         return (f"sampler.post_solver={s.post_solver} / post_compress={s.post_compress} replace deterministic "
                 "steps: set sampler.untrained_steps=ode")
     if s.post_compress < 1.0 and cfg.schedule.sigmas is not None:
         return ("sampler.post_compress < 1 rebuilds the tail with schedule.shift: use schedule.steps and "
                 "schedule.shift, not schedule.sigmas (or post_compress=1)")
-    if s.forward_batch_size == 1 and cfg.model.guidance_scale > 1.0 and cfg.model.family != "hunyuan15":
+    if s.forward_batch_size == 1 and cfg.model.guidance_scale > 1.0 and FAMILIES[cfg.model.family].cfg_in_one_forward:
         return (f"sampler.forward_batch_size=1 is below the 2 rows a sample takes with CFG (model.guidance_scale="
                 f"{cfg.model.guidance_scale}: its cond and uncond rows run in one forward); set it to 2 or more, "
                 "or null for the whole group")
@@ -788,7 +800,7 @@ def _describe(err: dict[str, Any]) -> str:
         return f"{path}: required field is missing"
     if kind == "value_error" and isinstance(value, dict):      # a section-level check: no repr
         return f"{path}: {msg.removeprefix('Value error, ')}"
-    return f"{path} = {_short(value)}: {msg}"
+    return f"{path} = {_short(value)}: {msg.removeprefix('Value error, ')}"
 
 
 def validate(data: dict[str, Any], source: str = "config") -> RunConfig:

@@ -34,6 +34,7 @@ from common.actors import kill_and_wait
 from common.config import ConfigError, RunConfig
 from common.dispatch import verb
 from common.experts import rows_on_frozen_expert
+from common.families import FAMILIES
 from common.sde import rollout_spec
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights_record import WeightsRecord
@@ -66,7 +67,7 @@ def lean_setup(cfg: RunConfig, mesh, model_factory: ModelFactory | None = None) 
     the checkpoint's safetensors (learner/shard_load.py: no rank holds the whole model): a sharded
     group of a diffusers family. One rank, and test models given as a factory, take the reference
     path (the whole module loaded, fp32 masters copied, broadcast, then sharded)."""
-    return mesh is not None and model_factory is None and cfg.model.family in ("wan", "hunyuan15")
+    return mesh is not None and model_factory is None and FAMILIES[cfg.model.family].lean_sharded
 
 
 def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory: ModelFactory | None = None,

@@ -19,6 +19,7 @@ from cluster.evaluation.before_after import write_before_after
 from cluster.evaluation.evaluate import EvalResult, paired, summary_table
 from cluster.health.hook import report_health
 from cluster.runs.tracking import Tracker
+from common.families import FAMILIES
 from learner.checkpoint import is_disk_full
 
 
@@ -142,7 +143,7 @@ def write_grid(driver, run_dir, console) -> None:
     """run_dir/before_after.png: the same evaluation pairs before and after training, by eye."""
     (b, per), (a, _) = driver.eval_frames["before"], driver.eval_frames["after"]
     path = write_before_after(run_dir.path / "before_after.png", b, a, per, getattr(driver, "eval_prompts", None),
-                              trails=driver.cfg.model.family == "toy")  # the square's path: what MQ and TA score
+                              trails=FAMILIES[driver.cfg.model.family].draws_trails)
     console.print(f"before/after grid: {path}")
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig
+from common.families import FAMILIES
+from common.scorers import scorer_spec
 
 
 def check_prompts(cfg: RunConfig) -> None:
@@ -29,14 +31,16 @@ def check_prompts(cfg: RunConfig) -> None:
 def check_rewards(cfg: RunConfig) -> None:
     """Every reward model has a scorer, no two report the same head name (common/rewards.py),
     and reward checkpoints named as local paths exist; hub ids are left to the loader."""
-    from reward_worker.registry import LOCAL, SCORERS, config_heads
+    from reward_worker.registry import config_heads
     from rollout_worker.models.base import is_local
 
     for i, m in enumerate(cfg.rewards.models):
         field = f"rewards.models[{i}]"
-        if m.name not in SCORERS:
-            raise ConfigError(f"{field}.name = {m.name!r} has no scorer yet; use one of {', '.join(SCORERS)}")
-        if m.name in LOCAL:
+        try:
+            spec = scorer_spec(m.name, f"{field}.name")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not spec.needs_path:
             continue
         if m.path is None:
             raise ConfigError(f"{field}.path is required for name = {m.name!r}; "
@@ -54,7 +58,7 @@ def check_model_path(cfg: RunConfig) -> None:
     from rollout_worker.models.base import ModelLoadError, is_local, require_dir
 
     path = cfg.model.path
-    if cfg.model.family == "toy":
+    if not FAMILIES[cfg.model.family].needs_path:
         if path is not None and not Path(path).exists():
             raise ModelLoadError(f"model.path {path!r} does not exist")
         from rollout_worker.models.toy import ToyVideoModel
@@ -75,7 +79,7 @@ def check_experts(cfg: RunConfig) -> None:
 
     boundary = cfg.model.boundary_ratio
     index = Path(cfg.model.path or "") / "model_index.json"
-    if boundary is None and cfg.model.family == "wan" and index.is_file():
+    if boundary is None and FAMILIES[cfg.model.family].expert_boundary and index.is_file():
         boundary = json.loads(index.read_text(encoding="utf-8")).get("boundary_ratio")
     msg = rows_on_frozen_expert(cfg, boundary)
     if msg is not None:

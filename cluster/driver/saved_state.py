@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.state import DriverState
+from common.families import FAMILIES
 from learner.checkpoint import EXTRA_FILE, STATE_FILE, CheckpointError, load_state_file, read_extra
 
 STATES = ("running", "finished", "stopped")
@@ -160,7 +161,7 @@ def model_shapes(cfg) -> dict[str, tuple]:
     from rollout_worker.models import build_model
     from rollout_worker.models.base import is_local
 
-    toy = cfg.model.family == "toy"
+    toy = not FAMILIES[cfg.model.family].needs_path  # ships its own weights: built whole
     if not toy and not (cfg.model.path and is_local(cfg.model.path)):
         return {}
     model = build_model(cfg) if toy else build_model(cfg, "cpu", components="transformer", empty=True)

@@ -11,16 +11,11 @@ from dataclasses import dataclass
 
 from cluster.plan.steps import stored_steps_per_member
 from cluster.plan.vae import latent_shape
+from common.families import FAMILIES
 
 META_BYTES = 4096
 """A member's hash fields (ids, the prompt, the schedule and step lists as JSON): a bound."""
 
-# Conditioning tensors per row, (tokens, width), from the released text and image encoders'
-# configs: Wan's UMT5-XXL (d_model 4096); HunyuanVideo 1.5's Qwen2.5-VL-7B (hidden 3584), its
-# ByT5 glyph encoder (256 tokens of 1472) and SigLIP image states (729 of 1152). None: the
-# config's model.max_sequence_length.
-_TEXT = {"wan": [(None, 4096)], "hunyuan15": [(None, 3584), (256, 1472)]}
-_IMAGE_STATES = {"hunyuan15": (729, 1152)}
 
 
 @dataclass
@@ -38,11 +33,12 @@ def condition_bytes(cfg, latent: tuple[int, int, int, int]) -> int:
     m = cfg.model
     c = 4 if m.dtype == "float32" else 2
     branches = 2 if m.guidance_scale > 1.0 else 1
-    text = sum((m.max_sequence_length if n is None else n) * d for n, d in _TEXT[m.family]) * c * branches
+    fam = FAMILIES[m.family]  # conditioning tensors per row (common/families.py)
+    text = sum((m.max_sequence_length if n is None else n) * d for n, d in fam.text) * c * branches
     ch, f, h, w = latent
     extra = 0
-    if m.family == "hunyuan15":  # image states (zeros for T2V), condition latents and their mask
-        n, d = _IMAGE_STATES["hunyuan15"]
+    if fam.image_states is not None:  # image states (zeros for T2V), condition latents and their mask
+        n, d = fam.image_states
         extra = (n * d + (ch + 1) * f * h * w) * c
     elif m.task == "i2v":        # Wan: the mask (4 channels) and the first frame's latents
         extra = (4 + ch) * f * h * w * c

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from cluster.plan.steps import has_two_experts as _has_two_experts
 from cluster.plan.steps import stored_steps_per_member
+from common.families import FAMILIES
+from common.methods import kl_of, method_of
 
 GB = 1024**3
 
@@ -39,12 +41,6 @@ NVLINK_GBS = {"H100": 450.0, "H200": 450.0, "A100": 300.0}  # GB/s per direction
 # taken as Wan's with ffn = mlp_ratio·d.
 _ACT = {4: (90.0, 8.0), 2: (70.0, 4.0)}
 
-# Frozen modules every rollout rank loads besides the transformer(s) (the learner builds none), in parameters
-# (published model sizes): Wan's UMT5-XXL encoder and VAE; HunyuanVideo 1.5's Qwen2.5-VL-7B text
-# model, ByT5 glyph encoder, SigLIP image encoder and VAE.
-_FROZEN = {"wan": {"text_encoder": 5.7e9, "vae (fp32)": 0.127e9},
-           "hunyuan15": {"text_encoder": 7.6e9, "text_encoder_2": 0.22e9, "image_encoder": 0.4e9,
-                         "vae": 0.33e9}}
 # Peak live feature maps of a VAE decode, in (channels at full resolution) × output frames per
 # chunk: Wan decodes causally 4 frames at a time with 96 channels; HunyuanVideo 1.5 decodes all
 # frames at once with 128. Six such maps are alive at once in a resnet block.
@@ -86,9 +82,9 @@ class Plan:
 
 
 def _transformer_class(family: str):
-    from diffusers import HunyuanVideo15Transformer3DModel, WanTransformer3DModel
+    import diffusers  # heavy: diffusers, only when a plan is made
 
-    return {"wan": WanTransformer3DModel, "hunyuan15": HunyuanVideo15Transformer3DModel}[family]
+    return getattr(diffusers, FAMILIES[family].transformer)
 
 
 def transformer_config(cfg) -> dict:
@@ -199,7 +195,7 @@ def frozen_params(cfg) -> dict[str, float]:
     m = cfg.model
     root = Path(m.path) if m.path is not None else None
     if root is None or not (root / "model_index.json").is_file():
-        return dict(_FROZEN[m.family])
+        return dict(FAMILIES[m.family].frozen)
     out = {}
     for sub in ("text_encoder", "text_encoder_2", "image_encoder", "vae"):
         if (root / sub).is_dir():
@@ -210,9 +206,9 @@ def frozen_params(cfg) -> dict[str, float]:
 def anchor_copies(cfg) -> int:
     """fp32 copies of the trained weights a learner rank keeps besides the masters: LoRA's π_0 and
     moving anchors, a full fine-tune's KL anchor, the exact D_step's, and the EMA (optim.ema_decay)."""
-    o, k = cfg.optim, cfg.kl
-    n = 2 if o.finetune == "lora" else int(k.strategy in ("fixed", "moving", "dual"))
-    return n + int(k.strategy in ("step", "dual") and k.d_step == "exact") + int(o.ema_decay > 0)
+    o, kl = cfg.optim, kl_of(cfg)
+    n = 2 if o.finetune == "lora" else int(kl.anchor is not None)
+    return n + int(kl.step and cfg.kl.d_step == "exact") + int(o.ema_decay > 0)
 
 
 def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict[str, float]:
@@ -304,7 +300,7 @@ def rollout_rows(cfg) -> int:
     sampler.forward_batch_size lets through, by the sampler's own rule."""
     from rollout_worker.sampler import samples_per_forward
 
-    per = 2 if cfg.model.guidance_scale > 1.0 and cfg.model.family != "hunyuan15" else 1
+    per = 2 if cfg.model.guidance_scale > 1.0 and FAMILIES[cfg.model.family].cfg_in_one_forward else 1
     return per * samples_per_forward(cfg.sampler.group_size, per, cfg.sampler.forward_batch_size)
 
 
@@ -355,11 +351,8 @@ def trained_per_video(cfg) -> int:
     """Learner rows per video: the steps a member trains, as the sampler draws them (MixGRPO's
     window: its width; Flash-GRPO: 1), or DiffusionNFT's int(T·timestep_fraction) noised copies
     of its final latents."""
-    if cfg.grpo.loss == "nft":
-        from common.sde import Schedule
-
-        return max(1, int(Schedule.from_config(cfg.schedule).steps * cfg.nft.timestep_fraction))
-    return stored_steps_per_member(cfg)
+    rows = method_of(cfg).rows_per_video
+    return rows(cfg) if rows is not None else stored_steps_per_member(cfg)
 
 
 def all_to_all_bytes(a: Arch, rows: int, dtype_bytes: int, sp: int) -> float:
@@ -390,10 +383,8 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     steps = Schedule.from_config(cfg.schedule).steps
     cfg_passes = 2 if cfg.model.guidance_scale > 1.0 else 1
     k = trained_per_video(cfg)  # learner rows per video
-    anchors_fwd = (1 if cfg.kl.strategy in ("fixed", "moving", "dual") else 0) + \
-        (1 if cfg.kl.strategy in ("step", "dual") and cfg.kl.d_step == "exact" else 0)
-    if cfg.grpo.loss == "nft":  # v_old on every row, π_0 for its KL
-        anchors_fwd = 1 + (1 if cfg.nft.kl > 0 else 0)
+    # the method's anchors, and the exact D_step's forward of the sampling policy
+    anchors_fwd = len(method_of(cfg).anchors(cfg)) + int(kl_of(cfg).step and cfg.kl.d_step == "exact")
     recompute = 1 if cfg.model.gradient_checkpointing else 0
     passes_r, passes_t = steps * cfg_passes, k * cfg_passes
     p.flops = {"rollout per video": passes_r * forward_flops(a, 1, sp_r) * sp_r,

@@ -7,7 +7,6 @@ node is slower now and then (a cold cache, a busy link, a thermally throttled GP
 from __future__ import annotations
 
 from cluster.plan.sizing import (
-    _FROZEN,
     GPUS,
     MFU,
     Plan,
@@ -16,6 +15,7 @@ from cluster.plan.sizing import (
     lean_setup,
 )
 from cluster.plan.vae import vae_flops
+from common.families import FAMILIES
 
 SAFETY = 3.0
 """Each timeout must be at least this multiple of the work's estimate."""
@@ -35,7 +35,7 @@ def group_seconds(cfg, p: Plan) -> dict[str, float]:
     peak = GPUS[p.gpu][0] * 1e12
     vae_rate = peak * VAE_MFU * (0.5 if _vae_fp32(cfg) else 1.0)
     branches = 2 if m.guidance_scale > 1.0 else 1
-    text = 2 * sum(v for k, v in _FROZEN[m.family].items() if k.startswith("text_encoder")) \
+    text = 2 * sum(v for k, v in FAMILIES[m.family].frozen.items() if k.startswith("text_encoder")) \
         * m.max_sequence_length * branches
     encode = text / (peak * MFU)
     if m.task == "i2v":  # Wan encodes the first frame padded to the whole clip; HunyuanVideo 1.5 the frame

@@ -12,13 +12,15 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from common.families import FAMILIES
+
 _PROBE = (2, 8, 8)  # latent frames, height, width of the probe (5 x 64 x 64 pixels for Wan)
 
 
 def _vae_class(family: str):
-    from diffusers import AutoencoderKLHunyuanVideo15, AutoencoderKLWan
+    import diffusers  # heavy: diffusers, only when a plan is made
 
-    return {"wan": AutoencoderKLWan, "hunyuan15": AutoencoderKLHunyuanVideo15}[family]
+    return getattr(diffusers, FAMILIES[family].vae)
 
 
 def vae_config(cfg) -> dict:

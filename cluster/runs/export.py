@@ -31,6 +31,7 @@ from cluster.runs.model_card import load_snippet, model_card
 from cluster.runs.policy_file import POLICY_FILE, read_policy_file, resolve_target
 from common import storage
 from common.config import ConfigError, RunConfig
+from common.families import FAMILIES
 from learner.checkpoint import PREFIX, CheckpointError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"   # diffusers' LORA_WEIGHT_NAME_SAFE
@@ -38,11 +39,6 @@ EXPERT_LORA_FILES = {"transformer": LORA_FILE, "transformer_2": "pytorch_lora_we
 EXPORT_JSON = "vgrpo_export.json"
 FORMAT = "vgrpo-export/1"
 
-# family → task → the diffusers pipeline class (the toy has none: ToyVideoModel is its pipeline)
-PIPELINES = {"wan": {"t2v": "WanPipeline", "i2v": "WanImageToVideoPipeline"},
-             "hunyuan15": {"t2v": "HunyuanVideo15Pipeline", "i2v": "HunyuanVideo15ImageToVideoPipeline"}}
-TRANSFORMERS = {"wan": "WanTransformer3DModel", "hunyuan15": "HunyuanVideo15Transformer3DModel",
-                "toy": "WanTransformer3DModel"}
 
 
 def export_run(run: str, out: str, step: int | None = None, pipeline: bool = False,
@@ -85,8 +81,8 @@ def _describe(cfg: RunConfig, ckpt, meta: dict[str, str], run_loc, command: str)
         "base": {"family": m.family, "task": m.task, "path": m.path, "dtype": m.dtype,
                  "num_frames": m.num_frames, "height": m.height, "width": m.width,
                  "guidance_scale": m.guidance_scale},
-        "pipeline_class": PIPELINES.get(m.family, {}).get(m.task),
-        "transformer_class": TRANSFORMERS[m.family], "command": command,
+        "pipeline_class": FAMILIES[m.family].pipelines.get(m.task),
+        "transformer_class": FAMILIES[m.family].transformer, "command": command,
         "schedule": (f"Schedule.explicit({list(cfg.schedule.sigmas)})" if cfg.schedule.sigmas is not None
                      else f"Schedule.linear({cfg.schedule.steps}, {cfg.schedule.shift})"),
     }
@@ -169,7 +165,7 @@ def write_lora(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
     import diffusers
 
     family = cfg.model.family
-    name = PIPELINES[family][cfg.model.task] if family in PIPELINES else "WanPipeline"  # toy: Wan's
+    name = FAMILIES[family].pipelines.get(cfg.model.task, "WanPipeline")  # the toy has none: Wan's
     save = getattr(getattr(diffusers, name), "save_lora_weights", None) or _save_lora_generic
     files = []
     for expert, weights in experts.items():
@@ -201,13 +197,13 @@ def transformer_config(cfg: RunConfig, expert: str) -> dict[str, Any]:
     checkpoint's sidecar."""
     import diffusers
 
-    if cfg.model.family == "toy":
+    if not FAMILIES[cfg.model.family].needs_path:
         from rollout_worker.models.toy import ToyVideoModel
 
         kw = dict(ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))["transformer"])
         kw["patch_size"] = tuple(kw["patch_size"])
         return kw
-    cls = getattr(diffusers, TRANSFORMERS[cfg.model.family])
+    cls = getattr(diffusers, FAMILIES[cfg.model.family].transformer)
     return dict(cls.load_config(cfg.model.path, subfolder=expert))
 
 
@@ -216,7 +212,7 @@ def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
     (built on the meta device: no copy of the weights is made, the policy's tensors are saved)."""
     import diffusers
 
-    cls = getattr(diffusers, TRANSFORMERS[cfg.model.family])
+    cls = getattr(diffusers, FAMILIES[cfg.model.family].transformer)
     for expert, weights in experts.items():
         with torch.device("meta"):
             module = cls.from_config(transformer_config(cfg, expert))
@@ -226,7 +222,7 @@ def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
             raise CheckpointError(f"{ckpt / POLICY_FILE}: does not fit the base's {expert} "
                                   f"({str(e).splitlines()[0]}); was the config edited after training?") from None
         module.save_pretrained(out / expert)
-    if cfg.model.family == "toy":   # the toy's pipeline: its text encoder and world beside the transformer
+    if not FAMILIES[cfg.model.family].needs_path:   # the toy's pipeline: its text encoder and world beside the transformer
         from rollout_worker.models.toy import DIR_META, ToyVideoModel
 
         side = ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))
@@ -240,7 +236,7 @@ def link_base(cfg: RunConfig, out: Path, trained: dict) -> list[str]:
     the filesystem allows (no copy of a 20 GB text encoder), else copies."""
     from rollout_worker.models.base import is_local
 
-    if cfg.model.family == "toy":
+    if not FAMILIES[cfg.model.family].needs_path:
         return []   # transformer/ + toy.json is the whole toy pipeline
     base = Path(cfg.model.path).expanduser()
     if not is_local(cfg.model.path) or not (base / "model_index.json").is_file():

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from common.config import RunConfig, to_dict
+from common.families import FAMILIES
 
 # the config sections that define the method (the rest is plumbing: pools, logging); of two of
 # them only the fields that do (not where Redis is, what checkpoints and evaluations keep)
@@ -31,7 +32,7 @@ def method_name(cfg: RunConfig) -> str:
 def load_snippet(info: dict[str, Any], out: str) -> str:
     """Python that loads the folder with diffusers and samples one video."""
     base, kind = info["base"], info["kind"]
-    if base["family"] == "toy":
+    if not FAMILIES[base["family"]].needs_path:  # its own pipeline, not diffusers'
         return _toy_snippet(info, out)
     pipe_cls, tr_cls = info["pipeline_class"], info["transformer_class"]
     dtype = f"torch.{base['dtype']}"
@@ -42,7 +43,7 @@ def load_snippet(info: dict[str, Any], out: str) -> str:
     lines = ["import torch", f"from diffusers import {pipe_cls}" + (f", {tr_cls}" if kind == "full" else "")]
     if kind == "lora":
         lines.append(f'pipe = {pipe_cls}.from_pretrained("{base["path"]}", torch_dtype={dtype})')
-        if base["family"] == "hunyuan15":  # diffusers 0.42's pipeline has no load_lora_weights; its transformer does
+        if FAMILIES[base["family"]].lora_on_transformer:  # diffusers 0.42's pipeline has no load_lora_weights
             lines.append(f'pipe.transformer.load_lora_adapter("{out}", use_safetensors=True)')
         else:
             lines.append(f'pipe.load_lora_weights("{out}")')

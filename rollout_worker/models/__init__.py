@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from common.config import RunConfig
+from common.families import family_of
 from rollout_worker.models.base import DTYPES as _DTYPES
 from rollout_worker.models.base import Components, Cond, ModelLoadError, VideoModel
 
@@ -23,23 +26,16 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None,
     their parameters on the meta device, no weights read: the sharded learner reads each rank's
     own rows from the checkpoint's files (learner/shard_load.py)."""
     m = cfg.model
+    spec = family_of(m.family)
     device = default_device() if device is None else torch.device(device)
-    if empty and (m.family == "toy" or components != "transformer"):
+    if empty and (not spec.lean_sharded or components != "transformer"):
         raise ValueError("build_model(empty=True) builds a diffusers transformer alone "
-                         "(components='transformer', model.family wan or hunyuan15)")
-    if m.family == "toy":
-        from rollout_worker.models.toy import ToyVideoModel
-
-        return ToyVideoModel.from_config(cfg, components)  # CPU-sized by design
+                         f"(components='transformer', a family with lean_sharded; not {m.family!r})")
+    module, name = spec.adapter.split(":")
+    adapter = getattr(importlib.import_module(module), name)  # the family's own imports, only now
+    if not spec.needs_path:
+        return adapter.from_config(cfg, components)  # ships its own weights (the toy: CPU-sized by design)
     if m.path is None:
         raise ModelLoadError(f"model.path is required for model.family = {m.family!r} "
                              "(a local diffusers-format directory or a hub id)")
-    if m.family == "wan":
-        from rollout_worker.models.wan import WanVideoModel
-
-        return WanVideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components, empty)
-    if m.family == "hunyuan15":
-        from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
-
-        return Hunyuan15VideoModel.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components, empty)
-    raise ModelLoadError(f"model.family = {m.family!r} has no adapter")
+    return adapter.from_pretrained(m.path, m, _DTYPES[m.dtype], device, components, empty)

@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -227,3 +228,13 @@ def encoder_fingerprint(model_cfg, negative_prompt: str | None) -> str:
                        "max_sequence_length": m.max_sequence_length, "cfg": m.guidance_scale > 1.0,
                        "negative": m.negative_prompt if negative_prompt is None else negative_prompt},
                       sort_keys=True)
+
+
+def first_frame_pil(img: Tensor):
+    """An I2V first frame, uint8 [H, W, 3], as the PIL image diffusers' processors take."""
+    from PIL import Image  # optional: only an I2V encode needs it
+
+    arr = img.detach().cpu().numpy() if isinstance(img, Tensor) else np.asarray(img)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[-1] != 3:
+        raise ValueError(f"a first frame must be uint8 [H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
+    return Image.fromarray(arr)

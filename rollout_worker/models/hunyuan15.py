@@ -34,6 +34,7 @@ from rollout_worker.models.base import (
     VideoModel,
     cast_params,
     configure_vae,
+    first_frame_pil,
     frames_to_uint8,
     in_compute_dtype,
     is_local,
@@ -43,7 +44,6 @@ from rollout_worker.models.base import (
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
 from rollout_worker.models.kernels import configure_kernels
-from rollout_worker.models.wan import _to_pil
 
 _TEXT_KEYS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
               "encoder_attention_mask_2")
@@ -180,7 +180,7 @@ class Hunyuan15VideoModel(VideoModel):
             raise ValueError("model.task = 'i2v' needs one first frame (uint8 [H, W, 3]) per prompt")
         embeds, conds, masks = [], [], []
         for img in images:
-            pil = self.pipe.video_processor.resize(_to_pil(img), height=self.cfg.height, width=self.cfg.width,
+            pil = self.pipe.video_processor.resize(first_frame_pil(img), height=self.cfg.height, width=self.cfg.width,
                                                    resize_mode="crop")
             embeds.append(self.pipe.encode_image(image=pil, batch_size=1, device=self.device, dtype=self.dtype))
             c, m = self.pipe.prepare_cond_latents_and_mask(

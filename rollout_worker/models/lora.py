@@ -15,24 +15,18 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from common.config import OptimConfig
+from common.families import FAMILIES
 
-# The attention projections of each family's transformer blocks (diffusers module names).
-DEFAULT_TARGETS: dict[str, list[str]] = {
-    "wan": ["to_q", "to_k", "to_v", "to_out.0"],
-    "hunyuan15": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                  "to_add_out"],
-    "toy": ["to_q", "to_k", "to_v", "to_out.0"],
-}
 ADAPTER = "default"
 
 
 def lora_targets(family: str, optim: OptimConfig) -> list[str]:
     if optim.lora_target_modules is not None:
         return list(optim.lora_target_modules)
-    if family not in DEFAULT_TARGETS:
+    if family not in FAMILIES:
         raise ValueError(f"no default LoRA targets for model family {family!r}; "
                          f"set optim.lora_target_modules")
-    return DEFAULT_TARGETS[family]
+    return list(FAMILIES[family].lora_targets)  # the family's attention projections (common/families.py)
 
 
 def inject_lora(module: nn.Module, family: str, optim: OptimConfig, seed: int = 0) -> nn.Module:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -34,6 +33,7 @@ from rollout_worker.models.base import (
     VideoModel,
     cast_params,
     configure_vae,
+    first_frame_pil,
     frames_to_uint8,
     in_compute_dtype,
     is_local,
@@ -251,7 +251,7 @@ class WanVideoModel(VideoModel):
             raise ValueError("model.task = 'i2v' needs one first frame (uint8 [H, W, 3]) per prompt")
         conds, feats = [], []
         for img in images:
-            pil = _to_pil(img)
+            pil = first_frame_pil(img)
             pixels = self.pipe.video_processor.preprocess(pil, height=self.cfg.height, width=self.cfg.width)
             _, condition = self.pipe.prepare_latents(
                 pixels.to(self.device, torch.float32), 1, self.pipe.vae.config.z_dim, self.cfg.height,
@@ -336,12 +336,3 @@ def expert_trains(sigma: float, boundary_timestep: float | None, train_experts: 
         return True
     t = torch.tensor(sigma, dtype=torch.float32) * 1000.0  # the same fp32 test as velocity's
     return bool(t >= boundary_timestep)
-
-
-def _to_pil(img: Tensor):
-    from PIL import Image
-
-    arr = img.detach().cpu().numpy() if isinstance(img, Tensor) else np.asarray(img)
-    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[-1] != 3:
-        raise ValueError(f"a first frame must be uint8 [H, W, 3], got {arr.dtype} {tuple(arr.shape)}")
-    return Image.fromarray(arr)
