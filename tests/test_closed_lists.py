@@ -14,8 +14,8 @@ from helpers_registry import name_tests
 from helpers_tiny import TinyVideoModel, sample_group
 
 from cluster.cli import build_parser, main
-from common import methods, scorers
-from common.config import BankConfig, GRPOConfig, KLConfig, RewardModelConfig, RunConfig, SchemeName
+from common import families, methods, scorers
+from common.config import BankConfig, GRPOConfig, KLConfig, ModelConfig, RewardModelConfig, RunConfig, SchemeName
 from common.sde import SCHEMES
 from common.types import Condition, TrainBatch
 from learner.methods.grpo import GRPO
@@ -30,6 +30,7 @@ def _literal(model, field: str) -> set[str]:
 
 def test_each_literal_equals_its_registry():
     assert set(typing.get_args(SchemeName)) == set(SCHEMES)
+    assert _literal(ModelConfig, "family") == set(families.FAMILIES)
     assert _literal(GRPOConfig, "loss") == set(methods.METHODS)
     assert _literal(KLConfig, "strategy") == set(methods.KL_STRATEGIES)
     assert _literal(BankConfig, "strategy") == set(STRATEGIES)
@@ -38,7 +39,7 @@ def test_each_literal_equals_its_registry():
 def test_reward_names_are_exactly_the_declared_scorers():
     for name, spec in scorers.SCORERS.items():  # each declared scorer loads (with a path where it needs one)
         RewardModelConfig(name=name, path="/ckpt" if spec.needs_path else None)
-    with pytest.raises(ValueError, match="has no scorer; use one of toy, toy_i2v, videoalign, hpsv3, qsave"):
+    with pytest.raises(ValueError, match=f"has no scorer; use one of {', '.join(scorers.SCORERS)}"):
         RewardModelConfig(name="ocr")  # priced once by the plan, never implemented
 
 
@@ -128,4 +129,6 @@ def test_a_scorer_declared_at_test_time_is_validated_built_and_priced(monkeypatc
     m = RewardModelConfig(name="throwaway", dtype="bfloat16")
     assert type(build_reward_model(m)).__name__ == "ToyReward"
     assert reward_bytes(m) == 2e9
+    hub = RewardModelConfig(name="videoalign", path="KwaiVGI/VideoReward", dtype="bfloat16")  # a hub id, not a dir
+    assert reward_bytes(hub) == 2 * scorers.SCORERS["videoalign"].params
     assert tuple(config_heads([m]).names) == toy.heads

@@ -32,6 +32,7 @@ from common.config import (
     read_yaml,
     validate,
 )
+from common.methods import KL_STRATEGIES
 
 # Keys that define the shared budget; a row that sets one is refused.
 BUDGET_KEYS = ("train.steps", "train.groups_per_step", "sampler.group_size", "train.seed",
@@ -107,7 +108,7 @@ class Matrix:
         for row in self.rows:
             cfg = self.config(row, 0)
             # a moving anchor that never refreshes within the budget is the fixed anchor by construction
-            if cfg.kl.strategy in ("moving", "dual") and cfg.train.steps <= cfg.kl.anchor_period:
+            if KL_STRATEGIES[cfg.kl.strategy].anchor == "moving" and cfg.train.steps <= cfg.kl.anchor_period:
                 out.append(f"row {row!r}: kl.strategy={cfg.kl.strategy} refreshes its anchor every "
                            f"{cfg.kl.anchor_period} steps but the budget trains {cfg.train.steps}, so the anchor "
                            "never moves and the row equals a fixed KL; set kl.anchor_period below "
