@@ -15,7 +15,15 @@ from helpers_tiny import TinyVideoModel, sample_group
 
 from cluster.cli import build_parser, main
 from common import families, methods, scorers
-from common.config import BankConfig, GRPOConfig, KLConfig, ModelConfig, RewardModelConfig, RunConfig, SchemeName
+from common.config import (
+    BankConfig,
+    GRPOConfig,
+    KLConfig,
+    ModelConfig,
+    RewardModelConfig,
+    RunConfig,
+    SchemeName,
+)
 from common.sde import SCHEMES
 from common.types import Condition, TrainBatch
 from learner.methods.grpo import GRPO
