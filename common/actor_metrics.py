@@ -37,7 +37,7 @@ def role_metrics(role: str, pool: str | None = None) -> Metrics:
 
     pool=None takes $VGRPO_POOL, else the role (see common.metrics.Metrics)."""
     try:
-        import ray
+        import ray  # heavy: ray
 
         backend = "ray" if ray.is_initialized() else "memory"
     except ImportError:

@@ -8,6 +8,7 @@ naming the full field path, the value and what is allowed (`ConfigError`).
 from __future__ import annotations
 
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -23,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from common import storage
 from common.errors import UserError
 from common.families import FAMILIES
 from common.methods import method_of
@@ -774,8 +776,6 @@ class ConfigError(UserError, ValueError):
 def _short(value: Any, limit: int = MAX_ERROR_CHARS) -> str:
     """repr(value) bounded in depth, items and length: a 389-byte YAML of aliases expands to
     millions of items, and its full repr was a 58-million-character error."""
-    import reprlib
-
     r = reprlib.Repr()
     r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 8, 8, 8, 8
     r.maxstring, r.maxother, r.maxlong = limit, limit, 40
@@ -852,8 +852,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    from common import storage
-
     p = storage.location(path)  # a local file, or one on an object store (a run's config.yaml)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
 ACCEPTED_MODES = ("RGB", "L", "P")
@@ -33,8 +34,6 @@ class ImageError(ValueError):
 
 def decode(data: bytes, where: str):
     """Bytes of an image file → an RGB PIL image; ImageError names `where` and the fix."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
@@ -50,8 +49,6 @@ def decode(data: bytes, where: str):
 
 def fit(img, height: int, width: int) -> np.ndarray:
     """Resize (aspect kept, covering the target, Lanczos) and centre-crop → uint8 [H, W, 3]."""
-    from PIL import Image
-
     w, h = img.size
     if (w, h) != (width, height):
         scale = max(width / w, height / h)

@@ -175,7 +175,7 @@ _prom_servers: dict[int, object] = {}
 
 
 def _ray_metric(s: MetricSpec):
-    from ray.util import metrics as rm
+    from ray.util import metrics as rm  # heavy: ray
 
     with _lock:
         if s.name not in _ray_objects:
@@ -193,7 +193,7 @@ def _ray_metric(s: MetricSpec):
 def prometheus_registry():
     """The CollectorRegistry the prometheus backend records into (one per process)."""
     global _prom_registry
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry  # heavy: prometheus_client
 
     with _lock:
         if _prom_registry is None:
@@ -202,7 +202,7 @@ def prometheus_registry():
 
 
 def _prom_metric(s: MetricSpec):
-    import prometheus_client as pc
+    import prometheus_client as pc  # heavy: prometheus_client
 
     reg = prometheus_registry()
     with _lock:
@@ -223,7 +223,7 @@ def serve_prometheus(port: int, addr: str = "127.0.0.1") -> int:
     Loopback by default: expose it on purpose (addr="0.0.0.0") inside a pod only.
     Returns the bound port (pass port=0 to pick a free one). Idempotent per port.
     """
-    from prometheus_client import start_http_server
+    from prometheus_client import start_http_server  # heavy: prometheus_client
 
     with _lock:
         if port and port in _prom_servers:
@@ -267,7 +267,7 @@ class Metrics:
     def auto(cls, role: str, pool: str | None = None) -> Metrics:
         """Ray metrics when Ray is up in this process, else in-memory."""
         try:
-            import ray
+            import ray  # heavy: ray
 
             up = ray.is_initialized()
         except ImportError:

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from common.config import DEFAULT_ETA
 from common.methods import method_of
 
 LOG_2PI = math.log(2.0 * math.pi)
@@ -362,8 +363,6 @@ def make_scheme(name: str, eta: float | None = None, schedule: Schedule | None =
                 cps_log_prob: str = "mse") -> Scheme:
     """Build a scheme by name. `schedule` provides σ_1 for FlowGRPO's first-step trick and
     Flash-GRPO's σ_max (σ_1) and σ_min (σ_T)."""
-    from common.config import DEFAULT_ETA
-
     if name not in SCHEMES:
         raise ValueError(f"unknown SDE scheme {name!r}; expected one of {sorted(SCHEMES)}")
     eta = DEFAULT_ETA[name] if eta is None else eta

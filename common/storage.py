@@ -22,6 +22,7 @@ new file, never half); `pull_tree` brings them back for `vgrpo resume`/`eval`/`e
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import posixpath
 import re
@@ -42,7 +43,7 @@ def is_uri(location: str | os.PathLike) -> bool:
 
 def filesystem(uri: str):
     """(fsspec filesystem, path inside it) for a URI; names the missing driver when absent."""
-    import fsspec
+    import fsspec  # lazy: fsspec (kept out of vgrpo --help)
 
     try:
         fs, path = fsspec.core.url_to_fs(uri)
@@ -108,8 +109,6 @@ class Uri(str):
                     yield self / posixpath.basename(entry.rstrip("/"))
 
     def glob(self, pattern: str) -> Iterator[Uri]:
-        import fnmatch
-
         return (p for p in self.iterdir() if fnmatch.fnmatch(p.name, pattern))
 
     def read_bytes(self) -> bytes:

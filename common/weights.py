@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
+import xxhash
 from torch import Tensor
 
 DTYPES: dict[str, torch.dtype] = {
@@ -316,8 +317,6 @@ def digests(tensors: Iterable[Tensor], alg: str) -> Tensor:
     for t in tensors:
         raw = _raw(t).cpu().numpy()
         if alg == "xxh3":
-            import xxhash
-
             d = xxhash.xxh3_128_intdigest(raw)
         elif alg == "blake2b":
             d = int.from_bytes(hashlib.blake2b(raw, digest_size=16).digest(), "big")

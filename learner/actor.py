@@ -39,9 +39,13 @@ from common.sde import rollout_spec
 from common.types import PullReceipt, TrainBatch, TrainStats
 from common.weights_record import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
+from learner.admit import Admission, admit
+from learner.advantages import group_spread
+from learner.shard_load import lean_sharder
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher, put_stream, stream_tensors
 from rollout_worker.models import VideoModel, build_model
+from rollout_worker.models.base import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +79,6 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
     """This rank's Trainer, sharded over `mesh` when given (lean: see `lean_setup`, its default);
     with `sp_mesh` (parallel.sp > 1) its transformers split their video tokens over that SP group,
     after LoRA injection and before sharding."""
-    from rollout_worker.models.base import DTYPES
-
     lean = lean_setup(cfg, mesh, model_factory) if lean is None else lean
     if model_factory is not None:
         model = model_factory()
@@ -87,8 +89,6 @@ def make_trainer(cfg: RunConfig, device: torch.device, mesh=None, model_factory:
     if msg is not None:
         raise ConfigError(f"{cfg.model.path}: {msg}")
     if lean:
-        from learner.shard_load import lean_sharder
-
         sharder = lean_sharder(cfg.model.path, mesh, device, DTYPES[cfg.model.dtype], cfg.learner.cpu_offload)
         if sp_mesh is not None:
             sharder = _split_first(model, sp_mesh, sharder)
@@ -195,7 +195,6 @@ class LearnerRank:
             out.reward_mean = float(torch.cat([g.composite for g in batch.fresh]).float().mean())
             out.head_means = {h: float(torch.stack([g.scores.values[:, i].mean() for g in batch.fresh]).mean())
                               for i, h in enumerate(out.heads)}
-            from learner.advantages import group_spread
 
             out.spread = group_spread(batch.fresh)
             if self.world_size > 1:
@@ -206,8 +205,6 @@ class LearnerRank:
         """Take out what does not fit this run (learner/admit.py): untrainable entries to the
         quarantine, banked entries of other settings evicted, their fresh groups dropped.
         Returns ({dropped group id: why}, lines for the driver's log)."""
-        from learner.admit import Admission, admit
-
         if self._admission is None:  # the run's settings and model: fixed for the process's life
             self._admission = Admission(rollout_spec(self.cfg), tuple(self.trainer.model.latent_shape))
         verdict = admit(batch, self._admission, version)
@@ -364,7 +361,7 @@ class LearnerRank:
 
     def layout(self) -> dict:
         """This rank's place on the (dp, sp) mesh and the SP degree its transformers run at."""
-        from rollout_worker.models.sp import sp_degree
+        from rollout_worker.models.sp import sp_degree  # heavy: diffusers
 
         m = self.mesh
         return {"rank": self.rank, "dp_rank": m.dp_rank if m else 0, "dp_size": m.dp_size if m else 1,

@@ -36,9 +36,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors.torch import save as save_safetensors
 
 from common import storage
 from common.errors import UserError
+from learner.finite_guard import check_weights
 
 PREFIX = "step_"
 STATE_FILE, EXTRA_FILE = "trainer.pt", "extra.json"
@@ -188,8 +190,6 @@ def prune(root: Path, keep: int, marker: str = STATE_FILE) -> None:
 
 def check_finite(state: dict, what: str) -> None:
     """A trainer state's weights (policy.params) are never saved NaN/inf (learner/finite_guard.py)."""
-    from learner.finite_guard import check_weights
-
     policy = state.get("policy")
     if isinstance(policy, dict) and isinstance(policy.get("params"), dict):
         check_weights(policy["params"], what)
@@ -222,14 +222,10 @@ def load(path: str | os.PathLike, map_location="cpu") -> tuple[dict, dict, Path]
 def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int, decay: float) -> None:
     """The exported policy, `policy.safetensors` (what `vgrpo eval` and `vgrpo export` read): the
     weights or, with optim.ema_decay, their moving average; its metadata says which."""
-    from safetensors.torch import save
-
-    from learner.finite_guard import check_weights
-
     check_weights(payload, str(path))
     meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(version),
             "vgrpo.ema_decay": repr(float(decay)) if ema else "0.0"}
-    data = save({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)
+    data = save_safetensors({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)
     if storage.is_uri(path):
         storage.write(str(path), data)   # one PUT: whole or absent
         return

@@ -43,6 +43,7 @@ from learner.checkpoint import (
     verify_file,
     write_torch,
 )
+from learner.finite_guard import NonFiniteWeights
 
 
 def shard_file(rank: int) -> str:
@@ -139,8 +140,6 @@ def _check_finite_everywhere(state: dict, step: int, world: int) -> None:
     found: list = [None] * world
     dist.all_gather_object(found, bad)
     if any(found):
-        from learner.finite_guard import NonFiniteWeights
-
         raise NonFiniteWeights(next(f for f in found if f))
 
 

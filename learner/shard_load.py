@@ -91,7 +91,7 @@ def model_dirs(path: str, module: nn.Module) -> dict[str, Path]:
     parts = {f"{k}.": k for k in module} if isinstance(module, nn.ModuleDict) else {"": "transformer"}
     root = Path(path).expanduser()
     if not root.is_dir():  # a hub id: the parts' folders from the local cache (downloaded once)
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # heavy: huggingface_hub
 
         root = Path(snapshot_download(path, allow_patterns=[f"{p}/*" for p in parts.values()]))
     return {prefix: root / sub for prefix, sub in parts.items()}

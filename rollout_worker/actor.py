@@ -38,14 +38,26 @@ from torch import Tensor
 
 from common.actor_metrics import exports_generate, exports_weight_load
 from common.config import RunConfig, validate
+from common.images import resolve_images, reward_images
 from common.retry import retry_outage
 from common.sde import Schedule
 from common.types import Condition, Group, GroupReceipt, Scores
 from common.weights import verify
 from common.weights_record import StreamedWeights, WeightsRecord
+from memory_bank.errors import (
+    BankError,
+    BankFull,
+    BankTooSmall,
+    BankUnavailable,
+    DuplicateGroup,
+    LeaseLost,
+)
+from reward_worker.actor import RewardClient, RewardFailed, RewardTimeout, actor_names
 from rollout_worker.models import build_model
+from rollout_worker.models.base import copy_weights
 from rollout_worker.models.lora import inject_lora
 from rollout_worker.sampler import sample_group, sample_videos
+from rollout_worker.sp_group import SPFollowers, group_digest, join_sp_group
 from rollout_worker.weight_receiver import BucketGauge, WeightReceiver, load_streamed
 
 log = logging.getLogger(__name__)
@@ -65,8 +77,6 @@ class RolloutWorker:
         # SP leader: start the followers first, so they build their models while this one does
         self._followers = None
         if sp_rank == 0 and self.cfg.pools.rollout.parallel.sp > 1:
-            from rollout_worker.sp_group import SPFollowers
-
             self._followers = SPFollowers(RolloutActor, self.cfg, actor_index)
         self.model = build_model(self.cfg)
         if self.cfg.optim.finetune == "lora":
@@ -93,8 +103,6 @@ class RolloutWorker:
         group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                              group_id=group_id)
         if self._followers is not None:
-            from rollout_worker.sp_group import group_digest
-
             self._followers.check(follow, group_digest(group), f"group {group.group_id}")
         return group
 
@@ -106,16 +114,12 @@ class RolloutWorker:
     # --- an SP follower's verbs (the leader calls them; see rollout_worker/sp_group.py) ---
 
     def join_sp(self, host: str, port: int) -> int:
-        from rollout_worker.sp_group import join_sp_group
-
         join_sp_group(self.model, host, port, self.sp_rank, self.cfg.pools.rollout.parallel.sp,
                       self.cfg.sampler.timeout_s)
         return self.sp_rank
 
     def sp_generate(self, condition: Condition, seed: int, group_id: str | None) -> str:
         """The leader's group, generated in step with it (no decode); returns its digest."""
-        from rollout_worker.sp_group import group_digest
-
         self._check_whole()
         group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
                              group_id=group_id, decode=False)
@@ -130,8 +134,6 @@ class RolloutWorker:
         self._sp_targets, self._torn = self.model.weight_targets(names), int(version)
 
     def sp_load_bucket(self, views: dict[str, Tensor]) -> None:
-        from rollout_worker.models.base import copy_weights
-
         copy_weights(self._sp_targets, views)
 
     def sp_load_end(self, version: int) -> None:
@@ -165,9 +167,6 @@ class RolloutWorker:
     def _score(self, group: Group, frames: Tensor, rec: GroupReceipt) -> bool:
         """Score with the reward pool: the frames go from here to the reward actors through the
         object store. Sets group.scores and composite; False (with `rec` failed) if it cannot."""
-        from common.images import reward_images
-        from reward_worker.actor import RewardFailed, RewardTimeout
-
         client = self._reward_client()
         before = (sum(client.timeouts.values()), sum(client.failures.values()))
         t0 = time.monotonic()
@@ -192,15 +191,6 @@ class RolloutWorker:
     def _store(self, group: Group, rec: GroupReceipt) -> GroupReceipt:
         """Push the scored group into the bank, retried while Redis is unreachable (for up to
         bank.outage_s); every other bank error fails the receipt with its kind."""
-        from memory_bank.errors import (
-            BankError,
-            BankFull,
-            BankTooSmall,
-            BankUnavailable,
-            DuplicateGroup,
-            LeaseLost,
-        )
-
         t0, outage_s, retried = time.monotonic(), self.cfg.bank.outage_s, []
 
         def push() -> None:
@@ -236,8 +226,6 @@ class RolloutWorker:
 
     def _reward_client(self):
         if self._rewards is None:
-            from reward_worker.actor import RewardClient, actor_names
-
             if not self._reward_actors:
                 raise RuntimeError(f"rollout actor {self.actor_index} was created without reward actors: "
                                    "pass rewards= to score and push groups itself")
@@ -286,8 +274,6 @@ class RolloutWorker:
             follow = fw.submit("sp_load_begin", version, names)
 
         def sink(views: dict[str, Tensor]) -> None:
-            from rollout_worker.models.base import copy_weights
-
             loaded.append(len(views))
             copy_weights(targets, views)
             if fw is not None:  # serialized now, so the receive buffer may be reused; a compact copy of
@@ -315,8 +301,6 @@ class RolloutWorker:
                       images: list[str] | Tensor | None = None, decode: bool = True) -> Tensor:
         """Evaluation videos with the current weights, one per (prompt, seed) (I2V: `images`, a
         first-frame path per video, read here). uint8 [B, F, H, W, 3]"""
-        from common.images import resolve_images
-
         m = self.cfg.model
         follow = self._followers.submit("sp_sample_videos", prompts, seeds, scheme, images) \
             if self._followers else []
@@ -382,7 +366,7 @@ class RolloutWorker:
         """Who answers: the index, the version held, the process's incarnation (a restarted actor
         answers with a new one, so a caller can tell it is not the process it knew) and its SP
         degree; an SP leader adds every rank's (version, degree)."""
-        from rollout_worker.models.sp import sp_degree
+        from rollout_worker.models.sp import sp_degree  # heavy: diffusers
 
         out = {"actor_index": self.actor_index, "version": self._version, "family": self.model.family,
                "incarnation": self._incarnation, "sp": sp_degree(self.model.transformers())}

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.types import Group
 from common.weight_group import backend_for
@@ -43,7 +44,7 @@ def _free_port() -> int:
 
 def join_sp_group(model, host: str, port: int, rank: int, sp: int, timeout_s: float) -> None:
     """Join the SP group's default process group and split `model`'s transformers over it."""
-    from rollout_worker.models.sp import sp_mesh
+    from rollout_worker.models.sp import sp_mesh  # heavy: diffusers
 
     device = torch.device(model.device)
     if device.type == "cuda":
@@ -70,8 +71,6 @@ def _follower_options(pool, actor_index: int, j: int, leaders: int) -> dict[str,
     pg = ray.util.get_current_placement_group()
     index = leaders + actor_index * (pool.parallel.sp - 1) + (j - 1)
     if pg is not None and index < len(pg.bundle_specs):
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                        placement_group_bundle_index=index)
     return opts

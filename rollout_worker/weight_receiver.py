@@ -15,6 +15,7 @@ tracked until its memory can be freed: a view keeps its base alive) for tests an
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -82,8 +83,6 @@ def check_manifest(m: W.Manifest, checksum: str | None, who: str) -> None:
 
 
 def _from_host(arr, dtype: str) -> Tensor:
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
         t = torch.from_numpy(arr)
@@ -94,7 +93,7 @@ def _from_host(arr, dtype: str) -> Tensor:
 def load_streamed(sw: StreamedWeights, checksum: str | None, sink: Sink, device: torch.device,
                   who: str, gauge: BucketGauge | None = None, timeout_s: float = 120.0) -> W.Manifest:
     """Check and load an object-store payload bucket by bucket (two mapped at most)."""
-    import ray
+    import ray  # heavy: ray
 
     m = W.Manifest.from_dict(sw.manifest)
     if len(sw.refs) != len(m.buckets):

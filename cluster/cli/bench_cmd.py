@@ -7,6 +7,9 @@ imports them.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from common.config import ConfigError
@@ -28,10 +31,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import os
-    import subprocess
-    import sys
-
 
     if not (ROOT / "benchmarks" / "run_all.py").is_file():
         raise ConfigError(f"{ROOT / 'benchmarks'}: not found; the benchmarks ship with the source, so "

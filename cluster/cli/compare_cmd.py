@@ -10,9 +10,11 @@ is reused, so an interrupted comparison continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
+from cluster.compare.matrix import load_matrix
 from cluster.compare.runner import run_matrix, write_report
 from common.config import ConfigError
 
@@ -47,9 +49,6 @@ def register(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    import sys
-
-    from cluster.compare.matrix import load_matrix
 
     matrix = load_matrix(args.config).for_mode(args.quick, args.seeds)
     for w in matrix.warnings():

@@ -18,6 +18,7 @@ def register(sub) -> None:
 
 
 def cmd_check(args) -> int:
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from cluster.data.prompts import load_prompts
     from common.images import condition_image
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from cluster.evaluation.policy import evaluate_policy, load_policy, score
+from cluster.runs.media import grid_image, write_gif
 from cluster.runs.policy_file import resolve_target
 from common import storage
 from common.config import SCHEME_NAMES, ConfigError
@@ -45,16 +50,17 @@ def register(sub) -> None:
 
 
 def cmd_eval(args) -> int:
+    # lazy: imageio, rich (kept out of vgrpo --help)
     import imageio.v3 as iio
-    import numpy as np
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from cluster.data.manifests import side_by_side
-    from cluster.runs.media import grid_image, write_gif
 
     out, upload = _out_dir(args)
     if args.curve:
+        # lazy: torch, rich (kept out of vgrpo --help)
         from cluster.evaluation.curve import run_curve
 
         run = storage.location(args.target)
@@ -94,8 +100,6 @@ def cmd_eval(args) -> int:
 def _out_dir(args) -> tuple[Path, str | None]:
     """(local folder to write into, object-store prefix to upload it to afterwards or None).
     The default is TARGET/eval; a target on an object store gets it there too."""
-    import tempfile
-
     if args.out:
         return Path(args.out), None
     if args.target == "base":
@@ -110,17 +114,13 @@ def _shown(f: Path, out: Path, upload: str | None) -> str:
 
 
 def _upload(out: Path, upload: str | None) -> None:
-    import shutil
-
     if upload is not None:
         storage.push_tree(out, upload)
         shutil.rmtree(out, ignore_errors=True)
 
 
 def cmd_sample(args) -> int:
-    import numpy as np
-
-    from cluster.runs.media import write_gif
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from common.images import ImageError, load_image
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos

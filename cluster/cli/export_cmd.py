@@ -23,6 +23,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from cluster.runs.export import export_run
 
     argv = getattr(args, "argv", None) or ["export", args.run, "--out", args.out]

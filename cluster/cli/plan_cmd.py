@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from cluster.cli.config_cmd import add_config_args
+from cluster.driver.preflight import health_warnings
+from cluster.plan.bank import bank_size
+from cluster.plan.checks import refuse, run_checks
+from cluster.plan.host import host_ram, peak, pods_for
 from cluster.plan.sizing import (
     GB,
     GPUS,
@@ -14,6 +19,7 @@ from cluster.plan.sizing import (
     rollout_peaks,
     rollout_rows,
 )
+from cluster.plan.timing import SAFETY
 from common.config import ConfigError, load_config
 
 
@@ -100,10 +106,6 @@ def render(cfg, p: Plan, source: str) -> str:
 
 def render_checks(cfg, p: Plan, checks, pods_source: str) -> str:
     """The memory bank, host RAM per role and every checked figure, one line each."""
-    from cluster.plan.bank import bank_size
-    from cluster.plan.host import host_ram, peak
-    from cluster.plan.timing import SAFETY
-
     b = bank_size(cfg)
     lines = ["memory bank (each member stores only the steps it trains; the condition once per group):",
              f"  stored steps per member        {b.steps_per_member:9d}     latents {list(b.latent)} "
@@ -124,8 +126,6 @@ def render_checks(cfg, p: Plan, checks, pods_source: str) -> str:
 
 
 def register(sub) -> None:
-    from cluster.cli.config_cmd import add_config_args
-
     p = sub.add_parser("plan", help="estimate memory per rank, time per video and the GPU split",
                        description="Estimate, from CONFIG alone (no weights are loaded), the memory a "
                        "learner and a rollout rank need, FLOPs and seconds per rollout and per trained "
@@ -140,9 +140,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from cluster.plan.checks import refuse, run_checks
-    from cluster.plan.host import pods_for
-
     cfg = load_config(args.config, args.overrides)
     try:
         p = plan(cfg, args.gpu)
@@ -152,7 +149,6 @@ def run(args) -> int:
     checks = run_checks(cfg, p, pods)
     print(render(cfg, p, args.config or "defaults"))
     print(render_checks(cfg, p, checks, source))
-    from cluster.driver.preflight import health_warnings
 
     for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
         print(f"warning: {line}")

@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from cluster.runs.run_dir import is_stale
 from common import storage
 from common.config import ConfigError
 
@@ -37,10 +40,6 @@ def _last_row(metrics: Path) -> dict[str, Any]:
 
 def describe(path) -> dict[str, Any]:
     """What `vgrpo runs` shows for one run directory (a Path, or a storage.Uri on an object store)."""
-    import yaml
-
-    from cluster.runs.run_dir import is_stale
-
     path = storage.location(path)
     try:
         cfg = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}
@@ -74,7 +73,7 @@ def _read_json(f) -> dict[str, Any]:
 def health_status(path: Path, summary: dict[str, Any]) -> str | None:
     """`ok`, `warn: <checks>` or `stop: <check>` from RUN_DIR/health.json (or summary.json's
     health section); None for a run without health checks."""
-    from cluster.health.hook import read_health
+    from cluster.health.hook import read_health  # lazy: torch, rich (kept out of vgrpo --help)
 
     h = read_health(path) or summary.get("health")
     if not isinstance(h, dict) or not isinstance(h.get("checks"), dict):
@@ -109,6 +108,7 @@ def run(args) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
+    # lazy: rich (kept out of vgrpo --help)
     from rich.console import Console
     from rich.table import Table
 

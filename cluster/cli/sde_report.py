@@ -38,6 +38,7 @@ def register(sub) -> None:
 
 def regime_stds(regime: str, steps: int, shift: float, eta: float | None, c: float) -> dict[str, list[float]]:
     """std per step for every scheme under one regime."""
+    # lazy: torch (kept out of vgrpo --help)
     from common.sde import Flow, Sage, Schedule, make_scheme
 
     sched = Schedule.linear(steps, shift)
@@ -63,9 +64,11 @@ def regime_stds(regime: str, steps: int, shift: float, eta: float | None, c: flo
 
 
 def run(args) -> int:
+    # lazy: rich (kept out of vgrpo --help)
     from rich.console import Console
     from rich.table import Table
 
+    # lazy: torch (kept out of vgrpo --help)
     from common.sde import Schedule, equalizer_weights, make_scheme
 
     if args.steps < 1:
@@ -116,10 +119,10 @@ def run(args) -> int:
 
 
 def write_plot(data, sched, out: Path, args) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (kept out of vgrpo --help)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib (kept out of vgrpo --help)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     ks = list(range(sched.steps))

@@ -7,6 +7,11 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from cluster.runs.media import grid_image
+from common import toyscore
+from common import toyworld as tw
 from common.config import SCHEME_NAMES
 
 
@@ -76,6 +81,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_i2v_data(args) -> int:
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from rollout_worker.models.toy_i2v_data import write_sets
 
     for path in write_sets(args.out):
@@ -84,8 +90,9 @@ def cmd_i2v_data(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    import torch
+    import torch  # lazy: torch (kept out of vgrpo --help)
 
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from rollout_worker.models.toy_pretrain import pretrain
 
     torch.set_num_threads(args.threads)
@@ -101,6 +108,7 @@ def cmd_pretrain(args) -> int:
 
 def _sample(model, prompts, seeds, args, images=None):
     """Videos uint8 [B, F, H, W, 3] from the rollout sampler (one per (prompt, seed))."""
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos
 
@@ -109,8 +117,9 @@ def _sample(model, prompts, seeds, args, images=None):
 
 
 def _load(args):
-    import torch
+    import torch  # lazy: torch (kept out of vgrpo --help)
 
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from rollout_worker.models.toy import BASE_I2V_CHECKPOINT, ToyVideoModel
 
     torch.set_num_threads(1)
@@ -121,12 +130,9 @@ def _load(args):
 
 
 def cmd_sample(args) -> int:
+    # lazy: torch, imageio (kept out of vgrpo --help)
     import imageio.v3 as iio
-    import numpy as np
     import torch
-
-    from common import toyscore
-    from common import toyworld as tw
 
     try:
         tw.parse_prompt(args.prompt)
@@ -143,6 +149,7 @@ def cmd_sample(args) -> int:
     iio.imwrite(out, big, duration=250, loop=0)
     written = [str(out)]
     try:
+        # optional: imageio-ffmpeg
         import imageio_ffmpeg  # noqa: F401
     except ImportError:
         pass                                            # GIF only: MP4 needs imageio-ffmpeg
@@ -159,10 +166,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_grid(args) -> int:
-    import imageio.v3 as iio
-
-    from cluster.runs.media import grid_image
-    from common import toyworld as tw
+    import imageio.v3 as iio  # lazy: imageio (kept out of vgrpo --help)
 
     model = _load(args)
     pairs = tw.eval_pairs(args.seeds)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from cluster.cli.config_cmd import add_config_args
+from cluster.driver.preflight import check_model_path, health_warnings, preflight
+from cluster.runs.run_dir import RunDir
 from common.config import ConfigError, load_config
 
 
@@ -33,9 +35,6 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
-    from cluster.driver.preflight import check_model_path, health_warnings, preflight
-    from cluster.runs.run_dir import RunDir
-
     cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
     preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
     check_model_path(cfg)
@@ -45,9 +44,8 @@ def train(args) -> int:
 
 
 def resume(args) -> int:
-    from cluster.driver.preflight import preflight
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from cluster.driver.saved_state import check_saved_state
-    from cluster.runs.run_dir import RunDir
     from learner import dist_checkpoint
 
     run_dir = RunDir.open(args.run_dir)  # a folder, or a run on an object store (s3://…) staged here
@@ -67,8 +65,9 @@ def resume(args) -> int:
 
 def _run(cfg, run_dir, resume, evaluate: bool) -> int:
     """The run's lifecycle (cluster/driver/lifecycle.py) with this command's console and progress bar."""
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich (kept out of vgrpo --help)
 
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from cluster.cli.progress import TrainProgress
     from cluster.driver.driver import Driver
     from cluster.driver.lifecycle import run_in_dir

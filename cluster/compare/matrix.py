@@ -20,6 +20,7 @@ the budget keys: then it would not be the same budget.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,6 @@ class Matrix:
 
     def config(self, row: str, seed: int, extra: list[str] = ()) -> RunConfig:
         """The resolved config of one run; errors name the matrix file and the row."""
-        import copy
-
         data = copy.deepcopy(self.base)
         try:
             data = apply_overrides(data, [*self.budget, *self.rows[row], f"train.seed={seed}", *extra])

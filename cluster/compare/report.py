@@ -14,6 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from cluster.compare.stats import (
+    RESOLUTION,
+    claim_verdict,
+    paired_difference,
+    seeds_needed,
+    verdict,
+)
 from cluster.evaluation.evaluate import EvalResult, paired
 
 
@@ -176,10 +183,10 @@ def mean_curve(runs_metrics: list[list[dict[str, Any]]], key: str) -> tuple[np.n
 def plot_curves(metrics: dict[str, list[list[dict[str, Any]]]], heads: list[str], path: Path,
                 title: str = "") -> Path:
     """One panel per reward (composite, then heads); a line per method, mean over seeds, smoothed."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     keys = [("reward_mean", "composite")] + [(f"reward/{h}", h) for h in heads]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
@@ -216,8 +223,6 @@ def _ci(p) -> str:
 
 def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str]) -> dict[str, dict[str, Any]]:
     """row → key → Paired (row − reference on the same seeds and pairs), rows that share a seed with it."""
-    from cluster.compare.stats import paired_difference
-
     if not runs:
         return {}
     keys = ["composite", *runs[0]["heads"]]
@@ -234,8 +239,6 @@ def paired_rows(runs: list[dict[str, Any]], reference: str, rows_order: list[str
 def paired_table(runs: list[dict[str, Any]], reference: str | None, rows_order: list[str]) -> str:
     """Row − reference: mean and 95% Student-t interval over seeds, composite and each head, and
     whether the composite interval is narrow enough to separate an effect of RESOLUTION."""
-    from cluster.compare.stats import RESOLUTION, seeds_needed
-
     if reference is None:
         return ""
     title = f"## Paired difference vs {reference}\n"
@@ -279,8 +282,6 @@ def _claim_line(better: str, worse: str, p, v: str) -> str:
 def claims_section(runs: list[dict[str, Any]], claims) -> tuple[str, list[dict[str, Any]]]:
     """'Which claims reproduce': per claim the paired composite difference better − worse and a
     verdict; with the same numbers as plain data for compare.json."""
-    from cluster.compare.stats import claim_verdict, paired_difference, verdict
-
     if not claims:
         return "", []
     lines, data = ["## Which claims reproduce\n"], []

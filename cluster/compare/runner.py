@@ -14,12 +14,19 @@ import os
 import platform
 import re
 import shutil
+import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.compare.stats import seed_targets
+from cluster.driver import pools
+from cluster.driver.pools import local_cpus, local_resources
+from cluster.driver.preflight import check_model_path
+from cluster.runs.run_dir import RunDir
 from common.config import save_config
 
 RUN_RECORD = "compare_run.json"
@@ -103,10 +110,10 @@ def run_one(cfg, before_cache: BeforeCache | None = None, note=print,
             active: ActiveDrivers | None = None) -> dict[str, Any] | None:
     """Train one run through the run's lifecycle (cluster/driver/lifecycle.py); its record, or None
     when it was interrupted. The before-evaluation is shared between runs of the same base."""
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from cluster.driver.driver import Driver
     from cluster.driver.lifecycle import live
     from cluster.evaluation.evaluate import EvalResult
-    from cluster.runs.run_dir import RunDir
 
     run_dir = RunDir.create(cfg)
     driver = Driver(cfg, run_dir)
@@ -140,9 +147,7 @@ def _fit_parallel(cfg, parallel: int, note) -> int:
     learner take turns, so N runs keep about N cores busy while asking Ray for 2N CPUs; every actor
     still runs torch on one thread. A cluster joined here (RAY_ADDRESS, or one already up) is not
     resized: N is cut to what it holds, since a run whose actors cannot be placed would wait and fail."""
-    import ray
-
-    from cluster.driver.pools import local_cpus, local_resources
+    import ray  # lazy: ray (kept out of vgrpo --help)
 
     total = ray.cluster_resources()
     need = {"CPU": float(local_cpus(cfg)), **local_resources(cfg)}
@@ -166,10 +171,6 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
     The before-evaluation is the base policy on the fixed pairs with ODE sampling, the same for
     every row; with `share_before` it is measured once and reused.
     """
-    from cluster.compare.stats import seed_targets
-    from cluster.driver.pools import init_ray
-    from cluster.runs.run_dir import RunDir
-
     rows = rows or list(matrix.rows)
     pairs = [(a, b) for a, b in matrix.pairs() if a in rows and b in rows]
     parallel = parallel or matrix.parallel
@@ -182,7 +183,7 @@ def run_matrix(matrix, out: Path, rows: list[str] | None = None, note=print,
 
     counts = {row: matrix.seeds for row in rows}
     # one cluster for every run, sized for `parallel` of them; a Driver leaves it running
-    handle = init_ray(cfg_of(rows[0], 0), copies=parallel)
+    handle = pools.init_ray(cfg_of(rows[0], 0), copies=parallel)
     state = _Round(done={}, failed={}, before_cache=BeforeCache() if share_before else None,
                    active=ActiveDrivers(), parallel=parallel)
     try:
@@ -291,12 +292,12 @@ def _warm_imports(cfg) -> None:
     """What Driver.setup imports and loads first, done once in this thread before the runs start:
     diffusers' lazy module is not thread-safe, and two Drivers loading the model for the first time
     at once failed with "cannot import name 'WanTransformer3DModel' from 'diffusers'"."""
+    # lazy: torch, ray (kept out of vgrpo --help)
     import cluster.evaluation.evaluate  # noqa: F401
     import learner.actor  # noqa: F401
     import memory_bank.connect  # noqa: F401
     import reward_worker.actor  # noqa: F401
     import rollout_worker.actor  # noqa: F401
-    from cluster.driver.preflight import check_model_path
 
     check_model_path(cfg)  # the toy model: builds its transformer (diffusers); others: path checks
 
@@ -304,8 +305,6 @@ def _warm_imports(cfg) -> None:
 def _run_threads(worker, n: int, active: ActiveDrivers, note) -> None:
     """n worker threads; Ctrl-C in the main thread stops every run at the end of its step (a
     second Ctrl-C aborts)."""
-    import signal
-
     def on_sigint(signum, frame) -> None:
         if active.stopping.is_set():
             raise KeyboardInterrupt
@@ -327,8 +326,6 @@ def _run_threads(worker, n: int, active: ActiveDrivers, note) -> None:
 
 
 def _same_config(cfg, path: Path, save_config) -> bool:
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         save_config(cfg, Path(d) / "c.yaml")
         want = (Path(d) / "c.yaml").read_text()
@@ -338,6 +335,7 @@ def _same_config(cfg, path: Path, save_config) -> bool:
 
 def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapsed_s: float,
                  parallel: int | None = None) -> Path:
+    # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.compare.report import (
         claims_section,
         costs,
@@ -388,6 +386,7 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
 
 def _write_json(path: Path, matrix, result: dict[str, Any], rows: list[str], g, claims_data, cost) -> None:
     """compare.json: the tables' numbers as plain data."""
+    # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.compare.report import paired_rows
 
     paired = ({row: {k: p.to_dict() for k, p in per_key.items() if p is not None}

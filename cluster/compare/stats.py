@@ -95,6 +95,7 @@ def t_quantile(p: float, dof: int) -> float:
 
 def run_gains(run: dict[str, Any]) -> dict[str, float]:
     """One run's gains on its eval pairs: key (composite, each head) → mean(after − before)."""
+    # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.evaluation.evaluate import EvalResult, paired
 
     heads = run["heads"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from cluster.data import manifests as datasets
 from cluster.data.text import condition_id, read_prompt_file
+from common.toyworld import PROMPT_SETS
 from common.types import Condition
 
 
@@ -14,8 +15,6 @@ def load_prompts(spec: str) -> list[Condition]:
     """`toy-train`, `toy-eval`, `toy-world`; `toy-i2v-train`, `toy-i2v-eval` (the committed toy
     I2V manifests); a JSONL manifest (`*.jsonl`); a folder of images with captions; or the
     path of a prompts file."""
-    from common.toyworld import PROMPT_SETS
-
     if spec in datasets.BUILTIN_MANIFESTS:
         return datasets.read_manifest(datasets.BUILTIN_MANIFESTS[spec])
     if spec in PROMPT_SETS:

@@ -22,6 +22,8 @@ from cluster.driver.state import DriverState
 from common import storage
 from learner import checkpoint as ckpt
 from learner.checkpoint import DiskFull
+from memory_bank.dump import dump_bank
+from memory_bank.errors import BankUnavailable
 
 
 def try_write(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]
@@ -29,9 +31,9 @@ def try_write(learner, bank, state: DriverState, root: Path, note: Callable[[str
     """(the step dir, None), or (None, one line) for a write that failed and left the last
     checkpoint standing: a full disk, or a learner that died while writing (only the staged
     step is lost; it was never committed)."""
-    import ray
+    import ray  # heavy: ray
 
-    from common.dispatch import why_lost
+    from common.dispatch import why_lost  # heavy: ray
 
     try:
         return write_checkpoint(learner, bank, state, root, note), None
@@ -42,9 +44,6 @@ def try_write(learner, bank, state: DriverState, root: Path, note: Callable[[str
 
 
 def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callable[[str], None]) -> Path:
-    from memory_bank.dump import dump_bank
-    from memory_bank.errors import BankUnavailable
-
     extra = state.saved()
     try:
         extra["bank"] = bank.snapshot()

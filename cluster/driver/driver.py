@@ -29,6 +29,7 @@ trained, so a checkpoint records exactly which groups a resume must keep or draw
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -40,24 +41,37 @@ from typing import Any
 
 import numpy as np
 
+import reward_worker.actor
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
+from cluster.driver.checkpoint import try_write
 from cluster.driver.drops import Drops
 from cluster.driver.errors import ConfigStop, LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
 from cluster.driver.pools import Placement, RayHandle, init_ray, reward_actor_count
 from cluster.driver.preflight import check_model_path
+from cluster.driver.producer import Producer
 from cluster.driver.publish import Publisher
+from cluster.driver.resume import restore
 from cluster.driver.state import DriverState, cursor_of
 from cluster.driver.step_record import StepExporter, step_record
 from cluster.driver.stream import PromptStream
 from cluster.driver.versions import Versions
+from cluster.driver.watchdog import guard
+from cluster.driver.weight_registry import start_registry
 from cluster.evaluation.run_eval import evaluate_run, step_videos
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
 from common.config import RunConfig
 from common.metrics import Metrics
 from common.types import PullReceipt
+from learner.checkpoint import disk_full_line, is_disk_full
+from learner.finite_guard import GROUPS, SKIPPED
+from memory_bank.connect import connect_bank
+from memory_bank.errors import BankUnavailable
+from memory_bank.ownership import claim_namespace
+from memory_bank.ref import make_ref
+from reward_worker.actor import RewardClient, actor_names
 
 log = logging.getLogger("vgrpo.driver")
 
@@ -117,7 +131,7 @@ class Driver:
     # --- 1. set-up ---------------------------------------------------------------------------
 
     def setup(self, resume: Path | None = None) -> None:
-        import ray
+        import ray  # heavy: ray
 
         cfg, s = self.cfg, self.started
         check_model_path(cfg)
@@ -140,10 +154,6 @@ class Driver:
     def _connect_bank(self, resume: bool) -> None:
         """A configured Redis, or an embedded redis-server for this run. The driver's own
         connection does bookkeeping only; actors get the URL by reference."""
-        from memory_bank.connect import connect_bank
-        from memory_bank.ownership import claim_namespace
-        from memory_bank.ref import make_ref
-
         cfg, s = self.cfg, self.started
         spans = s.ray.spans_nodes()  # an embedded Redis listens where other nodes reach it, too
         host = _node_ip() if spans else None  # None: one node (bank.embedded_listen auto: unix)
@@ -160,15 +170,12 @@ class Driver:
 
     def _guard(self) -> None:
         """A SIGKILLed driver runs no teardown: its watchdog does it (cluster/driver/watchdog.py)."""
-        from cluster.driver.watchdog import guard
-
         s = self.started
         s.watchdog = guard(s.ray.own_session if s.ray is not None else None, s.redis, s.secret_dir)
 
     def _start_pools(self) -> None:
-        from cluster.driver.weight_registry import start_registry
+        # heavy: ray, peft
         from learner.actor import LearnerGroup
-        from reward_worker.actor import RewardClient, actor_names, create_reward_actors
         from rollout_worker.actor import RolloutActor
 
         cfg, s = self.cfg, self.started
@@ -178,7 +185,7 @@ class Driver:
                                              Placement.create(pools.rollout, "rollout", n_roll),
                                              Placement.create(pools.learner, "learner", pools.learner.num_actors))
         s.placements += [reward_pg, rollout_pg, learner_pg]
-        reward_actors = create_reward_actors(cfg.rewards.models, pools.reward, self.reward_factory, reward_pg.options)
+        reward_actors = reward_worker.actor.create_reward_actors(cfg.rewards.models, pools.reward, self.reward_factory, reward_pg.options)
         s.actors += [a for actors in reward_actors.values() for a in actors]
         self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models), cfg.rewards.models,
                                                             strict=True)))
@@ -194,8 +201,6 @@ class Driver:
                                    timers=self.timers, metrics=self.metrics)
 
     def _bank_url(self) -> str:
-        import os
-
         if self.redis is not None:
             return self.redis.url.get_secret_value()
         if self.cfg.bank.redis_url is not None:
@@ -205,8 +210,6 @@ class Driver:
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), the driver's state and the
         bank's entries (cluster/driver/resume.py); then the restored version is published."""
-        from cluster.driver.resume import restore
-
         commit = lambda gids, step: self._bank("commit", self.learner.commit_ids, gids, step)  # noqa: E731
         restore(self.state, self.learner.load_checkpoint(ckpt), ckpt, self.bank, commit, self.note)
         if (torn := self.run_dir.truncate_metrics(self.state.step)) is not None:
@@ -266,9 +269,9 @@ class Driver:
         untrainable, other settings) or the step raised on the batch (quarantined whole): their
         cursors are drawn again and nothing is trained until the step's groups are all there
         (cluster/driver/drops.py)."""
-        import ray
+        import ray  # heavy: ray
 
-        from common.dispatch import why_lost
+        from common.dispatch import why_lost  # heavy: ray
 
         t0, s = time.monotonic(), self.state
         self._check_lease()
@@ -306,8 +309,6 @@ class Driver:
         """The learner's finite-update guard skipped the step (learner/finite_guard.py): counted (in
         all, and in a row: a checkpoint keeps both) and said, naming the groups; the health check
         `numerics` stops the run when it goes on."""
-        from learner.finite_guard import GROUPS, SKIPPED
-
         skipped = values.get(SKIPPED) == 1.0
         with self.state.lock:
             self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
@@ -341,7 +342,7 @@ class Driver:
 
     def _learner_check(self) -> None:
         """Mark the learner lost when its ranks no longer answer (no checkpoint can be written)."""
-        import ray
+        import ray  # heavy: ray
 
         try:
             ray.get([r.version.remote() for r in self.learner.ranks], timeout=30)
@@ -376,8 +377,6 @@ class Driver:
 
     def _disk_full(self, e: OSError) -> StopRun:
         """The run stops at this step in one line naming the file; any other OSError goes on up."""
-        from learner.checkpoint import disk_full_line, is_disk_full
-
         if not is_disk_full(e):
             raise e
         path = e.filename or self.run_dir.path  # a write() that ran out has no file name: the run dir
@@ -420,8 +419,6 @@ class Driver:
                 self._heldout()  # health: every health.eval_every steps
 
     def _run_async(self, progress) -> None:
-        from cluster.driver.producer import Producer
-
         gps, c = self.cfg.train.groups_per_step, self.state.counts
         with Producer(self.fleet, lambda: self._may_dispatch(max(1, self.cfg.train.max_staleness)),
                       self.stop_requested, POLL_S) as producer:
@@ -434,8 +431,6 @@ class Driver:
                     self._heldout()  # health: with the weights the actors hold now
 
     def _after_step(self, stats: dict[str, Any], progress) -> None:
-        from memory_bank.errors import BankUnavailable
-
         s = self.state
         try:  # the step is logged even when Redis just went away; the next bank call decides
             bank = self.bank.stats()
@@ -478,8 +473,6 @@ class Driver:
     def checkpoint(self) -> Path | None:
         """Learner state plus what a resume needs (cluster/driver/checkpoint.py). None when the
         learner is gone (the last checkpoint stands)."""
-        from cluster.driver.checkpoint import try_write
-
         if self.learner_lost or self.lease_lost or (self.started.lease is not None and self.started.lease.lost):
             why = "the learner is gone" if self.learner_lost else "another run holds the bank's lease"
             self.note(f"no checkpoint: {why}; the last checkpoint stands")
@@ -493,7 +486,7 @@ class Driver:
 
     def teardown(self) -> None:
         """Stop what setup started, in reverse order (setup may have stopped part-way)."""
-        from common.actors import kill_and_wait
+        from common.actors import kill_and_wait  # heavy: ray
 
         s = self.started
         if self.learner is not None:
@@ -522,7 +515,7 @@ class Driver:
 
 
 def _node_ip() -> str:
-    import ray
+    import ray  # heavy: ray
 
     return ray.util.get_node_ip_address()  # the address Ray itself uses for this node
 

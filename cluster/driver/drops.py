@@ -64,7 +64,7 @@ class Drops:
     def train_or_quarantine(self, learner, pulled: PullReceipt, bank_call):
         """The step on the pulled batch, or None when it raised: the batch quarantined, its
         groups refilled. `bank_call(what, fn, *args)`: the driver's bank call (retries, fencing)."""
-        import ray
+        import ray  # heavy: ray
 
         try:
             stats = learner.train_pulled(pulled)

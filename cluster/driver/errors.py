@@ -20,7 +20,7 @@ class LeaseStop(StopRun):
 
 def is_lease_lost(e: BaseException) -> bool:
     """A bank script's LeaseLost, raised here or in an actor (Ray wraps it: the cause is kept)."""
-    from memory_bank.errors import LeaseLost
+    from memory_bank.errors import LeaseLost  # heavy: torch, redis
 
     return isinstance(e, LeaseLost) or isinstance(getattr(e, "cause", None), LeaseLost)
 
@@ -33,7 +33,7 @@ class ConfigStop(StopRun):
 def bank_call(what: str, fn, *args, outage_s: float, metrics=None, **kw):
     """A bank call (here, or on an actor through Ray) retried with backoff while Redis is
     unreachable, for up to `outage_s` (common/retry.py); then StopRun naming the call and cause."""
-    from memory_bank.errors import BankUnavailable
+    from memory_bank.errors import BankUnavailable  # heavy: torch, redis
 
     def count(*_) -> None:
         if metrics is not None:

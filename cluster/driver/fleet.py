@@ -109,7 +109,7 @@ class RolloutFleet:
 
     def collect(self, timeout: float) -> list[GroupReceipt]:
         """Wait up to `timeout` for the next event of any group in flight; handle what arrived."""
-        import ray
+        import ray  # heavy: ray
 
         if not self.busy:  # every actor is restarting or waits for a record: nothing to wait on
             time.sleep(timeout)
@@ -131,7 +131,7 @@ class RolloutFleet:
             self.collect(poll_s)
 
     def _on_event(self, i: int, ref) -> GroupReceipt | None:
-        import ray
+        import ray  # heavy: ray
 
         f = self.busy[i]
         try:
@@ -231,7 +231,7 @@ class RolloutFleet:
 
     def _on_timeout(self, i: int, cursor: int, phase: str) -> None:
         """A rollout actor past its deadline (a hung device, a stuck kernel): restart it."""
-        import ray
+        import ray  # heavy: ray
 
         self.state.counts["rollout_timeouts"] += 1
         self.metrics.inc("vgrpo_errors_total", 1, kind="rollout_timeout")
@@ -257,7 +257,7 @@ class RolloutFleet:
 
     def back(self, i: int) -> bool:
         """Whether actor i can take a group: it never failed, or it answers again since."""
-        import ray
+        import ray  # heavy: ray
 
         probe = self.restarting.get(i)
         if probe is None:
@@ -281,7 +281,7 @@ class RolloutFleet:
 
     def sync_idle(self, poll_s: float) -> None:
         """Every rollout actor holds the newest version (before an evaluation; actors are idle)."""
-        import ray
+        import ray  # heavy: ray
 
         self.wait_idle(poll_s)
         behind = [i for i in range(len(self.actors)) if self.behind(i)]

@@ -58,7 +58,7 @@ class GroupMembers:
         """Each rollout actor's incarnation, for those that answer: the steady ones within the
         timeout (an actor finishing a group answers after it), a restarting one only if it is
         already back (a slow model load must not hold the publish)."""
-        import ray
+        import ray  # heavy: ray
 
         fleet = self.fleet
         refs = {i: a.ping.remote() for i, a in enumerate(fleet.actors)}

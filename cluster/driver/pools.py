@@ -37,12 +37,12 @@ class RayHandle:
     def spans_nodes(self) -> bool:
         """Whether actors may run on other nodes than the driver's: a joined cluster (which may
         grow: the autoscaler), or one that has several nodes now."""
-        import ray
+        import ray  # lazy: ray (kept out of vgrpo --help)
 
         return self.joined or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
     def shutdown(self) -> None:
-        import ray
+        import ray  # lazy: ray (kept out of vgrpo --help)
 
         if self.started_here and ray.is_initialized():
             ray.shutdown()
@@ -77,7 +77,7 @@ def local_cpus(cfg: RunConfig) -> int:
 def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> RayHandle:
     """Join RAY_ADDRESS (as under `ray job submit`) or start a local cluster sized for the config,
     or for `copies` runs of it at once (`vgrpo compare --parallel`)."""
-    import ray
+    import ray  # lazy: ray (kept out of vgrpo --help)
 
     address = address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
@@ -114,6 +114,7 @@ def placement_group_for(pool: PoolConfig, role: str, count: int):
     """A PACK placement group with one bundle per process of the pool's `count` actors; None for
     an empty pool. Bundles 0..count-1 are the actors themselves; with parallel.sp > 1 the rest
     hold their SP followers (rollout_worker/sp_group.py)."""
+    # lazy: ray (kept out of vgrpo --help)
     from ray.util.placement_group import placement_group
 
     if count <= 0:
@@ -131,6 +132,7 @@ def in_group(pg, index: int) -> dict[str, Any]:
     """Options that put an actor in bundle `index` of a placement group."""
     if pg is None:
         return {}
+    # lazy: ray (kept out of vgrpo --help)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -149,7 +151,7 @@ class Placement:
 
     @classmethod
     def create(cls, pool: PoolConfig, role: str, count: int, timeout_s: float = 300.0) -> Placement:
-        import ray
+        import ray  # lazy: ray (kept out of vgrpo --help)
 
         pg = placement_group_for(pool, role, count)
         if pg is not None:
@@ -161,6 +163,7 @@ class Placement:
 
     def remove(self) -> None:
         if self.group is not None:
+            # lazy: ray (kept out of vgrpo --help)
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.group)

@@ -4,8 +4,14 @@ line naming the field and the fix."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import yaml
+
+from cluster.plan.checks import refuse, run_checks
+from cluster.plan.sizing import plan
+from cluster.runs.tracking import check_installed
 from common.config import ConfigError, RunConfig
 from common.families import FAMILIES
 from common.scorers import scorer_spec
@@ -14,6 +20,7 @@ from common.scorers import scorer_spec
 def check_prompts(cfg: RunConfig) -> None:
     """Every prompt set loads and fits model.task (I2V: a first frame per row), the held-out
     health set too."""
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from cluster.data.manifests import check_task
     from cluster.data.prompts import load_prompts
 
@@ -31,6 +38,7 @@ def check_prompts(cfg: RunConfig) -> None:
 def check_rewards(cfg: RunConfig) -> None:
     """Every reward model has a scorer, no two report the same head name (common/rewards.py),
     and reward checkpoints named as local paths exist; hub ids are left to the loader."""
+    # lazy: torch (kept out of vgrpo --help)
     from reward_worker.registry import config_heads
     from rollout_worker.models.base import is_local
 
@@ -55,12 +63,14 @@ def check_rewards(cfg: RunConfig) -> None:
 
 def check_model_path(cfg: RunConfig) -> None:
     """Fail before any actor starts when model.path is missing or plainly incomplete."""
+    # lazy: torch (kept out of vgrpo --help)
     from rollout_worker.models.base import ModelLoadError, is_local, require_dir
 
     path = cfg.model.path
     if not FAMILIES[cfg.model.family].needs_path:
         if path is not None and not Path(path).exists():
             raise ModelLoadError(f"model.path {path!r} does not exist")
+        # lazy: torch, safetensors (kept out of vgrpo --help)
         from rollout_worker.models.toy import ToyVideoModel
         return ToyVideoModel.check(cfg)  # damaged weights: one line here, not a traceback per actor
     if path is None:
@@ -73,9 +83,7 @@ def check_experts(cfg: RunConfig) -> None:
     """Wan 2.2 with train_experts=high_noise: no trained step on the frozen low-noise expert, by
     the config's model.boundary_ratio or, without one, a local checkpoint's model_index.json
     (the learner checks a hub checkpoint's when it builds)."""
-    import json
-
-    from common.experts import rows_on_frozen_expert
+    from common.experts import rows_on_frozen_expert  # lazy: torch (kept out of vgrpo --help)
 
     boundary = cfg.model.boundary_ratio
     index = Path(cfg.model.path or "") / "model_index.json"
@@ -95,8 +103,6 @@ def check_plan(cfg: RunConfig) -> None:
     chart writes) that hold their processes. Families without a plan (toy) are not sized."""
     if cfg.model.family not in PLANNED:
         return
-    from cluster.plan.checks import refuse, run_checks
-    from cluster.plan.sizing import plan
 
     try:
         p = plan(cfg)
@@ -107,8 +113,6 @@ def check_plan(cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Everything a run checks before it starts Ray, Redis or writes a file."""
-    from cluster.runs.tracking import check_installed
-
     check_installed(cfg)
     check_prompts(cfg)
     check_model_path(cfg)
@@ -144,8 +148,7 @@ def health_warnings(cfg: RunConfig) -> list[str]:
 def measured_drift(cfg: RunConfig) -> tuple[float, Path] | None:
     """The first-update max |log r| of the newest earlier run under run.root with the same model
     (family, path, dtype), from its health.json; None when there is none."""
-    import yaml
-
+    # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.health.hook import HEALTH_FILE, read_health
 
     root = Path(cfg.run.root)

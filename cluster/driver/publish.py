@@ -72,9 +72,9 @@ class Publisher:
     def _broadcast(self, version: int, ema: bool) -> None:
         """One broadcast to the weight group, formed again first when its members changed; once
         more with a new group when a member failed during it. Actors left out get the record."""
-        import ray
+        import ray  # heavy: ray
 
-        from common.dispatch import why_lost
+        from common.dispatch import why_lost  # heavy: ray
 
         fleet = self.fleet
         for attempt in range(2):

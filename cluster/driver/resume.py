@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from cluster.driver.state import DriverState, cursor_of, version_of
+from memory_bank.dump import restore_bank
+from memory_bank.dump import step_dir as bank_step_dir
 
 
 def restore(state: DriverState, extra: dict[str, Any], ckpt: Path, bank,
             commit_ids: Callable[[list[str], int], int], note: Callable[[str], None]) -> None:
     """Restore `state` from a checkpoint's `extra` and the bank's dump beside it."""
-    from memory_bank.dump import restore_bank
-    from memory_bank.dump import step_dir as bank_step_dir
-
     saved = DriverState.from_saved(extra, f"{ckpt}/extra.json")
     note(restore_bank(bank, bank_step_dir(ckpt, saved.step)))  # before any requeue
     state.step, state.cursor, state.skipped_in_a_row = saved.step, saved.cursor, saved.skipped_in_a_row

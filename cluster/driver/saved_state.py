@@ -19,12 +19,18 @@ import json
 import math
 import os
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cluster.driver.state import DriverState
+from cluster.runs.run_dir import RunFileError, is_stale
 from common.families import FAMILIES
 from learner.checkpoint import EXTRA_FILE, STATE_FILE, CheckpointError, load_state_file, read_extra
+from rollout_worker.models import build_model
+from rollout_worker.models.base import is_local
 
 STATES = ("running", "finished", "stopped")
 
@@ -46,8 +52,6 @@ def _time(v: Any) -> bool:
 
 def check_status(f: Path) -> dict[str, Any]:
     """status.json as vgrpo writes it ({} when there is none), or RunFileError naming the field."""
-    from cluster.runs.run_dir import RunFileError
-
     if not f.is_file():
         return {}
     try:
@@ -79,8 +83,6 @@ def check_status(f: Path) -> dict[str, Any]:
 
 def check_not_running(f: Path, status: dict[str, Any]) -> str | None:
     """Refuse a resume while the run's driver is alive on this host; the note for a stale one."""
-    from cluster.runs.run_dir import RunFileError, is_stale
-
     if status.get("state") != "running" or status.get("host") != socket.gethostname() \
             or status.get("pid") == os.getpid():  # this process's own earlier session (tests resume in-process)
         return None
@@ -126,8 +128,6 @@ def check_trainer_state(ckpt: Path, cfg, step: int) -> None:
 
 
 def _is_tensor(t: Any) -> bool:
-    import torch
-
     return isinstance(t, torch.Tensor)
 
 
@@ -153,13 +153,7 @@ def model_shapes(cfg) -> dict[str, tuple]:
     config.json, parameters and LoRA adapters on the meta device (no weight read, nothing
     allocated: a 14B expert costs the driver no memory). {} for a hub id: nothing is fetched
     before Ray starts (the learner's load_state_dict checks the names there)."""
-    from contextlib import nullcontext
-
-    import torch
-
-    from learner.policy import Policy
-    from rollout_worker.models import build_model
-    from rollout_worker.models.base import is_local
+    from learner.policy import Policy  # heavy: peft
 
     toy = not FAMILIES[cfg.model.family].needs_path  # ships its own weights: built whole
     if not toy and not (cfg.model.path and is_local(cfg.model.path)):

@@ -26,7 +26,7 @@ class WeightRegistry:
 
 
 def remote_registry():
-    import ray
+    import ray  # heavy: ray
 
     return ray.remote(WeightRegistry)
 
@@ -34,6 +34,7 @@ def remote_registry():
 def start_registry(name: str):
     """The run's registry, pinned to the driver's node: it lives as long as the run (a node
     that dies takes the driver with it only if it is the driver's), and holds no resources."""
+    # heavy: ray
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

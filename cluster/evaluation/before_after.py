@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import imageio.v3 as iio
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from common.toyscore import centroids, foreground
 
 SCALE, GAP = 8, 2  # pixels per video pixel; video pixels between cells (videos, rows)
 FRAME_GAP = 4      # screen pixels between the frames of one video: each frame reads as a frame
@@ -56,10 +60,6 @@ def trail_cell(frames: np.ndarray, scale: int) -> np.ndarray:
     """A frame-sized cell: every frame faded and overlaid, the square's centroid per frame as a
     dot (brighter with time), joined by a line, an arrowhead on the last. Frames where toyscore
     finds no square are left out of the path."""
-    from PIL import Image, ImageDraw
-
-    from common.toyscore import centroids, foreground
-
     ghost = (frames.astype(np.float32).max(axis=0) * 0.45).astype(np.uint8)
     img = Image.fromarray(ghost.repeat(scale, axis=0).repeat(scale, axis=1))
     draw = ImageDraw.Draw(img)
@@ -103,8 +103,6 @@ def row_labels(n_prompts: int, prompts: list[str] | None = None) -> list[list[st
 def labelled(grid: np.ndarray, labels: list[list[str]], row_px: int, gap_px: int, pad: int = 8) -> np.ndarray:
     """The grid with a white strip on its left holding each picture row's lines of text, centred
     on the row (rows of `row_px` pixels, `gap_px` apart, as before_after_grid draws them)."""
-    from PIL import Image, ImageDraw, ImageFont
-
     try:
         font = ImageFont.load_default(size=max(10, row_px // 8))
     except (TypeError, OSError):  # Pillow without FreeType: the fixed bitmap font
@@ -127,8 +125,6 @@ def write_before_after(path: Path, before: np.ndarray, after: np.ndarray, seeds_
                        prompts: list[str] | None = None, trails: bool = False) -> Path:
     """The grid as a PNG, each row labelled; `prompts`: the evaluation's prompts, in pair order;
     `trails`: draw the toy square's path after each video."""
-    import imageio.v3 as iio
-
     grid = before_after_grid(before, after, seeds_per_prompt, trails=trails)
     idx, k = shown_pairs(before.shape[0], seeds_per_prompt)
     labels = row_labels(len(idx) // k, prompts)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.progress import track
 
 from cluster.evaluation.evaluate import EvalResult, paired
 from cluster.runs.policy_file import policy_checkpoints
@@ -49,10 +50,10 @@ def markdown(before: EvalResult, rows: list[dict[str, Any]]) -> str:
 
 
 def plot(before: EvalResult, rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib
 
     keys = ["composite", *before.heads]
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.4), squeeze=False)
@@ -81,7 +82,6 @@ def run_curve(run: Path, seeds: int | None, out: Path, evaluate) -> tuple[str, P
         raise ConfigError(f"{run}: no checkpoint under {run / 'checkpoints'} (train.checkpoint_every, "
                           "train.keep_checkpoints keep them)")
     cfg = load_config(run / "config.yaml")
-    from rich.progress import track
 
     before = evaluate(cfg, None, seeds)
     afters = [(step_of(c), evaluate(cfg, c, seeds))

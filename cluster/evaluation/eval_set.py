@@ -12,7 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.data.manifests import check_task
+from cluster.data.prompts import load_prompts
+from cluster.data.text import condition_id
 from common.config import ModelConfig
+from common.toyworld import eval_seeds
 from common.types import Condition
 
 
@@ -25,10 +29,6 @@ class EvalSet:
     @classmethod
     def load(cls, spec: str, seeds: int, model: ModelConfig) -> EvalSet:
         """The prompt set `spec` (checked against model.task) × the first `seeds` fixed seeds."""
-        from cluster.data.manifests import check_task
-        from cluster.data.prompts import load_prompts
-        from common.toyworld import eval_seeds
-
         conds = load_prompts(spec)
         check_task(conds, model.task, spec)
         fixed = eval_seeds(seeds)
@@ -37,8 +37,6 @@ class EvalSet:
     @classmethod
     def of_pairs(cls, pairs: Sequence[tuple[str, int]], images: Sequence[str] | None = None) -> EvalSet:
         """A hand-made list of (prompt, seed) pairs (with a first-frame path each, for I2V)."""
-        from cluster.data.text import condition_id
-
         paths = [None] * len(pairs) if images is None else list(images)
         return cls(tuple(Condition(condition_id(p), p, image_path=i) for (p, _), i in zip(pairs, paths, strict=True)),
                    tuple(s for _, s in pairs))

@@ -6,8 +6,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from rich.table import Table
 
 from cluster.evaluation.eval_set import EvalSet
+from common.types import Scores
+from reward_worker.actor import RewardFailed, RewardTimeout
 
 
 @dataclass
@@ -57,8 +61,7 @@ def split_pairs(rollouts: list, evals: EvalSet):
 def sample_pairs(rollouts: list, evals: EvalSet):
     """ODE videos of the evaluation pairs, split over the rollout actors (I2V: each actor reads
     the first-frame files itself). uint8 [N, F, H, W, 3]"""
-    import ray
-    import torch
+    import ray  # heavy: ray
 
     calls = list(split_pairs(rollouts, evals))
     refs = [a.sample_videos.remote(prompts, seeds, "ode", imgs) for a, _, prompts, seeds, imgs in calls]
@@ -73,10 +76,6 @@ def score_pairs(rollouts: list, evals: EvalSet, keep: set[int] | frozenset[int] 
     """Each rollout actor ODE-samples its share of the pairs and scores it with the reward pool
     itself (the data plane, as for training groups). Back come every pair's score row and the
     frames of the pairs in `keep` only: (Scores [N, H], {pair index: uint8 [F, H, W, 3]})."""
-    import torch
-
-    from common.types import Scores
-
     calls = list(split_pairs(rollouts, evals))
     refs = [a.evaluate_pairs.remote(prompts, seeds, imgs, [j for j, k in enumerate(share) if k in keep])
             for a, share, prompts, seeds, imgs in calls]
@@ -96,9 +95,7 @@ def score_pairs(rollouts: list, evals: EvalSet, keep: set[int] | frozenset[int] 
 def _get_scored(refs: list) -> list:
     """ray.get, with a reward model's failure raised as itself (naming the model), as when the
     caller scored the videos with its own RewardClient."""
-    import ray
-
-    from reward_worker.actor import RewardFailed, RewardTimeout
+    import ray  # heavy: ray
 
     try:
         return ray.get(refs)
@@ -135,8 +132,6 @@ def paired(before: EvalResult, after: EvalResult) -> list[PairedDiff]:
 
 
 def summary_table(before: EvalResult, after: EvalResult, title: str):
-    from rich.table import Table
-
     t = Table(title=title)
     for col in ("reward", "before", "after", "after − before", "z"):
         t.add_column(col, justify="right" if col != "reward" else "left")

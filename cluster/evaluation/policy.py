@@ -11,8 +11,9 @@ from cluster.runs.policy_file import POLICY_FILE, read_policy
 
 def load_policy(cfg, ckpt: Path | None):
     """The rollout model with the checkpoint's published weights loaded (adapter or full)."""
-    import torch
+    import torch  # lazy: torch (kept out of vgrpo --help)
 
+    # lazy: torch, peft (kept out of vgrpo --help)
     from learner.checkpoint import CheckpointError
     from rollout_worker.models import build_model
     from rollout_worker.models.lora import inject_lora
@@ -35,10 +36,12 @@ def score(cfg, frames, prompts, images=None, factory=None):
     """Scores from every reward model of the config, merged, and the composite with the run's
     reward heads (common/rewards.py). `images`: the I2V first frames uint8 [B, H, W, 3], or None;
     `factory`: builds a reward model from its config (default: the registry's scorers)."""
+    # lazy: torch (kept out of vgrpo --help)
     from common.rewards import RewardHeads
     from common.types import Scores
 
     if factory is None:
+        # lazy: torch (kept out of vgrpo --help)
         from reward_worker.registry import build_reward_model as factory
         from reward_worker.registry import config_heads
 
@@ -56,6 +59,7 @@ def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: s
     """ODE-sample the evaluation pairs (`prompts` × `seeds`, default the run's train.eval_prompts ×
     train.eval_seeds) with the checkpoint (None: the base) and score them.
     Returns (EvalResult, frames uint8 [N, F, H, W, 3], the EvalSet)."""
+    # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.evaluation.eval_set import EvalSet
     from cluster.evaluation.evaluate import EvalResult
     from common.images import condition_images

@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from rich.table import Table
+
+from cluster.evaluation.evaluate import paired
 from common.config import RunConfig
 from common.methods import kl_of
 from learner.advantages import SPREAD_PREFIX
@@ -224,8 +227,6 @@ class HealthMonitor:
         return self._emit(step, msgs, per_step=False)
 
     def held_out_checks(self) -> list[Message]:
-        from cluster.evaluation.evaluate import paired
-
         out: list[Message] = []
         if len(self.evals) < 2:
             return out
@@ -246,8 +247,6 @@ class HealthMonitor:
 
     def final(self, before: Any, after: Any, step: int) -> list[Finding]:
         """The before/after evaluation of the whole run, through the hacking check."""
-        from cluster.evaluation.evaluate import paired
-
         rows = paired(before, after)
         msgs = hacking(rows, [r for _, r in self.rewards], 0, self.h.z, "before → after")
         # head_against reads the training samples' trend; where the held-out pairs show the head
@@ -328,8 +327,6 @@ def hacking(rows: list[Any], train_rewards: Sequence[float], since: int, z: floa
 
 def health_table(summary: dict[str, Any], title: str = "training health"):
     """The final console table: one row per check that is on."""
-    from rich.table import Table
-
     t = Table(title=f"{title}: {summary['status']}")
     for col in ("check", "level", "fired", "first step", "last finding"):
         t.add_column(col, justify="right" if col in ("fired", "first step") else "left", overflow="fold")

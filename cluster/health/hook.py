@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.evaluation.eval_set import EvalSet
+from cluster.evaluation.evaluate import EvalResult, score_pairs
 from cluster.health.checks import CHECKS, Finding, HealthMonitor, health_table
 from common import storage
 from common.config import RunConfig
@@ -161,8 +162,6 @@ def heldout_eval(rollouts: list, heads, evals):
     with their first frames) with the weights the rollout actors hold, scored by the reward role
     from the actors (no GIFs, no video: cheaper than Driver.evaluate); `heads`: the run's
     RewardHeads, for the composite."""
-    from cluster.evaluation.evaluate import EvalResult, score_pairs
-
     scores, _ = score_pairs(rollouts, evals)  # scored by the actors: no frames come back
     return EvalResult(scores.heads, scores.values.numpy(), heads.composite(scores).numpy())
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import yaml
+
 from cluster.plan.sizing import (
     GB,
     Plan,
@@ -148,9 +150,6 @@ CHART_VALUES = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "vgrpo"
 def pods_for(cfg, values: str | Path | None = None):
     """(PodsConfig, where it came from) for the pod checks, or (None, why not): a values file
     given, else the config's plan.pods (the chart writes it), else the repository's chart values."""
-    import yaml
-
-
     if values is None and cfg.plan.pods is not None:
         return cfg.plan.pods, "the config's plan.pods"
     path = Path(values) if values is not None else (CHART_VALUES if CHART_VALUES.is_file() else None)

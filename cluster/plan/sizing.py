@@ -99,8 +99,9 @@ def transformer_config(cfg) -> dict:
 
 def arch(cfg, transformer=None) -> Arch:
     """Sizes of the config's transformer (built on the meta device unless given)."""
-    import torch
+    import torch  # lazy: torch (kept out of vgrpo --help)
 
+    # lazy: torch, peft (kept out of vgrpo --help)
     from rollout_worker.models.lora import lora_targets
 
     m = cfg.model
@@ -298,6 +299,7 @@ def rollout_rows(cfg) -> int:
     """Transformer rows in one rollout forward: the group's G samples (x2 where CFG's cond and
     uncond share a forward: Wan; HunyuanVideo 1.5 runs them apart), or as many as
     sampler.forward_batch_size lets through, by the sampler's own rule."""
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from rollout_worker.sampler import samples_per_forward
 
     per = 2 if cfg.model.guidance_scale > 1.0 and FAMILIES[cfg.model.family].cfg_in_one_forward else 1
@@ -371,7 +373,7 @@ def plan(cfg, gpu: str | None = None) -> Plan:
     gpu = cfg.plan.gpu if gpu is None else gpu
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: expected one of {', '.join(GPUS)}")
-    from common.sde import Schedule
+    from common.sde import Schedule  # lazy: torch, numpy (kept out of vgrpo --help)
 
     a = arch(cfg)
     p = Plan(gpu, a)

@@ -33,6 +33,7 @@ class _ExpertRule:
         self.train_experts = m.train_experts
 
     def trains_sigma(self, sigma: float) -> bool:
+        # lazy: torch, numpy (kept out of vgrpo --help)
         from rollout_worker.models.wan import expert_trains
 
         return expert_trains(sigma, self.boundary_timestep, self.train_experts)
@@ -45,6 +46,7 @@ def stored_steps_per_member(cfg) -> int:
 
     This is the group format: each member stores only the steps it trains (rollout_worker/
     sampler.sample_group), whatever else alignment makes the group run with the scheme."""
+    # lazy: torch, PIL (kept out of vgrpo --help)
     from common.sde import Schedule, scheme_from_config
     from rollout_worker.sampler import draw_trained_steps
 

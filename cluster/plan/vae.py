@@ -52,6 +52,7 @@ def latent_shape(cfg) -> tuple[int, int, int, int]:
 
 @lru_cache(maxsize=16)
 def _flops_per_voxel(family: str, conf_json: str, op: str) -> float:
+    # lazy: torch (kept out of vgrpo --help)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

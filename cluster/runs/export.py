@@ -33,6 +33,8 @@ from common import storage
 from common.config import ConfigError, RunConfig
 from common.families import FAMILIES
 from learner.checkpoint import PREFIX, CheckpointError
+from rollout_worker.models.base import is_local
+from rollout_worker.models.toy import DIR_META, ToyVideoModel
 
 LORA_FILE = "pytorch_lora_weights.safetensors"   # diffusers' LORA_WEIGHT_NAME_SAFE
 EXPERT_LORA_FILES = {"transformer": LORA_FILE, "transformer_2": "pytorch_lora_weights_transformer_2.safetensors"}
@@ -146,7 +148,7 @@ def diffusers_lora_layers(weights: dict[str, torch.Tensor]) -> tuple[dict[str, t
     """vgrpo's adapter keys (peft's, with the adapter name: `….to_q.lora_A.default.weight`) →
     diffusers' (`….to_q.lora_A.weight`, as peft's get_peft_model_state_dict gives them), and the
     adapted modules."""
-    from rollout_worker.models.lora import ADAPTER, is_lora_key
+    from rollout_worker.models.lora import ADAPTER, is_lora_key  # heavy: peft
 
     layers, modules = {}, set()
     for k, v in weights.items():
@@ -162,7 +164,7 @@ def diffusers_lora_layers(weights: dict[str, torch.Tensor]) -> tuple[dict[str, t
 
 def write_lora(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out: Path) -> list[str]:
     """One diffusers LoRA file per trained expert, through the pipeline class's own writer."""
-    import diffusers
+    import diffusers  # heavy: diffusers
 
     family = cfg.model.family
     name = FAMILIES[family].pipelines.get(cfg.model.task, "WanPipeline")  # the toy has none: Wan's
@@ -183,7 +185,7 @@ def _save_lora_generic(save_directory: str, transformer_lora_layers: dict, trans
                        weight_name: str) -> None:
     """The same file for a pipeline class without a LoRA mixin (HunyuanVideo15Pipeline in diffusers
     0.42): diffusers' own writer under the `transformer.` prefix its transformers' loader reads."""
-    from diffusers.loaders.lora_base import LoraBaseMixin
+    from diffusers.loaders.lora_base import LoraBaseMixin  # heavy: diffusers
 
     LoraBaseMixin.write_lora_layers(
         state_dict={f"transformer.{k}": v for k, v in transformer_lora_layers.items()},
@@ -195,11 +197,9 @@ def _save_lora_generic(save_directory: str, transformer_lora_layers: dict, trans
 def transformer_config(cfg: RunConfig, expert: str) -> dict[str, Any]:
     """The trained transformer's diffusers config: the base's `<expert>/config.json`, or the toy
     checkpoint's sidecar."""
-    import diffusers
+    import diffusers  # heavy: diffusers
 
     if not FAMILIES[cfg.model.family].needs_path:
-        from rollout_worker.models.toy import ToyVideoModel
-
         kw = dict(ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))["transformer"])
         kw["patch_size"] = tuple(kw["patch_size"])
         return kw
@@ -210,7 +210,7 @@ def transformer_config(cfg: RunConfig, expert: str) -> dict[str, Any]:
 def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out: Path, ckpt) -> list[str]:
     """Each trained expert as a diffusers model folder, via the transformer class's save_pretrained
     (built on the meta device: no copy of the weights is made, the policy's tensors are saved)."""
-    import diffusers
+    import diffusers  # heavy: diffusers
 
     cls = getattr(diffusers, FAMILIES[cfg.model.family].transformer)
     for expert, weights in experts.items():
@@ -223,7 +223,6 @@ def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
                                   f"({str(e).splitlines()[0]}); was the config edited after training?") from None
         module.save_pretrained(out / expert)
     if not FAMILIES[cfg.model.family].needs_path:   # the toy's pipeline: its text encoder and world beside the transformer
-        from rollout_worker.models.toy import DIR_META, ToyVideoModel
 
         side = ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))
         (out / DIR_META).write_text(json.dumps(side, indent=2) + "\n", encoding="utf-8")
@@ -234,8 +233,6 @@ def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
 def link_base(cfg: RunConfig, out: Path, trained: dict) -> list[str]:
     """The base pipeline's other components beside the exported transformer(s): hard links where
     the filesystem allows (no copy of a 20 GB text encoder), else copies."""
-    from rollout_worker.models.base import is_local
-
     if not FAMILIES[cfg.model.family].needs_path:
         return []   # transformer/ + toy.json is the whole toy pipeline
     base = Path(cfg.model.path).expanduser()

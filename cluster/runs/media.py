@@ -13,7 +13,7 @@ def upscale(frames: np.ndarray, factor: int) -> np.ndarray:
 
 
 def write_gif(frames: np.ndarray, path: Path, fps: float = 4.0, min_size: int = 128) -> Path:
-    import imageio.v3 as iio
+    import imageio.v3 as iio  # lazy: imageio (kept out of vgrpo --help)
 
     factor = max(1, min_size // max(frames.shape[1], 1))
     path = Path(path)

@@ -59,8 +59,8 @@ def read_policy_file(f: Path) -> tuple[dict, dict[str, str]]:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load, load_file
 
+    # lazy: torch, safetensors (kept out of vgrpo --help)
     from learner.checkpoint import CheckpointError
-
 
     fix = "restore it, or evaluate an older checkpoint dir (TARGET/checkpoints/step_NNNNNNNN)"
     try:

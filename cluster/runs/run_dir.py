@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.runs.tracking import Tracker
 from common import storage
 from common.config import ConfigError, RunConfig, save_config
 from common.errors import UserError
@@ -130,8 +131,6 @@ class RunDir:
 
     def log_video(self, tag: str, frames, step: int) -> Path:
         """uint8 [F, H, W, 3] → samples/videos/<tag>_step<step>.gif, and a video in each tracker."""
-        from cluster.runs.tracking import Tracker
-
         tracker = self.tracker or Tracker([])
         path = self.samples / "videos" / f"{tag.replace('/', '_')}_step{step:06d}.gif"
         tracker.video(tag, frames, path, step, self.video_fps)
@@ -210,7 +209,7 @@ class RunDir:
         """Reward per step (composite and heads), with a moving average; rewritten as the run goes."""
         # not pyplot: its global figure list is not thread-safe, and `vgrpo compare --parallel`
         # plots from several threads
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # lazy: matplotlib (kept out of vgrpo --help)
 
         rows = self.read_metrics()
         fig = Figure(figsize=(7, 4))

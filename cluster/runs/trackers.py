@@ -22,7 +22,7 @@ class TensorBoard:
     name = "tensorboard"
 
     def __init__(self, cfg: RunConfig, run_path: Path, state: dict, resume_step: int | None):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard
 
         # on resume, events past the checkpoint's step are dropped, as metrics.jsonl drops them
         self.writer = SummaryWriter(str(run_path / "tensorboard"),
@@ -33,7 +33,7 @@ class TensorBoard:
             self.writer.add_scalar(k, v, step)
 
     def _image(self, tag: str, data: bytes, shape: tuple[int, int], step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary  # optional: tensorboard
 
         img = Summary.Image(height=shape[0], width=shape[1], colorspace=3, encoded_image_string=data)
         self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=img)]), step)
@@ -42,7 +42,7 @@ class TensorBoard:
         self._image(tag, gif, shape, step)
 
     def image(self, tag: str, path: Path, step: int) -> None:
-        from PIL import Image
+        from PIL import Image  # lazy: PIL (kept out of vgrpo --help)
 
         with Image.open(path) as im:
             w, h = im.size
@@ -61,7 +61,7 @@ class Wandb:
     name = "wandb"
 
     def __init__(self, cfg: RunConfig, run_path: Path, state: dict, resume_step: int | None):
-        import wandb
+        import wandb  # optional: wandb
 
         w = cfg.log.wandb
         run_id = state.setdefault("wandb_id", uuid.uuid4().hex[:12])
@@ -93,7 +93,7 @@ class Mlflow:
     name = "mlflow"
 
     def __init__(self, cfg: RunConfig, run_path: Path, state: dict, resume_step: int | None):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # optional: mlflow
 
         m = cfg.log.mlflow
         uri = m.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -109,14 +109,14 @@ class Mlflow:
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(m.experiment)
         self.run_id = self.client.create_run(exp_id, run_name=run_path.name).info.run_id
         state["mlflow_run_id"] = self.run_id
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # optional: mlflow
 
         params = [Param(k, str(v)[:500]) for k, v in _flatten(to_dict(cfg)).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[i: i + 100])
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional: mlflow
 
         now = int(time.time() * 1000)
         items = [Metric(k, v, now, step) for k, v in values.items()]

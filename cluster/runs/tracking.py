@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.runs import trackers
 from common.config import ConfigError, RunConfig
 
 log = logging.getLogger("vgrpo.tracking")
@@ -74,7 +75,7 @@ def tiled(frames: np.ndarray) -> np.ndarray:
 
 def encode_gif(frames: np.ndarray, fps: float) -> bytes:
     """uint8 [F, H, W, 3] → GIF bytes."""
-    import imageio.v3 as iio
+    import imageio.v3 as iio  # lazy: imageio (kept out of vgrpo --help)
 
     return iio.imwrite("<bytes>", frames, extension=".gif", duration=1000 / fps, loop=0)
 
@@ -88,15 +89,13 @@ class Tracker:
 
     @classmethod
     def open(cls, cfg: RunConfig, run_path: Path, resume_step: int | None = None) -> Tracker:
-        from cluster.runs.trackers import BACKENDS
-
         check_installed(cfg)
         state_file = Path(run_path) / STATE_FILE
         state = json.loads(state_file.read_text()) if state_file.is_file() else {}
         backends = []
         for name in cfg.log.trackers:
             try:
-                backends.append(BACKENDS[name](cfg, Path(run_path), state, resume_step))
+                backends.append(trackers.BACKENDS[name](cfg, Path(run_path), state, resume_step))
             except Exception as e:  # not logged in, server unreachable, …: say so in one line
                 for b in backends:
                     b.close("failed")
@@ -128,7 +127,7 @@ class Tracker:
         gif = encode_gif(frames, fps)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gif)
-        from PIL import Image
+        from PIL import Image  # lazy: PIL (kept out of vgrpo --help)
 
         with Image.open(path) as im:
             w, h = im.size

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from common.config import RewardModelConfig
@@ -42,7 +43,7 @@ def reward_head(hidden: int) -> nn.Sequential:
 
 def build_network(config, vocab_size: int | None = None):
     """Qwen2-VL with the reward head as `rm_head`. Random weights; load a checkpoint next."""
-    from transformers import Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration  # heavy: transformers
 
     vlm = Qwen2VLForConditionalGeneration(config)
     if vocab_size is not None and vocab_size != vlm.get_input_embeddings().num_embeddings:
@@ -80,8 +81,7 @@ class HPSv3(RewardModel):
 
     @classmethod
     def from_pretrained(cls, cfg: RewardModelConfig) -> HPSv3:
-        from safetensors.torch import load_file
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # heavy: transformers
 
         # 1. Locate the safetensors file (a folder holding it, or the file), and upstream's text.
         if cfg.path is None:

@@ -80,6 +80,7 @@ class QSave(RewardModel):
 
     @classmethod
     def from_pretrained(cls, cfg: RewardModelConfig) -> QSave:
+        # heavy: transformers
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
         if cfg.path is None:

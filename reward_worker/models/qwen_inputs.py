@@ -185,7 +185,7 @@ def local_dir(path_or_id: str, field: str) -> Path:
     if p.exists():
         return p
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # heavy: huggingface_hub
 
         return Path(snapshot_download(path_or_id))
     except Exception as e:  # noqa: BLE001 - any hub failure means the same thing to the user

@@ -86,6 +86,7 @@ def reward_head(hidden: int, output_dim: int) -> nn.Linear:
 
 def build_network(config, vocab_size: int | None = None, recipe: Recipe | None = None):
     """Qwen2-VL + reward head, LoRA-wrapped as in training. Random weights; load a checkpoint next."""
+    # heavy: transformers, peft
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -163,7 +164,7 @@ class VideoAlign(RewardModel):
 
     @classmethod
     def from_pretrained(cls, cfg: RewardModelConfig) -> VideoAlign:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # heavy: transformers
 
         # 1. Locate the checkpoint, its model_config.json and upstream's template.
         if cfg.path is None:

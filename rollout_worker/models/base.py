@@ -77,6 +77,7 @@ class VideoModel(ABC):
     def enable_sp(self, mesh) -> None:
         """Split every transformer's video tokens over the mesh's "ulysses" ranks (Ulysses SP,
         rollout_worker/models/sp.py); every rank of the mesh calls it at once, after LoRA injection."""
+        # heavy: diffusers
         from rollout_worker.models.sp import check_splittable, enable_sp, video_tokens
 
         sp = mesh["ulysses"].size()

@@ -53,6 +53,7 @@ _NEEDED_I2V = ["image_encoder/config.json", "feature_extractor"]
 
 
 def _pipeline_class(task: str):
+    # heavy: diffusers
     from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 
     return HunyuanVideo15ImageToVideoPipeline if task == "i2v" else HunyuanVideo15Pipeline
@@ -106,6 +107,7 @@ class Hunyuan15VideoModel(VideoModel):
                         parts: Components = "all") -> Hunyuan15VideoModel:
         """From built modules (keys as HunyuanVideo15Pipeline's: transformer, vae, text_encoder, …);
         parts="transformer" keeps the transformer, the guider and the VAE's config only."""
+        # heavy: diffusers
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.guiders import ClassifierFreeGuidance
 
@@ -280,6 +282,7 @@ def _vae_dims(config) -> tuple[int, int, int]:
 def _load_transformer_only(path: str, task: str, dtype: torch.dtype, empty: bool = False) -> dict:
     """The transformer (in `dtype`; empty: parameters on meta, no weights read), the guider
     model_index.json names, and the VAE's config."""
+    # heavy: diffusers
     import diffusers.guiders
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
 
@@ -316,7 +319,7 @@ def _guide(guider, scale: float, v_cond: Tensor, v_uncond: Tensor) -> Tensor:
     v = (v_cond if original else v_uncond) + scale * (v_cond - v_uncond)
     rescale = 0.0 if guider is None else guider.guidance_rescale
     if rescale > 0.0:
-        from diffusers.guiders.guider_utils import rescale_noise_cfg
+        from diffusers.guiders.guider_utils import rescale_noise_cfg  # heavy: diffusers
 
         v = rescale_noise_cfg(v, v_cond, rescale)
     return v

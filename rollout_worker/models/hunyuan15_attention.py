@@ -45,6 +45,7 @@ class KeyMaskJointAttnProcessor:
 
     def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor,
                  attention_mask: Tensor | None = None, image_rotary_emb=None) -> tuple[Tensor, Tensor]:
+        # heavy: diffusers
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
 
@@ -76,6 +77,7 @@ class KeyMaskJointAttnProcessor:
 def use_key_mask_attention(transformer) -> int:
     """Swap every joint-attention processor of a HunyuanVideo15Transformer3DModel for
     `KeyMaskJointAttnProcessor`; returns how many were swapped (one per transformer block)."""
+    # heavy: diffusers
     from diffusers.models.transformers.transformer_hunyuan_video15 import (
         HunyuanVideo15AttnProcessor2_0,
     )

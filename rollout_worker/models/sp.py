@@ -34,6 +34,7 @@ from diffusers.models._modeling_parallel import (
     ContextParallelOutput,
 )
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from common.errors import UserError
 
@@ -61,8 +62,6 @@ def _cpu_counts_as_one_device() -> Iterator[None]:
 
 def sp_mesh(sp: int, device_type: str = "cpu"):
     """A ("ring", "ulysses") = (1, sp) mesh over the whole default group (a rollout SP group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, (1, sp), mesh_dim_names=("ring", "ulysses"))
 
 
@@ -99,6 +98,7 @@ def sp_degree(transformers: list[nn.Module]) -> int:
 
 def _check_cp_backend(transformer: nn.Module, sp: int) -> None:
     """diffusers' context-parallel attention runs only on some backends (not flash 3 in 0.42)."""
+    # heavy: diffusers
     import diffusers
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -116,6 +116,7 @@ def enable_sp(transformer: nn.Module, mesh) -> None:
 
     Call after LoRA injection (a LoRA wrapper around a hooked module would bypass its hook) and
     with every rank of the mesh at once (it builds the mesh's flattened group)."""
+    # heavy: diffusers
     from diffusers import HunyuanVideo15Transformer3DModel, WanTransformer3DModel
 
     sp = mesh["ulysses"].size()
@@ -198,6 +199,7 @@ class HunyuanSPAttnProcessor:
     _parallel_config = None
 
     def __init__(self) -> None:
+        # heavy: diffusers
         from diffusers.models.transformers.transformer_hunyuan_video15 import (
             HunyuanVideo15AttnProcessor2_0,
         )
@@ -209,6 +211,7 @@ class HunyuanSPAttnProcessor:
         if self._parallel_config is None or encoder_hidden_states is None:
             self._base._attention_backend = self._attention_backend
             return self._base(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        # heavy: diffusers
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
 

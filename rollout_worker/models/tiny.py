@@ -11,6 +11,9 @@ from typing import Literal
 
 import torch
 
+from common.config import ModelConfig
+from rollout_worker.models.wan import WanVideoModel
+
 _SPECIALS = ["<pad>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -21,6 +24,7 @@ TOKENIZER_VOCAB = len(_SPECIALS) + 95  # specials + printable ASCII
 
 def char_tokenizer(chat: bool = False):
     """A character-level tokenizer (printable ASCII) that appends </s>; `chat` adds a chat template."""
+    # heavy: transformers, tokenizers
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -44,7 +48,7 @@ def char_tokenizer(chat: bool = False):
 
 def tiny_wan_transformer(in_channels: int = 4, out_channels: int = 4, image_dim: int | None = None,
                          seed: int = 0, layers: int = 1):
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # heavy: diffusers
 
     torch.manual_seed(seed)
     return WanTransformer3DModel(
@@ -63,6 +67,7 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
     Wan 2.2 with two experts and a boundary; `i2v_a14b` is Wan 2.2 I2V-A14B: two experts that
     take mask + condition channels and no CLIP image encoder (image_dim None).
     """
+    # heavy: diffusers, transformers
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -77,6 +82,7 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
         relative_attention_num_buckets=8, decoder_start_token_id=0)).eval()
     comps = {"vae": vae, "text_encoder": text_encoder, "tokenizer": char_tokenizer()}
     if variant == "i2v":
+        # heavy: transformers
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
         torch.manual_seed(0)
@@ -103,6 +109,7 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
 
 def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v", layers: int = 1) -> dict:
     """Components for HunyuanVideo15Pipeline / …ImageToVideoPipeline (`layers` blocks, 2 heads × 8)."""
+    # heavy: diffusers, transformers
     from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel
     from transformers import (
         ByT5Tokenizer,
@@ -137,6 +144,7 @@ def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v", layers: int =
              "tokenizer": char_tokenizer(chat=True), "text_encoder_2": text_encoder_2,
              "tokenizer_2": ByT5Tokenizer()}
     if task == "i2v":
+        # heavy: transformers
         from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
         torch.manual_seed(0)
@@ -151,7 +159,4 @@ def tiny_wan_model(model: dict, variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_
                    layers: int = 1):
     """The Wan adapter over `tiny_wan_components(variant)` with ModelConfig fields `model`
     (a plain function of plain data, so it ships to Ray actors as a model factory)."""
-    from common.config import ModelConfig
-    from rollout_worker.models.wan import WanVideoModel
-
     return WanVideoModel.from_components(tiny_wan_components(variant, layers), ModelConfig.model_validate(model))

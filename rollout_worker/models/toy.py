@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from rollout_worker.models.base import Components, Cond, ModelLoadError, VideoModel
+from rollout_worker.models.kernels import configure_kernels
 
 ASSETS = Path(__file__).parent / "assets"
 BASE_CHECKPOINT = ASSETS / "toy_base.safetensors"
@@ -74,7 +75,7 @@ class WordEncoder:
 
 
 def _build_transformer(cfg: dict[str, Any]) -> nn.Module:
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # heavy: diffusers
 
     kw = dict(cfg)
     kw["patch_size"] = tuple(kw["patch_size"])
@@ -165,7 +166,6 @@ class ToyVideoModel(VideoModel):
         if want != {k: model.world[k] for k in want}:
             raise ModelLoadError(f"toy model: model.num_frames/height/width = {want} do not match the "
                                  f"checkpoint's {model.world} (path {str(path or BASE_CHECKPOINT)!r})")
-        from rollout_worker.models.kernels import configure_kernels
 
         configure_kernels(model.transformers(), m)
         return model

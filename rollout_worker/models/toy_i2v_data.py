@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from PIL import Image
+
 from common import toyworld as tw
 
 TRAIN_IMAGES = 4
@@ -42,8 +44,6 @@ def image_name(prompt: str, seed: int) -> str:
 
 def write_sets(out: str | Path) -> list[Path]:
     """Write OUT/train.jsonl, OUT/eval.jsonl and OUT/images/*.png; returns the manifests."""
-    from PIL import Image
-
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     manifests = []

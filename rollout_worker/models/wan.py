@@ -74,7 +74,7 @@ def _has_part(index: dict, name: str) -> bool:
 
 def _empty_transformer(path: str, subfolder: str):
     """The expert in `subfolder` built from its config.json, parameters on meta (no weights read)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # heavy: diffusers
 
     config = WanTransformer3DModel.load_config(path, subfolder=subfolder)
     with parameters_on_meta():
@@ -83,7 +83,7 @@ def _empty_transformer(path: str, subfolder: str):
 
 def _container(pipe_cls, index: dict, parts: dict, task: str):
     """The pipeline object holding `parts` (no encoders, no VAE), configured as model_index.json."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler  # heavy: diffusers
 
     kw = {"boundary_ratio": index.get("boundary_ratio"), "expand_timesteps": index.get("expand_timesteps", False)}
     return pipe_cls(vae=None, scheduler=FlowMatchEulerDiscreteScheduler(), transformer=parts["transformer"],
@@ -148,6 +148,7 @@ class WanVideoModel(VideoModel):
                         parts: Components = "all") -> WanVideoModel:
         """From built modules (keys as WanPipeline's: transformer, vae, text_encoder, tokenizer, …);
         parts="transformer" drops the encoders and the VAE (keeping only the VAE's config)."""
+        # heavy: diffusers
         from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
 
         comps = dict(components)
@@ -167,6 +168,7 @@ class WanVideoModel(VideoModel):
         and with train_experts=high_noise the high-noise expert alone (the only one a trained row
         runs). empty: those transformer(s) with their parameters on the meta device, built from
         their configs; the learner loads each rank's shard (learner/shard_load.py)."""
+        # heavy: diffusers
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
 
         path = str(path)
