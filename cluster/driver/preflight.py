@@ -94,14 +94,11 @@ def check_experts(cfg: RunConfig) -> None:
         raise ConfigError(msg)
 
 
-PLANNED = ("wan", "hunyuan15")  # model families `vgrpo plan` can size (cluster/plan/sizing.py)
-
-
 def check_plan(cfg: RunConfig) -> None:
     """`vgrpo plan`'s checks on the config's own GPU (plan.gpu): a bank that holds
     bank.headroom_steps steps, timeouts that fit their work, pods (plan.pods, which the Helm
     chart writes) that hold their processes. Families without a plan (toy) are not sized."""
-    if cfg.model.family not in PLANNED:
+    if not FAMILIES[cfg.model.family].planned:
         return
 
     try:

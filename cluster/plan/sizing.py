@@ -1,9 +1,10 @@
 """Sizing for `vgrpo plan`: memory per rank, FLOPs and seconds per video,
 and the rollout:learner GPU split, estimated from the config without loading any weights.
 
-The transformer is built on the meta device from its diffusers class (the class defaults are
-the released sizes; a local `model.path` supplies its own transformer/config.json), so its
-parameter counts are exact. Activation memory per block is the saved-tensor count of diffusers'
+The transformer is built on the meta device from its diffusers class and the config of the
+checkpoint `model.path` names: a local folder's own transformer/config.json, else the released
+sizes its family declares (common/families.py), else the class defaults; so its parameter counts
+are exact without the weights on disk. Activation memory per block is the saved-tensor count of diffusers'
 blocks, counted with autograd's saved_tensors_hooks (`_ACT`); it is checked against the
 measured peak of CPU train steps in tests/test_plan.py. FLOPs are 2·params per token for the
 blocks' linears plus 4·S²·d per attention layer; seconds assume `MFU` of the GPU's dense bf16
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from cluster.plan.steps import has_two_experts as _has_two_experts
 from cluster.plan.steps import stored_steps_per_member
-from common.families import FAMILIES
+from cluster.plan.vae import latent_shape
+from common.families import FAMILIES, release_of
 from common.methods import kl_of, method_of
 
 GB = 1024**3
@@ -41,15 +43,16 @@ NVLINK_GBS = {"H100": 450.0, "H200": 450.0, "A100": 300.0}  # GB/s per direction
 # taken as Wan's with ffn = mlp_ratio·d.
 _ACT = {4: (90.0, 8.0), 2: (70.0, 4.0)}
 
-# Peak live feature maps of a VAE decode, in (channels at full resolution) × output frames per
-# chunk: Wan decodes causally 4 frames at a time with 96 channels; HunyuanVideo 1.5 decodes all
-# frames at once with 128. Six such maps are alive at once in a resnet block.
-_VAE = {"wan": (96, 4, 256), "hunyuan15": (128, None, 256)}  # channels, frames per chunk, tile px
+# Peak live feature maps of a VAE decode: (channels at full resolution) × output frames per chunk
+# (FamilySpec.vae_decode: Wan decodes causally 4 frames at a time with 96 channels; HunyuanVideo
+# 1.5 all frames at once with 128). Six such maps are alive at once in a resnet block.
+_LIVE_MAPS = 6
 
 
 @dataclass
 class Arch:
     family: str
+    joint_text: bool       # text (and image) tokens join the video in self-attention (else cross-attention)
     params: int            # one transformer
     block_params: int      # one block
     root_params: int       # outside the blocks
@@ -88,13 +91,15 @@ def _transformer_class(family: str):
 
 
 def transformer_config(cfg) -> dict:
-    """The transformer's config: a local checkpoint's own, else the class defaults (released sizes)."""
+    """The transformer's config: a local checkpoint's own, else the release model.path names
+    (FamilySpec.released), else the class defaults with the family's per-task keys."""
     m = cfg.model
     if m.path is not None and (Path(m.path) / "transformer" / "config.json").is_file():
         return json.loads((Path(m.path) / "transformer" / "config.json").read_text(encoding="utf-8"))
-    if m.family == "wan" and m.task == "i2v":
-        return {"in_channels": 36}  # Wan 2.2 I2V A14B: [x, mask, condition] = 16 + 4 + 16
-    return {}
+    release = release_of(m.family, m.path)
+    if release is not None:
+        return dict(release.transformer)
+    return dict(FAMILIES[m.family].task_transformer.get(m.task, {}))
 
 
 def arch(cfg, transformer=None) -> Arch:
@@ -105,8 +110,10 @@ def arch(cfg, transformer=None) -> Arch:
     from rollout_worker.models.lora import lora_targets
 
     m = cfg.model
-    if m.family not in ("wan", "hunyuan15"):
-        raise ValueError(f"vgrpo plan: model.family = {m.family!r} has no plan; use wan or hunyuan15")
+    spec = FAMILIES[m.family]
+    if not spec.planned:
+        raise ValueError(f"vgrpo plan: model.family = {m.family!r} has no plan; use one of "
+                         f"{', '.join(f for f, s in FAMILIES.items() if s.planned)}")
     if transformer is None:
         cls = _transformer_class(m.family)
         conf = {k: v for k, v in transformer_config(cfg).items() if not k.startswith("_")}
@@ -117,19 +124,21 @@ def arch(cfg, transformer=None) -> Arch:
     count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
     params, block = count(transformer), count(blocks[0])
     width = c.num_attention_heads * c.attention_head_dim
-    ffn = c.ffn_dim if m.family == "wan" else int(c.mlp_ratio * width)
+    ffn = getattr(c, "ffn_dim", None) or int(c.mlp_ratio * width)  # Wan names its FFN width; HunyuanVideo a ratio
     targets = lora_targets(m.family, cfg.optim)
     lora = sum(cfg.optim.lora_rank * (mod.in_features + mod.out_features)
                for name, mod in transformer.named_modules()
                if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
-    # video tokens per sample: latent frames × latent H × latent W, divided by the patch
-    st, ss = 4, (8 if m.family == "wan" else 16)
-    pt, ph, pw = (tuple(c.patch_size) if m.family == "wan" else (c.patch_size_t, c.patch_size, c.patch_size))
-    tokens = (((m.num_frames - 1) // st + 1) // pt) * (m.height // ss // ph) * (m.width // ss // pw)
-    # HunyuanVideo 1.5 attends over video + text + image tokens jointly (Qwen + ByT5 + 729 SigLIP)
-    text = m.max_sequence_length if m.family == "wan" else m.max_sequence_length + 256 + 729
+    # video tokens per sample: latent frames × latent H × latent W (the VAE's), divided by the patch
+    patch = c.patch_size
+    pt, ph, pw = tuple(patch) if isinstance(patch, (list, tuple)) else (c.patch_size_t, patch, patch)
+    _, lf, lh, lw = latent_shape(cfg)
+    tokens = (lf // pt) * (lh // ph) * (lw // pw)
+    # conditioning tokens: the prompt's, plus (HunyuanVideo 1.5) its fixed-length glyph and image states
+    text = sum(m.max_sequence_length if n is None else n for n, _ in spec.text)
+    text += spec.image_states[0] if spec.image_states is not None else 0
     two = _has_two_experts(cfg)
-    return Arch(m.family, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
+    return Arch(m.family, spec.joint_text, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
                 experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
                 tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()))
 
@@ -140,7 +149,7 @@ def arch(cfg, transformer=None) -> Arch:
 def _seq(a: Arch, sp: int = 1) -> tuple[float, float]:
     """(tokens a block of one SP rank sees, tokens of the whole sequence): video / sp, plus
     HunyuanVideo 1.5's joint text and image tokens, which every rank keeps whole."""
-    text = a.text_tokens if a.family == "hunyuan15" else 0
+    text = a.text_tokens if a.joint_text else 0
     return a.tokens / sp + text, a.tokens + text
 
 
@@ -157,10 +166,10 @@ def activation_bytes(a: Arch, rows: int, dtype_bytes: int, checkpointing: bool, 
 
 def vae_decode_bytes(cfg) -> float:
     m = cfg.model
-    ch, chunk, tile = _VAE[m.family]
+    ch, chunk, tile = FAMILIES[m.family].vae_decode
     frames = chunk or m.num_frames
     area = min(m.height, tile) * min(m.width, tile) if m.vae_tiling else m.height * m.width
-    return 6 * ch * frames * area * 4 + m.num_frames * 3 * m.height * m.width * 4
+    return _LIVE_MAPS * ch * frames * area * 4 + m.num_frames * 3 * m.height * m.width * 4
 
 
 def _safetensors_params(folder: Path) -> int:
@@ -200,7 +209,8 @@ def frozen_params(cfg) -> dict[str, float]:
     out = {}
     for sub in ("text_encoder", "text_encoder_2", "image_encoder", "vae"):
         if (root / sub).is_dir():
-            out["vae (fp32)" if sub == "vae" and m.family == "wan" else sub] = float(_safetensors_params(root / sub))
+            out["vae (fp32)" if sub == "vae" and FAMILIES[m.family].vae_fp32 else sub] = \
+                float(_safetensors_params(root / sub))
     return out
 
 
@@ -342,7 +352,7 @@ def rollout_peaks(cfg, p: Plan) -> dict[str, float]:
 def forward_flops(a: Arch, rows: int, sp: int = 1) -> float:
     """One SP rank's share of one transformer forward over `rows` samples (sp 1: the whole)."""
     local, seq = _seq(a, sp)
-    cross = a.text_tokens if a.family == "wan" else 0
+    cross = 0 if a.joint_text else a.text_tokens
     linear = 2 * local * a.params
     # self-attention: every query over every key, for 1/sp of the heads; Wan's cross-attention: local queries
     attn = a.layers * (4 * seq * seq * a.width / sp + 4 * (a.tokens / sp) * cross * a.width)
@@ -364,7 +374,7 @@ def all_to_all_bytes(a: Arch, rows: int, dtype_bytes: int, sp: int) -> float:
     if sp == 1:
         return 0.0
     video = 4 * rows * (a.tokens / sp) * a.width * dtype_bytes
-    text = rows * a.text_tokens * (a.width / sp) * dtype_bytes if a.family == "hunyuan15" else 0.0
+    text = rows * a.text_tokens * (a.width / sp) * dtype_bytes if a.joint_text else 0.0
     return a.layers * (video + text) * (sp - 1) / sp
 
 

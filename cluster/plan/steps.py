@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.families import FAMILIES, release_of
 from common.methods import method_of
 
 _BOUNDARY = {"i2v": 0.9, "t2v": 0.875}  # Wan 2.2 A14B's boundary_ratio, as its model_index.json sets it
@@ -14,12 +15,13 @@ _BOUNDARY = {"i2v": 0.9, "t2v": 0.875}  # Wan 2.2 A14B's boundary_ratio, as its 
 def has_two_experts(cfg) -> bool:
     """Wan 2.2 A14B: a high-noise `transformer` and a low-noise `transformer_2`."""
     m = cfg.model
-    if m.family != "wan":
+    if not FAMILIES[m.family].expert_boundary:
         return False
     if m.path is not None and (Path(m.path) / "model_index.json").is_file():
         index = json.loads((Path(m.path) / "model_index.json").read_text(encoding="utf-8"))
         return (index.get("transformer_2") or [None])[0] is not None
-    return m.boundary_ratio is not None or "A14B" in (m.path or "")
+    release = release_of(m.family, m.path)
+    return m.boundary_ratio is not None or (release is not None and release.two_experts)
 
 
 class _ExpertRule:

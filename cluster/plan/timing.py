@@ -15,7 +15,7 @@ from cluster.plan.sizing import (
     lean_setup,
 )
 from cluster.plan.vae import vae_flops
-from common.families import FAMILIES
+from common.families import FAMILIES, release_of
 
 SAFETY = 3.0
 """Each timeout must be at least this multiple of the work's estimate."""
@@ -38,14 +38,16 @@ def group_seconds(cfg, p: Plan) -> dict[str, float]:
     text = 2 * sum(v for k, v in FAMILIES[m.family].frozen.items() if k.startswith("text_encoder")) \
         * m.max_sequence_length * branches
     encode = text / (peak * MFU)
-    if m.task == "i2v":  # Wan encodes the first frame padded to the whole clip; HunyuanVideo 1.5 the frame
-        encode += vae_flops(cfg, "encode", m.num_frames if m.family == "wan" else 1) / vae_rate
+    if m.task == "i2v":  # Wan 2.1/2.2 A14B encode the first frame padded to the whole clip; others the frame
+        release = release_of(m.family, m.path)
+        clip = FAMILIES[m.family].i2v_encodes_clip and not (release is not None and release.expand_timesteps)
+        encode += vae_flops(cfg, "encode", m.num_frames if clip else 1) / vae_rate
     return {"denoise": G * p.seconds["rollout per video"], "encode": encode,
             "decode": G * vae_flops(cfg, "decode") / vae_rate}
 
 
 def _vae_fp32(cfg) -> bool:
-    return cfg.model.family == "wan" or cfg.model.dtype == "float32"  # Wan's VAE always loads in fp32
+    return FAMILIES[cfg.model.family].vae_fp32 or cfg.model.dtype == "float32"
 
 
 def wire_bytes(cfg) -> int:

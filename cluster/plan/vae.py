@@ -12,7 +12,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from common.families import FAMILIES
+from common.families import FAMILIES, release_of
 
 _PROBE = (2, 8, 8)  # latent frames, height, width of the probe (5 x 64 x 64 pixels for Wan)
 
@@ -24,21 +24,25 @@ def _vae_class(family: str):
 
 
 def vae_config(cfg) -> dict:
-    """A local checkpoint's vae/config.json, else the class defaults (the released VAEs: Wan 2.1's,
-    which Wan 2.2 A14B uses, and HunyuanVideo 1.5's)."""
+    """A local checkpoint's vae/config.json, else the class defaults (Wan 2.1's VAE, which Wan 2.2
+    A14B uses, and HunyuanVideo 1.5's) with the keys of the release model.path names (the Wan 2.2
+    VAE of TI2V-5B)."""
     m = cfg.model
     if m.path is not None and (Path(m.path) / "vae" / "config.json").is_file():
         conf = json.loads((Path(m.path) / "vae" / "config.json").read_text(encoding="utf-8"))
         return {k: v for k, v in conf.items() if not k.startswith("_")}
     sig = inspect.signature(_vae_class(m.family).__init__)
-    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    conf = {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    release = release_of(m.family, m.path)
+    return conf | (dict(release.vae) if release is not None else {})
 
 
 def scale_factors(family: str, conf: dict) -> tuple[int, int, int]:
     """(latent channels, temporal factor, spatial factor), as the pipelines derive them."""
-    if family == "wan":
+    if "z_dim" in conf:  # AutoencoderKLWan: Wan 2.2's VAE names its factors, Wan 2.1's derive from its stages
         down = list(conf["temperal_downsample"])
-        return int(conf["z_dim"]), 2 ** sum(down), 2 ** len(down)
+        return (int(conf["z_dim"]), int(conf.get("scale_factor_temporal") or 2 ** sum(down)),
+                int(conf.get("scale_factor_spatial") or 2 ** len(down)))
     return (int(conf["latent_channels"]), int(conf["temporal_compression_ratio"]),
             int(conf["spatial_compression_ratio"]))
 
