@@ -86,6 +86,10 @@ class ModelConfig(Section):
     """Decode in overlapping spatial tiles (diffusers' enable_tiling): bounded VAE memory at any size."""
     vae_slicing: bool = False
     """Decode one video of a batch at a time (diffusers' enable_slicing)."""
+    text_encoder_offload: bool = True
+    """Rollout: the text encoder(s) wait in host memory and come to the GPU only while a condition
+    is encoded (once per condition: the rollout keeps encoded conditions, sampler.cond_cache_*);
+    on Wan that keeps UMT5-XXL's 10.6 GiB off the GPU while it generates."""
     attention_backend: Literal["native", "flash", "flash3", "sage"] = "native"
     """The transformers' attention kernel (diffusers' set_attention_backend): `native` is torch's
     SDPA (diffusers' default, left as it is); `flash` needs the flash-attn package, `flash3` its
@@ -525,6 +529,12 @@ class PlanConfig(Section):
     """GB/s weights move from learner rank 0 to the rollout actors (weight sync)."""
     pods: PodsConfig | None = None
     """The pods' memory; None: not checked (the Helm chart fills it in)."""
+    gpu_reserved_gib: float = Field(2.5, ge=0.0, le=64.0)
+    """GiB of each GPU process outside the plan's arithmetic: the CUDA context, NCCL's buffers,
+    the allocator's fragmentation (an assumption until measured on a GPU: docs/results.md)."""
+    min_free: float = Field(0.10, ge=0.0, lt=1.0)
+    """The fraction of the GPU each role's planned peak (plus gpu_reserved_gib) must leave free;
+    `vgrpo train` refuses a config whose plan leaves less."""
 
 
 class TrainConfig(Section):

@@ -120,6 +120,12 @@ REFUSED = {  # config, overrides, the refusal's start
     # each learner rank reads only its own rows (3.6 GB of the 28.6 GB expert at 8 ranks)
     "slow storage": (WAN, ["plan.storage_gb_s=0.002"], "learner.load_timeout_s = 3600 is below 3x the 1786"),
     "checkpoint": (WAN, ["learner.checkpoint_timeout_s=60"], "learner.checkpoint_timeout_s = 60 is below 3x"),
+    # one learner rank holds the whole 14B expert, its fp32 masters and AdamW: 283 GiB a step
+    "single learner rank": (WAN, ["pools.learner.num_actors=1"],
+                            "pools.learner: the plan's learner peak (train step) of 283.1 GiB"),
+    # on an 80 GB GPU, the whole group in one forward and UMT5 kept on the GPU leave under 10% free
+    "rollout margin": (WAN, ["plan.gpu=H100", "sampler.forward_batch_size=null", "model.text_encoder_offload=false"],
+                       "pools.rollout: the plan's rollout peak (while generating) of 85.6 GiB"),
 }
 
 
@@ -131,7 +137,7 @@ def test_plan_refuses_in_one_line(case, capsys):
     err = captured.err.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {start}"), err
     assert "set " in err  # the fix
-    field = start.split(" = ")[0]
+    field = start.split(" = ")[0].split(":")[0]
     assert f"FAIL {field}" in captured.out  # the report still printed, the failing line marked
 
 
@@ -164,7 +170,7 @@ def test_the_shipped_configs_pass_on_the_gpu_they_name(config, capsys):
     assert cfg.plan.gpu == "H200"
     assert main(["plan", "-c", str(config)]) == 0
     out = capsys.readouterr().out
-    assert f"on {cfg.plan.gpu} " in out.splitlines()[0] and out.strip().endswith(f"plan: bank, timeouts and pods ok for {cfg.plan.gpu} (GPU memory per rank: see above)")
+    assert f"on {cfg.plan.gpu} " in out.splitlines()[0] and out.strip().endswith(f"plan: GPU memory, bank, timeouts and pods ok for {cfg.plan.gpu}")
     for line in ("per step", "per group", "stored steps per member", "host RAM per process",
                  "sampler.timeout_s", "workerGroups.rollout.memory", "redis.maxmemory"):
         assert line in out, line
@@ -179,6 +185,14 @@ def test_train_preflight_refuses_what_the_plan_refuses(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: sampler.timeout_s = 900 is below 3x"), err
     assert not runs.exists()  # refused before the run directory
+    # a plan peak over the GPU: one learner rank fully fine-tuning the 8.3B transformer (fp32
+    # masters, grads and AdamW on one GPU) is refused before Ray starts or a directory is made
+    code = main(["train", "-c", str(HUNYUAN), "train.prompts=toy-train", "train.eval_prompts=toy-eval",
+                 f"run.root={runs}", "pools.learner.num_actors=1", "optim.finetune=full"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: pools.learner: the plan's learner peak (train step) of "), err
+    assert not runs.exists()
 
 
 def test_train_preflight_checks_the_pods_the_config_names():

@@ -91,10 +91,14 @@ def render(cfg, p: Plan, source: str) -> str:
     for k, v in p.rollout.items():
         lines.append(f"  {k:<32}{v / GB:9.1f} GiB")
     peaks = rollout_peaks(cfg, p)
+    why = {"encoding": "  (weights and frozen modules + text encoders"
+                       + (" + the I2V first frame through the VAE)" if cfg.model.task == "i2v" else ")"),
+           "generating": "  (weights and frozen modules + activations + vae decode)",
+           "receiving weights": f"  (weights and frozen modules + 2 receive buckets of "
+                                f"{p.rollout_receive / 2 / 2**20:.0f} MiB, weight_sync.bucket_mb "
+                                f"{cfg.weight_sync.bucket_mb:g})"}
     for what, total in peaks.items():
-        lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB{_fit(total, cap)}")
-    lines[-1] += (f"  (weights and frozen modules + 2 receive buckets of "
-                  f"{p.rollout_receive / 2 / 2**20:.0f} MiB, weight_sync.bucket_mb {cfg.weight_sync.bucket_mb:g})")
+        lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB{_fit(total, cap)}{why[what]}")
     lines += _compute_lines(cfg, p)
     lines += [f"split of {p.split['gpus']:.0f} GPUs that balances rollout and learner: "
               f"{p.split['rollout gpus']:.1f} rollout : {p.split['learner gpus']:.1f} learner "
@@ -153,5 +157,5 @@ def run(args) -> int:
     for line in health_warnings(cfg):  # training health: settings that fail silently (docs/health.md)
         print(f"warning: {line}")
     refuse(checks)  # the first failing check, in one line (exit 2)
-    print(f"plan: bank, timeouts and pods ok for {p.gpu} (GPU memory per rank: see above)")
+    print(f"plan: GPU memory, bank, timeouts and pods ok for {p.gpu}")
     return 0

@@ -1,8 +1,9 @@
-"""What `vgrpo plan` checks and `vgrpo train`'s preflight refuses: a bank that cannot hold
+"""What `vgrpo plan` checks and `vgrpo train`'s preflight refuses: a role whose planned GPU peak
+(plus plan.gpu_reserved_gib) leaves less than plan.min_free of its GPU, a bank that cannot hold
 `bank.headroom_steps` steps of groups, a timeout below SAFETY times the work it waits for, a pod
 below the host RAM of the processes it holds, a Redis maxmemory below bank.max_bytes. Each
 check is one line of figures; a failing one also carries the one-line refusal (field, figure,
-fix). GPU memory per rank is printed by the plan, never refused here.
+fix).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cluster.plan.host import (
     peak,
     redis_bytes,
 )
-from cluster.plan.sizing import GB, Plan
+from cluster.plan.sizing import GB, GPUS, Plan, learner_peak, rollout_peaks
 from cluster.plan.timing import SAFETY, estimates
 from common.config import ConfigError, PodsConfig
 
@@ -85,9 +86,43 @@ def pod_checks(cfg, p: Plan, pods: PodsConfig) -> list[Check]:
     return out
 
 
+_FIXES = {"learner": "set model.gradient_checkpointing true, add pools.learner.num_actors (FSDP2 shards over "
+                       "them), learner.cpu_offload true, or optim.finetune lora",
+          "rollout": "lower sampler.forward_batch_size, set model.vae_tiling true and model.text_encoder_offload "
+                     "true, or raise pools.rollout.parallel.sp"}
+
+
+def role_peaks(cfg, p: Plan) -> dict[str, tuple[str, float]]:
+    """Role -> (its peak phase, GPU bytes at it) of one process, as the plan prints them."""
+    learner = {"train step": learner_peak(p.learner, cfg.model.gradient_checkpointing)}
+    if not cfg.learner.cpu_offload:
+        learner["setup"] = sum(p.learner_setup.values())
+    rollout = {f"while {k}": v for k, v in rollout_peaks(cfg, p).items()}
+    return {role: max(phases.items(), key=lambda kv: kv[1]) for role, phases in
+            (("learner", learner), ("rollout", rollout))}
+
+
+def gpu_checks(cfg, p: Plan) -> list[Check]:
+    """Each role's planned peak plus plan.gpu_reserved_gib leaves plan.min_free of the GPU free."""
+    cap = GPUS[p.gpu][1] * GB
+    reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
+    out = []
+    for role, (phase, peak_b) in role_peaks(cfg, p).items():
+        free = 1.0 - (peak_b + reserved) / cap
+        line = (f"pools.{role} GPU peak ({phase}) {peak_b / GB:.1f} + {reserved / GB:.1f} GiB reserved of "
+                f"{cap / GB:.0f} GiB on {p.gpu}: {free:.0%} free (plan.min_free {want:.0%})")
+        short = (f"leaves {free:.0%} of the {p.gpu}'s {cap / GB:.0f} GiB free" if free >= 0 else
+                 f"exceeds the {p.gpu}'s {cap / GB:.0f} GiB by {(peak_b + reserved - cap) / GB:.1f} GiB")
+        refusal = (f"pools.{role}: the plan's {role} peak ({phase}) of {peak_b / GB:.1f} GiB plus "
+                   f"plan.gpu_reserved_gib = {cfg.plan.gpu_reserved_gib:g} {short}, and plan.min_free = {want:g} "
+                   f"asks {want:.0%} free; {_FIXES[role]} (vgrpo plan shows the parts)")
+        out.append(Check(f"pools.{role}", free >= want, line, refusal))
+    return out
+
+
 def run_checks(cfg, p: Plan, pods: PodsConfig | None) -> list[Check]:
     """Every check, in the order they are reported."""
-    out = [bank_check(cfg, bank_size(cfg)), *timeout_checks(cfg, p)]
+    out = [*gpu_checks(cfg, p), bank_check(cfg, bank_size(cfg)), *timeout_checks(cfg, p)]
     return out + (pod_checks(cfg, p, pods) if pods is not None else [])
 
 

@@ -51,7 +51,8 @@ def reward_bytes(m) -> float:
 
 def host_ram(cfg, p: Plan) -> dict[str, dict[str, float]]:
     """Role → {part: bytes} of one process's host peak (the parts' max, plus the process)."""
-    rollout_load = p.rollout["weights"] + p.rollout["frozen modules"]
+    # the pipeline loads on the host whole, text encoders included (they stay there when offloaded)
+    rollout_load = p.rollout["weights"] + p.rollout["frozen modules"] + p.rollout.get("text encoders (while encoding)", 0.0)
     # object store: each bucket is copied to the host for ray.put (then dropped); collective:
     # broadcast from the GPU, nothing on the host
     at_publish = publish_bucket_bytes(cfg, p) if cfg.weight_sync.transport == "object_store" else 0.0

@@ -317,15 +317,43 @@ def rollout_rows(cfg) -> int:
 
 
 def rollout_memory(cfg, a: Arch) -> dict[str, float]:
+    """GPU bytes of one rollout rank, by part. With model.text_encoder_offload the text encoders
+    are on the GPU only while a condition is encoded (rollout_peaks: the encoding phase)."""
     m = cfg.model
     c = 4 if m.dtype == "float32" else 2
     rows = rollout_rows(cfg)  # activations scale with the rows of one forward, not with G
     seq, _ = _seq(a, cfg.pools.rollout.parallel.sp)
-    return {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
-            "frozen modules": sum((4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()),
-            # no-grad forward: a few layer-sized tensors live at once (ffn hidden dominates)
-            "activations": rows * seq * (8 * a.width + 2 * a.ffn) * c,
-            "vae decode": vae_decode_bytes(cfg)}
+    frozen = {k: (4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()}
+    text = sum(v for k, v in frozen.items() if k.startswith("text_encoder"))
+    out = {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
+           "frozen modules": sum(frozen.values()) - (text if m.text_encoder_offload else 0.0),
+           # no-grad forward: a few layer-sized tensors live at once (ffn hidden dominates)
+           "activations": rows * seq * (8 * a.width + 2 * a.ffn) * c,
+           "vae decode": vae_decode_bytes(cfg)}
+    if m.text_encoder_offload:
+        out["text encoders (while encoding)"] = text
+    if m.task == "i2v":
+        out["i2v encode"] = vae_encode_bytes(cfg, i2v_encode_frames(cfg))
+    return out
+
+
+def i2v_encode_frames(cfg) -> int:
+    """Frames the VAE encodes for an I2V condition: Wan 2.1/2.2 A14B pad the first frame to the
+    whole clip (FamilySpec.i2v_encodes_clip); per-token-timestep models and HunyuanVideo 1.5
+    encode the frame alone."""
+    m = cfg.model
+    release = release_of(m.family, m.path)
+    clip = FAMILIES[m.family].i2v_encodes_clip and not (release is not None and release.expand_timesteps)
+    return m.num_frames if clip else 1
+
+
+def vae_encode_bytes(cfg, frames: int) -> float:
+    """An encode's working set: the fp32 input clip and the encoder's full-resolution feature
+    maps over one causal chunk (or all frames), tiled as the decode is."""
+    m = cfg.model
+    ch, chunk, tile = FAMILIES[m.family].vae_decode
+    area = min(m.height, tile) * min(m.width, tile) if m.vae_tiling else m.height * m.width
+    return _LIVE_MAPS * ch * min(chunk or frames, frames) * area * 4 + frames * 3 * m.height * m.width * 4
 
 
 def rollout_receive_bytes(cfg, a: Arch) -> float:
@@ -341,9 +369,14 @@ def rollout_receive_bytes(cfg, a: Arch) -> float:
 
 
 def rollout_peaks(cfg, p: Plan) -> dict[str, float]:
-    """The rollout rank's peak while generating and while receiving weights (it does one at a time)."""
-    resident = p.rollout["weights"] + p.rollout["frozen modules"]
-    return {"generating": sum(p.rollout.values()), "receiving weights": resident + p.rollout_receive}
+    """The rollout rank's peak in each of its phases (it is in one at a time): encoding a
+    condition (the text encoders on the GPU, and the I2V first frame through the VAE), generating
+    (the transformer's activations, then the VAE decode), receiving weights (two buckets)."""
+    r = p.rollout
+    resident = r["weights"] + r["frozen modules"]
+    return {"encoding": resident + r.get("text encoders (while encoding)", 0.0) + r.get("i2v encode", 0.0),
+            "generating": resident + r["activations"] + r["vae decode"],
+            "receiving weights": resident + p.rollout_receive}
 
 
 # --- compute -------------------------------------------------------------------------

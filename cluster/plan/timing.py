@@ -12,10 +12,11 @@ from cluster.plan.sizing import (
     Plan,
     anchor_copies,
     file_dtype_bytes,
+    i2v_encode_frames,
     lean_setup,
 )
 from cluster.plan.vae import vae_flops
-from common.families import FAMILIES, release_of
+from common.families import FAMILIES
 
 SAFETY = 3.0
 """Each timeout must be at least this multiple of the work's estimate."""
@@ -39,9 +40,7 @@ def group_seconds(cfg, p: Plan) -> dict[str, float]:
         * m.max_sequence_length * branches
     encode = text / (peak * MFU)
     if m.task == "i2v":  # Wan 2.1/2.2 A14B encode the first frame padded to the whole clip; others the frame
-        release = release_of(m.family, m.path)
-        clip = FAMILIES[m.family].i2v_encodes_clip and not (release is not None and release.expand_timesteps)
-        encode += vae_flops(cfg, "encode", m.num_frames if clip else 1) / vae_rate
+        encode += vae_flops(cfg, "encode", i2v_encode_frames(cfg)) / vae_rate
     return {"denoise": G * p.seconds["rollout per video"], "encode": encode,
             "decode": G * vae_flops(cfg, "decode") / vae_rate}
 

@@ -38,8 +38,10 @@ from rollout_worker.models.base import (
     frames_to_uint8,
     in_compute_dtype,
     is_local,
+    park_text_encoders,
     require_dir,
     require_weights,
+    text_encoders_on,
 )
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 from rollout_worker.models.hunyuan15_attention import use_key_mask_attention
@@ -99,6 +101,7 @@ class Hunyuan15VideoModel(VideoModel):
                 m.requires_grad_(False)
         configure_vae(pipe.vae, cfg)
         pipe.to(self.device)
+        park_text_encoders(pipe, self.device, cfg.text_encoder_offload)
 
     # --- construction ------------------------------------------------------------------
 
@@ -157,8 +160,9 @@ class Hunyuan15VideoModel(VideoModel):
         return z, (c.num_frames - 1) // st + 1, c.height // ss, c.width // ss
 
     def _text(self, prompts: list[str]) -> dict[str, Tensor]:
-        out = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype,
-                                      batch_size=len(prompts))
+        with text_encoders_on(self.pipe, self.device, self.cfg.text_encoder_offload):
+            out = self.pipe.encode_prompt(prompt=prompts, device=self.device, dtype=self.dtype,
+                                          batch_size=len(prompts))
         return dict(zip(_TEXT_KEYS, out, strict=True))  # [B, L, D], [B, L], [B, L2, D2], [B, L2]
 
     @torch.no_grad()

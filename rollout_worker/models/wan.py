@@ -37,8 +37,10 @@ from rollout_worker.models.base import (
     frames_to_uint8,
     in_compute_dtype,
     is_local,
+    park_text_encoders,
     require_dir,
     require_weights,
+    text_encoders_on,
 )
 from rollout_worker.models.empty import has_meta_parameters, parameters_on_meta
 from rollout_worker.models.kernels import configure_kernels
@@ -140,6 +142,7 @@ class WanVideoModel(VideoModel):
         self._freeze()
         if not any(has_meta_parameters(t) for t in (self.transformer, self.transformer_2) if t is not None):
             pipe.to(self.device)  # an empty build stays on meta until the learner shards and loads it
+            park_text_encoders(pipe, self.device, cfg.text_encoder_offload)
 
     # --- construction ------------------------------------------------------------------
 
@@ -240,10 +243,11 @@ class WanVideoModel(VideoModel):
         # 1. Text (and the negative prompt when CFG runs), as WanPipeline.encode_prompt does
         do_cfg = self.guidance_scale > 1.0
         negs = [self.cfg.negative_prompt if n is None else n for n in (negative_prompts or [None] * len(prompts))]
-        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=list(prompts), negative_prompt=negs if do_cfg else None,
-            do_classifier_free_guidance=do_cfg, max_sequence_length=self.cfg.max_sequence_length,
-            device=self.device)
+        with text_encoders_on(self.pipe, self.device, self.cfg.text_encoder_offload):
+            prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+                prompt=list(prompts), negative_prompt=negs if do_cfg else None,
+                do_classifier_free_guidance=do_cfg, max_sequence_length=self.cfg.max_sequence_length,
+                device=self.device)
         tensors = {"encoder_hidden_states": prompt_embeds.to(self.dtype)}  # [B, L, D]
         uncond = {"encoder_hidden_states": negative_embeds.to(self.dtype)} if do_cfg else None
         if self.cfg.task == "t2v":
