@@ -590,6 +590,31 @@ class MlflowConfig(Section):
     experiment: str = "vgrpo"
 
 
+class WorkerEnvConfig(Section):
+    """The environment every Ray worker of the run gets (the driver's runtime env): the CUDA
+    allocator's and the collectives' settings, set once here rather than per image or per node."""
+
+    cuda_alloc_conf: str = "expandable_segments:True"
+    """PYTORCH_CUDA_ALLOC_CONF: expandable segments let a video DiT's changing activation sizes
+    reuse freed memory instead of fragmenting it (PyTorch's CUDA memory docs); "" leaves it unset."""
+    nccl_socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME: the network interface(s) NCCL's bootstrap and sockets use, e.g. "eth0"
+    or "^lo,docker" (NCCL's environment docs); None: NCCL picks one, which may be a pod-local one."""
+    gloo_socket_ifname: str | None = None
+    """GLOO_SOCKET_IFNAME: the interface of the gloo (CPU) weight group; None: from the hostname."""
+    nccl_ib_hca: str | None = None
+    """NCCL_IB_HCA: the InfiniBand adapters NCCL may use, e.g. "mlx5"; None: all it finds."""
+    extra: dict[str, str] = Field(default_factory=dict)
+    """Any other variables, e.g. {NCCL_DEBUG: WARN, HF_HOME: /models}."""
+
+    def variables(self) -> dict[str, str]:
+        out = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        named = {"PYTORCH_CUDA_ALLOC_CONF": self.cuda_alloc_conf, "NCCL_SOCKET_IFNAME": self.nccl_socket_ifname,
+                 "GLOO_SOCKET_IFNAME": self.gloo_socket_ifname, "NCCL_IB_HCA": self.nccl_ib_hca}
+        out.update({k: v for k, v in named.items() if v})
+        return out | dict(self.extra)
+
+
 class LogConfig(Section):
     backends: list[BackendName] = Field(default_factory=lambda: ["jsonl"])
     """Experiment trackers that get every metrics.jsonl row and the sample videos. metrics.jsonl
@@ -692,6 +717,7 @@ class RunConfig(Section):
     run: RunDirConfig = Field(default_factory=RunDirConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    env: WorkerEnvConfig = Field(default_factory=WorkerEnvConfig)
 
     @property
     def records_mu_old(self) -> bool:

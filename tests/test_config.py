@@ -184,3 +184,27 @@ def test_sequence_parallel_degree_is_per_pool_and_bounded():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="model.attention_backend = 'xformers' is not allowed"):
         load_config(None, ["model.attention_backend=xformers"])
+
+
+def test_worker_env_reaches_the_runtime_env_of_the_ray_it_starts(monkeypatch):
+    """The allocator's and the collectives' settings (config section env) are what init_ray hands
+    Ray as every worker's environment (pure unit test: ray.init is recorded, not run)."""
+    import ray
+
+    from cluster.driver import pools
+
+    cfg = load_config("configs/quickstart.yaml", ["env.nccl_socket_ifname=eth0", "env.extra={NCCL_DEBUG: WARN}"])
+    seen = {}
+
+    class Ctx:
+        address_info: dict = {}
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw) or Ctx())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pools.init_ray(cfg)
+    assert seen["runtime_env"]["env_vars"] == {
+        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
+    unset = load_config("configs/quickstart.yaml", ["env.cuda_alloc_conf="]).env.variables()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in unset and "NCCL_SOCKET_IFNAME" not in unset

@@ -82,7 +82,7 @@ def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> Ray
     address = address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return RayHandle(started_here=False)
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = cfg.env.variables()  # the allocator's and the collectives' settings (config section env)
     if address:
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
