@@ -2,6 +2,9 @@
 
     python -m benchmarks.bench_sampler [--quick] [--smoke] [--gpu]
 
+Then the saving of encoding a condition once per actor (rollout_worker/condition_cache.py): a
+group of a condition seen before, against one that runs the encoders again.
+
 Both paths encode once, draw the noise, run T batched velocity calls over G members and
 decode; the sampler adds the SDE noise, the log-probs and the recording. The goal is a
 ratio ≤ 1.05 (the transformer should dominate); on tiny CPU models fixed costs weigh more.
@@ -21,6 +24,7 @@ import torch
 from common.config import RunConfig
 from common.sde import Schedule
 from common.types import Condition
+from rollout_worker.condition_cache import ConditionCache
 from rollout_worker.models.base import VideoModel
 from rollout_worker.sampler import sample_group
 
@@ -68,6 +72,15 @@ def bench(name: str, model: VideoModel, cfg: RunConfig, repeats: int) -> None:
           f"{m.num_frames}x{m.height}x{m.width} {str(model.dtype).replace('torch.', ''):<8} {model.device.type:<4} "
           f"plain {t_plain * 1e3:8.1f} ms   sampler {t_sampler * 1e3:8.1f} ms   "
           f"ratio {ratio:5.3f}  (goal ≤ 1.05)")
+
+
+def bench_encode_once(name: str, model: VideoModel, cfg: RunConfig, repeats: int) -> None:
+    cache = ConditionCache(cfg.sampler.cond_cache_entries, cfg.sampler.cond_cache_mb * 2**20)
+    t_miss, t_hit, ratio = time_pair(lambda: sample_group(model, COND, cfg, seed=0, policy_version=0),
+                                     lambda: sample_group(model, COND, cfg, seed=0, policy_version=0, cache=cache),
+                                     repeats)
+    print(f"{name:<16} encode every group {t_miss * 1e3:8.1f} ms   encoded once {t_hit * 1e3:8.1f} ms   "
+          f"ratio {ratio:5.3f}  ({cache.stats.hits} hits, {cache.stats.misses} miss)")
 
 
 def toy_case() -> tuple[VideoModel, RunConfig] | None:
@@ -137,6 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     for case in cases:
         if case is not None:
             bench(type(case[0]).__name__.replace("VideoModel", "").lower(), *case, repeats)
+    print("encode once per condition (sampler.cond_cache_entries): the same group, its condition encoded "
+          "in the call or taken from the actor's cache")
+    for case in cases:
+        if case is not None:
+            bench_encode_once(type(case[0]).__name__.replace("VideoModel", "").lower(), *case, repeats)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,11 @@ class SamplerConfig(Section):
     ode_last_steps: int = Field(0, ge=0, le=1000)
     """Run the last n steps deterministically (never trained). 0 samples every step with the
     scheme, as upstream FlowGRPO, DanceGRPO and CPS do."""
+    cond_cache_entries: int = Field(256, ge=0, le=1_000_000)
+    """Encoded conditions each rollout actor keeps (0: encode every group's anew); a condition's
+    later groups skip the text encoder and the I2V first-frame encode."""
+    cond_cache_mb: int = Field(1024, ge=0, le=1_048_576)
+    """The bound on their host memory, MiB (a Wan 2.2 I2V condition is 10.6 MB)."""
     latent_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of stored latents; log-probs are computed from exactly the stored tensors."""
     timeout_s: float = Field(900.0, gt=0.0, le=MAX_TIMEOUT_S)

@@ -53,6 +53,7 @@ from memory_bank.errors import (
     LeaseLost,
 )
 from reward_worker.actor import RewardClient, RewardFailed, RewardTimeout, actor_names
+from rollout_worker.condition_cache import ConditionCache
 from rollout_worker.models import build_model
 from rollout_worker.models.base import copy_weights
 from rollout_worker.models.lora import inject_lora
@@ -92,6 +93,8 @@ class RolloutWorker:
         self._reward_actors, self._bank_ref = rewards, bank   # the data plane (see deliver)
         self._rewards = self._bank = None                     # connected on first use
         self._staged: dict[str, tuple[Group, int, float]] = {}
+        s = self.cfg.sampler  # encoded conditions, reused by a condition's later groups
+        self._conds = ConditionCache(s.cond_cache_entries, s.cond_cache_mb * 2**20)
         for record in (_resolve(weights_ref), _fetch_latest(latest_weights)):
             if record is not None:
                 self.set_weights(_resolve(record.weights), record.version, record.checksum)
@@ -101,7 +104,7 @@ class RolloutWorker:
         self._check_whole()
         follow = self._followers.submit("sp_generate", condition, seed, group_id) if self._followers else []
         group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
-                             group_id=group_id)
+                             group_id=group_id, cache=self._conds)
         if self._followers is not None:
             self._followers.check(follow, group_digest(group), f"group {group.group_id}")
         return group
@@ -122,7 +125,7 @@ class RolloutWorker:
         """The leader's group, generated in step with it (no decode); returns its digest."""
         self._check_whole()
         group = sample_group(self.model, condition, self.cfg, seed=seed, policy_version=self._version,
-                             group_id=group_id, decode=False)
+                             group_id=group_id, decode=False, cache=self._conds)
         return group_digest(group)
 
     def sp_sample_videos(self, prompts: list[str], seeds: list[int], scheme: str, images) -> bool:

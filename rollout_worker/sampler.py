@@ -28,6 +28,7 @@ from common.sde import (
     scheme_from_config,
 )
 from common.types import Cond, Condition, Group, Trajectory
+from rollout_worker.condition_cache import ConditionCache
 from rollout_worker.dpm import DPMSolver2M
 from rollout_worker.models.base import VideoModel, encoder_fingerprint, negative_kwargs
 
@@ -216,10 +217,11 @@ def tail_sigmas(schedule: Schedule, a: int, ratio: float, shift: float) -> list[
 
 @torch.no_grad()
 def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, seed: int, policy_version: int,
-                 group_id: str | None = None, decode: bool = True) -> Group:
+                 group_id: str | None = None, decode: bool = True, cache: ConditionCache | None = None) -> Group:
     """Generate G = sampler.group_size rollouts of `condition` and record their trained transitions.
 
-    `decode=False` leaves the members without frames (an SP follower: only the leader decodes)."""
+    `decode=False` leaves the members without frames (an SP follower: only the leader decodes);
+    `cache` (the actor's) gives a condition encoded before without encoding it again."""
     G = cfg.sampler.group_size
     group_id = group_id or f"{condition.id}-s{seed}-v{policy_version}"
 
@@ -231,8 +233,13 @@ def sample_group(model: VideoModel, condition: Condition, cfg: RunConfig, *, see
     plan = plan_steps(schedule, scheme, noisy, cfg)
     stored = [sorted(t) for t in trained] if noisy else [[] for _ in range(G)]  # NFT: none
 
-    # 2. Encode the condition once; every member shares it, and it travels with the group
-    cond = _encode(model, condition, cfg)
+    # 2. Encode the condition once (or take it from the cache); every member shares it, and it
+    # travels with the group
+    if cache is None:
+        cond = _encode(model, condition, cfg)
+    else:
+        key = cache.key(condition, encoder_fingerprint(cfg.model, condition.negative_prompt))
+        cond = cache.encoded(key, lambda: _encode(model, condition, cfg))
 
     # 3. Initial noise, 4. the planned steps, 5. decode
     gen = torch.Generator().manual_seed(seed)  # step noise (and the initial noise for "group")
