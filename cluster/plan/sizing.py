@@ -411,14 +411,15 @@ def all_to_all_bytes(a: Arch, rows: int, dtype_bytes: int, sp: int) -> float:
     return a.layers * (video + text) * (sp - 1) / sp
 
 
-def plan(cfg, gpu: str | None = None) -> Plan:
-    """The sizing on `gpu` (default: the config's plan.gpu)."""
+def plan(cfg, gpu: str | None = None, transformer=None) -> Plan:
+    """The sizing on `gpu` (default: the config's plan.gpu), of `transformer` when given (a
+    measurement's own, benchmarks/device_check.py), else of the config's (built on meta)."""
     gpu = cfg.plan.gpu if gpu is None else gpu
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r}: expected one of {', '.join(GPUS)}")
     from common.sde import Schedule  # lazy: torch, numpy (kept out of vgrpo --help)
 
-    a = arch(cfg)
+    a = arch(cfg, transformer)
     p = Plan(gpu, a)
     p.learner, p.rollout = learner_memory(cfg, a), rollout_memory(cfg, a)
     p.learner_setup = learner_setup(cfg, a)
