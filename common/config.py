@@ -217,6 +217,11 @@ class GRPOConfig(Section):
     """The std advantages divide by: the group's (or its stats set's), or every fresh reward of
     the step's (FlowGRPO-style global_std, which DiffusionNFT and Flash-GRPO use); the mean stays
     the group's (section 4)."""
+    adv_norm: Literal["population", "flow_grpo", "dance_grpo"] = "population"
+    """Which std and epsilon: A = (R - mean) / (std + eps) as the named upstream computes it
+    (common/methods.py ADV_NORMS): population, the population std + 1e-8 (vgrpo's own); flow_grpo,
+    np.std + 1e-4 (FlowGRPO, DiffusionNFT, Flash-GRPO); dance_grpo, torch's unbiased std + 1e-8
+    (DanceGRPO, MixGRPO)."""
     loss: Literal["grpo", "nft"] = "grpo"
     """grpo: the clipped surrogate on recorded SDE steps (every method but one); nft: DiffusionNFT's
     flow-matching loss on the clean final latents (section 6b, the `nft` section): ODE rollouts
