@@ -168,8 +168,8 @@ class SamplerConfig(Section):
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
     """With train_steps=fraction, each sample trains floor(fraction·n) of its n eligible steps
     (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6). With
-    one_per_group, the group's step is drawn from the first floor(fraction·n) (Flash-GRPO: 0.51,
-    the first 10 of 20)."""
+    one_per_group, the group's step is drawn from the schedule's first floor(fraction·T) steps
+    (Flash-GRPO: 0.51, the first 10 of 20; the first 5 of 10), whichever of them can be trained."""
     window: WindowConfig = Field(default_factory=WindowConfig)
     """With train_steps=window: MixGRPO's window (width, shift interval, stride, start, schedule)."""
     step_draw: Literal["per_sample", "per_group"] = "per_sample"

@@ -36,6 +36,8 @@ class MethodSpec:
     uses_kl_strategy: bool  # kl.strategy's anchors and λ_KL apply (False: the method has its own KL)
     anchors: Callable[..., frozenset[str]]  # cfg -> the anchors its loss evaluates (a no-grad forward each per row)
     rows_per_video: Callable[..., int] | None = None  # cfg -> learner rows per video; None: the steps a member trains
+    rollout_anchor: str | None = None  # the policy anchor the rollouts sample instead of θ (None: θ); with one, an
+                                       # evaluation loads the exported policy for itself (section 6b)
     notes: str = ""
 
 
@@ -48,6 +50,7 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
                       # its sampling policy v_old on every row, and π_0 for its KL
                       anchors=lambda cfg: frozenset({"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())),
                       rows_per_video=lambda cfg: max(1, int(_steps(cfg) * cfg.nft.timestep_fraction)),
+                      rollout_anchor="old",  # the rollouts sample v_old; evaluations, θ
                       notes="DiffusionNFT: a flow-matching loss on fresh ODE rollouts' final latents "
                             "(docs/algorithm.md section 6b; its KL to π_0 is nft.kl)"),
 }
