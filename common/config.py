@@ -172,8 +172,8 @@ class SamplerConfig(Section):
     train_fraction: float = Field(0.6, gt=0.0, le=1.0)
     """With train_steps=fraction, each sample trains floor(fraction·n) of its n eligible steps
     (at least one), drawn at random (FlowGRPO's timestep_fraction, DanceGRPO's 0.6). With
-    one_per_group, the group's step is drawn from the first floor(fraction·n) (Flash-GRPO: 0.51,
-    the first 10 of 20)."""
+    one_per_group, the group's step is drawn from the schedule's first floor(fraction·T) steps
+    (Flash-GRPO: 0.51, the first 10 of 20; the first 5 of 10), whichever of them can be trained."""
     window: WindowConfig = Field(default_factory=WindowConfig)
     """With train_steps=window: MixGRPO's window (width, shift interval, stride, start, schedule)."""
     step_draw: Literal["per_sample", "per_group"] = "per_sample"
@@ -226,6 +226,11 @@ class GRPOConfig(Section):
     """The std advantages divide by: the group's (or its stats set's), or every fresh reward of
     the step's (FlowGRPO-style global_std, which DiffusionNFT and Flash-GRPO use); the mean stays
     the group's (section 4)."""
+    adv_norm: Literal["population", "flow_grpo", "dance_grpo"] = "population"
+    """Which std and epsilon: A = (R - mean) / (std + eps) as the named upstream computes it
+    (common/methods.py ADV_NORMS): population, the population std + 1e-8 (vgrpo's own); flow_grpo,
+    np.std + 1e-4 (FlowGRPO, DiffusionNFT, Flash-GRPO); dance_grpo, torch's unbiased std + 1e-8
+    (DanceGRPO, MixGRPO)."""
     loss: Literal["grpo", "nft"] = "grpo"
     """grpo: the clipped surrogate on recorded SDE steps (every method but one); nft: DiffusionNFT's
     flow-matching loss on the clean final latents (section 6b, the `nft` section): ODE rollouts

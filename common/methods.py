@@ -1,5 +1,6 @@
 """RL methods as declarations: what the rollout, the planner and the health checks must know of
-each `grpo.loss`, and the KL strategies' anchors, as pure data.
+each `grpo.loss`, the KL strategies' anchors, and each upstream's advantage normalisation, as
+pure data.
 
 The learner's side of a method (its rows, micro-batches, loss and what it does after a step) is
 its entry in `learner/methods/`, named here by a lazy path as Flow-Factory names its trainers.
@@ -35,6 +36,8 @@ class MethodSpec:
     uses_kl_strategy: bool  # kl.strategy's anchors and λ_KL apply (False: the method has its own KL)
     anchors: Callable[..., frozenset[str]]  # cfg -> the anchors its loss evaluates (a no-grad forward each per row)
     rows_per_video: Callable[..., int] | None = None  # cfg -> learner rows per video; None: the steps a member trains
+    rollout_anchor: str | None = None  # the policy anchor the rollouts sample instead of θ (None: θ); with one, an
+                                       # evaluation loads the exported policy for itself (section 6b)
     notes: str = ""
 
 
@@ -47,9 +50,37 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
                       # its sampling policy v_old on every row, and π_0 for its KL
                       anchors=lambda cfg: frozenset({"old"} | ({"pi0"} if cfg.nft.kl > 0 else set())),
                       rows_per_video=lambda cfg: max(1, int(_steps(cfg) * cfg.nft.timestep_fraction)),
+                      rollout_anchor="old",  # the rollouts sample v_old; evaluations, θ
                       notes="DiffusionNFT: a flow-matching loss on fresh ODE rollouts' final latents "
                             "(docs/algorithm.md section 6b; its KL to π_0 is nft.kl)"),
 }
+
+
+@dataclass(frozen=True)
+class AdvantageNorm:
+    """How a stats set's rewards become advantages: A = (R - mean) / (std + eps) (docs/algorithm.md
+    section 4); the same std is the divisor with grpo.adv_std=batch."""
+
+    ddof: int       # 0: the population std (numpy's np.std); 1: the unbiased one (torch's .std())
+    eps: float      # added to the std
+    source: str     # the upstream code it transcribes
+
+
+ADV_NORMS: dict[str, AdvantageNorm] = {  # grpo.adv_norm -> its normalisation (a row names its upstream's)
+    "population": AdvantageNorm(0, 1e-8, "vgrpo's own (SAGE-GRPO, TAGRPO, CPS and the quickstart rows)"),
+    "flow_grpo": AdvantageNorm(0, 1e-4, "flow_grpo, flow_grpo/stat_tracking.py PerPromptStatTracker.update: "
+                                        "np.std(...) + 1e-4, per prompt or with global_std over the batch; "
+                                        "DiffusionNFT and Flash-GRPO train with their copies of it"),
+    "dance_grpo": AdvantageNorm(1, 1e-8, "DanceGRPO, fastvideo/train_grpo_*.py train_one_step: "
+                                         "(r - r.mean()) / (r.std() + 1e-8) with torch's std, per reward head "
+                                         "in train_grpo_hunyuan.py; MixGRPO's fastvideo/train_grpo_flux.py "
+                                         "keeps it (advantage_aggr)"),
+}
+
+
+def adv_norm_of(cfg) -> AdvantageNorm:
+    """The advantage normalisation a run's rows declare (grpo.adv_norm)."""
+    return ADV_NORMS[cfg.grpo.adv_norm]
 
 
 def _steps(cfg) -> int:

@@ -1,10 +1,12 @@
-"""Group-relative advantages (ALGORITHM.md section 3).
+"""Group-relative advantages (docs/algorithm.md section 4).
 
-    A_i = (R_i - mean) / (std + 1e-8), clipped to ±adv_clip
+    A_i = (R_i - mean) / (std + eps), clipped to ±adv_clip
 
 The statistics run over a "stats set" (the fresh group, or the group plus its bank entries;
-with grpo.adv_std=batch the std is every fresh reward's of the step instead) and are applied to every member that trains (fresh and bank). std is the population std,
-as the baselines' `np.std`. A group whose rewards are all equal gets A = 0 exactly, everywhere.
+with grpo.adv_std=batch the std is every fresh reward's of the step instead) and are applied to
+every member that trains (fresh and bank). Which std (population or unbiased) and which eps is the
+run's declared normalisation (grpo.adv_norm, common/methods.py ADV_NORMS: each upstream's own).
+A group whose rewards are all equal gets A = 0 exactly, everywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-ADV_EPS = 1e-8
+from common.methods import ADV_NORMS, AdvantageNorm
+
+DEFAULT_NORM = ADV_NORMS["population"]
 NO_SIGNAL_RTOL = 1e-6  # a spread below this (relative to the rewards' scale) is fp32 rounding, not signal
 SPREAD_PREFIX = "spread/zero/"  # step-record keys: share of the step's groups with no spread, per head
 
@@ -32,23 +36,26 @@ def no_signal(ref: Tensor) -> Tensor:
     return spread <= NO_SIGNAL_RTOL * scale
 
 
-def normalize(values: Tensor, stats_mask: Tensor, std: Tensor | None = None) -> Tensor:
-    """(values - mean) / (std + 1e-8), with mean and std over values[stats_mask]. [N] or [N, H]
+def normalize(values: Tensor, stats_mask: Tensor, std: Tensor | None = None,
+              norm: AdvantageNorm = DEFAULT_NORM) -> Tensor:
+    """(values - mean) / (std + norm.eps), with mean and std over values[stats_mask]. [N] or [N, H]
 
-    `std` given (grpo.adv_std=batch): divide by it instead of the stats set's own (the mean stays
-    the stats set's). Computed in float64 (then returned as fp32), and exactly 0 in every column
-    whose stats set carries no signal.
+    The std is the population (norm.ddof 0) or the unbiased one (1). `std` given
+    (grpo.adv_std=batch): divide by it instead of the stats set's own (the mean stays the stats
+    set's). Computed in float64 (then returned as fp32), and exactly 0 in every column whose stats
+    set carries no signal.
     """
     ref = values[stats_mask].double()                           # [M] or [M, H]
     mean = ref.mean(0)
-    std = ref.std(0, unbiased=False) if std is None else std.double()
-    adv = (values.double() - mean) / (std + ADV_EPS)
+    std = ref.std(0, correction=norm.ddof) if std is None else std.double()
+    adv = (values.double() - mean) / (std + norm.eps)
     return torch.where(no_signal(ref), torch.zeros_like(adv), adv).float()
 
 
 def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
                      head_scores: Tensor | None = None, head_weights: Tensor | None = None,
-                     mode: Literal["composite", "per_head"] = "composite", std: Tensor | None = None) -> Tensor:
+                     mode: Literal["composite", "per_head"] = "composite", std: Tensor | None = None,
+                     norm: AdvantageNorm = DEFAULT_NORM) -> Tensor:
     """Advantages of one condition's members.
 
     rewards      [N] composite R_i of every member (fresh, then bank)
@@ -57,15 +64,16 @@ def group_advantages(rewards: Tensor, stats_mask: Tensor, adv_clip: float,
     head_weights [H] w_h (per_head mode only)
     mode         `per_head` normalises each head, then sums with w_h (DanceGRPO)
     std          [] or [H] the divisor instead of the stats set's std (grpo.adv_std=batch)
+    norm         the std's kind and eps (grpo.adv_norm)
     returns      [N] fp32, clipped to ±adv_clip
     """
     if mode == "per_head":
         if head_scores is None or head_weights is None:
             raise ValueError("per-head advantages need head scores and head weights "
                              "(grpo.per_head_advantages=true with a batch that has no scores)")
-        adv = normalize(head_scores.float(), stats_mask, std) @ head_weights.float()  # [N]
+        adv = normalize(head_scores.float(), stats_mask, std, norm) @ head_weights.float()  # [N]
     else:
-        adv = normalize(rewards.float(), stats_mask, std)                             # [N]
+        adv = normalize(rewards.float(), stats_mask, std, norm)                       # [N]
     return adv.clamp(-adv_clip, adv_clip)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
+from common.methods import adv_norm_of
 from common.rewards import RewardHeads
 from common.sde import Schedule, Scheme, SchemeSpec, equalizer_weights, grad_scale, scheme_from_spec
 from common.types import Cond, Group, TrainBatch, Trajectory
@@ -105,19 +106,20 @@ def member_advantages(group: Group, bank: list[tuple[Trajectory, Tensor, float]]
         heads = torch.cat([group.scores.values.float()] + [b[1].float().view(1, -1) for b in bank])
         weights = RewardHeads.of(cfg.rewards.models, group.scores.heads).vector()
     adv = group_advantages(rewards, stats_mask, g_cfg.adv_clip, heads, weights,
-                           "per_head" if g_cfg.per_head_advantages else "composite", std)  # [N]
+                           "per_head" if g_cfg.per_head_advantages else "composite", std, adv_norm_of(cfg))  # [N]
     return adv, rewards, stats_mask
 
 
 def batch_std(batch: TrainBatch, cfg: RunConfig) -> Tensor | None:
-    """With grpo.adv_std=batch, the population std of every fresh reward of the step (per head in
-    per-head mode): the divisor each group's advantages then share (section 4). None otherwise."""
+    """With grpo.adv_std=batch, the std (grpo.adv_norm's kind) of every fresh reward of the step (per
+    head in per-head mode): the divisor each group's advantages then share (section 4). None otherwise."""
     if cfg.grpo.adv_std != "batch":
         return None
+    ddof = adv_norm_of(cfg).ddof
     if cfg.grpo.per_head_advantages:
         _require_scores(batch.fresh)
-        return torch.cat([g.scores.values.double() for g in batch.fresh]).std(0, unbiased=False)
-    return torch.cat([_composite(g).double() for g in batch.fresh]).std(unbiased=False)
+        return torch.cat([g.scores.values.double() for g in batch.fresh]).std(0, correction=ddof)
+    return torch.cat([_composite(g).double() for g in batch.fresh]).std(correction=ddof)
 
 
 def step_weights(scheme: Scheme, schedule: Schedule, ks: Tensor, g_cfg) -> Tensor:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -315,15 +316,65 @@ class RolloutWorker:
         return out
 
     def evaluate_pairs(self, prompts: list[str], seeds: list[int], images: list[str] | None = None,
-                       keep: Sequence[int] = ()) -> tuple[Scores, dict[int, Tensor]]:
+                       keep: Sequence[int] = (), weights: WeightsRecord | None = None) -> tuple[Scores, dict[int, Tensor]]:
         """ODE videos of the pairs, scored here with the reward pool (the frames go to the reward
         actors through the object store, as in `deliver`). Returns the Scores [B, H] and, for the
         positions in `keep` only, the frames uint8 [F, H, W, 3] (what the caller renders).
+        `weights`: sample with these instead of the held version, for this call alone (`evaluating`).
         A reward model that fails raises RewardFailed / RewardTimeout naming it."""
-        frames = self.sample_videos(prompts, seeds, "ode", images)
+        with self.evaluating(weights):
+            frames = self.sample_videos(prompts, seeds, "ode", images)
         scores = self._reward_client().score(frames, list(prompts), images)
         # clone: a view would carry the whole batch's storage with it when pickled
         return scores, {j: frames[j].clone() for j in keep}
+
+    @contextmanager
+    def evaluating(self, record: WeightsRecord | None) -> Iterator[None]:
+        """Inside the block the model holds `record`'s weights (None: no change); after it, the
+        held version's weights again, bit for bit, and the version never changes: rollouts never
+        sample them. For an evaluation of a policy the rollouts do not sample (DiffusionNFT's θ,
+        while they sample v_old). The held weights wait on the CPU; SP followers swap in step."""
+        if record is None:
+            yield
+            return
+        self._check_whole()
+        held = self._swap_in(record)
+        try:
+            if self._followers is not None:
+                self._followers.wait(self._followers.submit("sp_eval_begin", record))
+            yield
+        finally:
+            copy_weights(*held)
+            if self._followers is not None:
+                self._followers.wait(self._followers.submit("sp_eval_end"))
+
+    def _swap_in(self, record: WeightsRecord) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Load `record` (checked as set_weights checks it); returns (targets, their held values on the CPU)."""
+        payload = _resolve(record.weights)
+        names = [e["name"] for e in payload.manifest["entries"]] if isinstance(payload, StreamedWeights) else list(payload)
+        targets = self.model.weight_targets(names)
+        held = {k: t.detach().to("cpu", copy=True) for k, t in targets.items()}
+        who = f"rollout actor {self.actor_index} evaluation weights v{record.version}"
+        try:
+            if isinstance(payload, StreamedWeights):
+                load_streamed(payload, record.checksum, lambda views: copy_weights(targets, views), self.model.device,
+                              who, self._gauge, self.cfg.weight_sync.timeout_s)
+            else:
+                verify(payload, record.checksum, who=who)
+                copy_weights(targets, payload)
+        except BaseException:
+            copy_weights(targets, held)  # a failed load leaves the held version whole
+            raise
+        return targets, held
+
+    def sp_eval_begin(self, record: WeightsRecord) -> None:
+        """An SP follower's side of `evaluating`: load the record, keep the held weights."""
+        self._eval_held = self._swap_in(record)
+
+    def sp_eval_end(self) -> None:
+        held, self._eval_held = getattr(self, "_eval_held", None), None
+        if held is not None:  # None: its sp_eval_begin failed and restored the held weights itself
+            copy_weights(*held)
 
     # --- the collective weight transport (learner/weight_sync.py is the sending side) ---
 

@@ -124,8 +124,10 @@ def draw_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, 
     `fraction` takes floor(fraction·n) of the n trainable steps (at least one) from a random
     permutation seeded by `seed`: one per sample (`per_sample`, as upstream) or one shared by the
     group (`per_group`). `window`: the w steps of MixGRPO's window at `version`, for every member.
-    `one_per_group`: Flash-GRPO's one step, drawn by `seed` from the first floor(fraction·n), for
-    every member.
+    `one_per_group`: Flash-GRPO's one step, drawn by `seed` from the trainable steps among the
+    schedule's first floor(fraction·T) (T the schedule's steps, not the n trainable ones: its
+    sampler draws an index among the first 10 of its 20 steps), for every member; the first
+    trainable step where none of those is.
     """
     steps = trainable_steps(schedule, scheme, scfg, model)
     if not steps or scfg.train_steps in ("all", "threshold"):
@@ -133,10 +135,12 @@ def draw_trained_steps(schedule: Schedule, scheme: Scheme, scfg: SamplerConfig, 
     if scfg.train_steps == "window":
         l0 = window_start(len(steps), scfg.window, version, run_seed)
         return [steps[l0:l0 + scfg.window.width] for _ in range(members)]
-    n = max(1, math.floor(scfg.train_fraction * len(steps) + 1e-9))
     gen = torch.Generator().manual_seed(seed + _PERM_SEED_OFFSET)
     if scfg.train_steps == "one_per_group":
-        return [[steps[int(torch.randint(n, (1,), generator=gen))]]] * members
+        first = math.floor(scfg.train_fraction * schedule.steps + 1e-9)
+        pool = [k for k in steps if k < first] or steps[:1]
+        return [[pool[int(torch.randint(len(pool), (1,), generator=gen))]]] * members
+    n = max(1, math.floor(scfg.train_fraction * len(steps) + 1e-9))
     draws = 1 if scfg.step_draw == "per_group" else members
     subsets = [sorted(steps[int(i)] for i in torch.randperm(len(steps), generator=gen)[:n])
                for _ in range(draws)]

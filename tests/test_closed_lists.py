@@ -40,6 +40,7 @@ def test_each_literal_equals_its_registry():
     assert set(typing.get_args(SchemeName)) == set(SCHEMES)
     assert _literal(ModelConfig, "family") == set(families.FAMILIES)
     assert _literal(GRPOConfig, "loss") == set(methods.METHODS)
+    assert _literal(GRPOConfig, "adv_norm") == set(methods.ADV_NORMS)
     assert _literal(KLConfig, "strategy") == set(methods.KL_STRATEGIES)
     assert _literal(BankConfig, "strategy") == set(STRATEGIES)
 

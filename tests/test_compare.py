@@ -11,6 +11,7 @@ import pytest
 
 from cluster.compare.matrix import load_matrix
 from cluster.compare.report import (
+    cost_ratios,
     costs,
     gains,
     markdown_table,
@@ -189,7 +190,7 @@ def test_cost_columns_and_ranking_by_gain_per_rollout_second():
     assert "time/generate" in md
     cost = costs(g, metrics, ["A", "B", "C"])
     assert cost["C"].gain_per_rollout == pytest.approx(g["C"]["composite"][0] / 2.0)
-    rank = ranking_section(cost, "C").splitlines()
+    rank = ranking_section(cost, "C", cost_ratios(runs, metrics, ["A", "B", "C"], "C")).splitlines()
     order = [line.split("|")[2].strip() for line in rank if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
     want = sorted("ABC", key=lambda r: -cost[r].gain_per_rollout)
     assert order == want and order[-1] == "B"                     # a loss ranks last
@@ -200,6 +201,67 @@ def test_cost_columns_and_ranking_by_gain_per_rollout_second():
     gpu = costs(g, metrics, ["A", "B", "C"], {"A": 2.0, "B": 2.0, "C": 2.0})
     assert gpu["A"].gain_per_rollout == pytest.approx(cost["A"].gain_per_rollout / 2)
     assert "Δ composite / rollout-GPU-s" in markdown_table(runs, metrics, ["A"], {"A": 2.0})
+
+
+def _exact(row, seed, gain, n=6, heads=("VQ", "TA")):
+    """A run whose composite gain is exactly `gain` on every pair (half of it per head)."""
+    rng = np.random.default_rng([seed, 7])
+    before = rng.normal(size=(n, len(heads)))
+    after = before + gain / len(heads)
+    return {"row": row, "seed": seed, "heads": list(heads), "wall_s": 1.0,
+            "before": {"values": before.tolist(), "composite": before.sum(1).tolist()},
+            "after": {"values": after.tolist(), "composite": after.sum(1).tolist()}}
+
+
+def _secs(rollout):
+    return [{"step": 1, "reward_mean": 0.0, "time/generate": rollout, "time/train": 1.0}]
+
+
+def test_a_cost_ratio_never_mixes_seed_sets():
+    """The reference ran seeds 0-3 and gained much more on 0-1 than on 2-3; the row ran 0-1 only. Its
+    ratio must be taken against the reference's seeds 0-1 alone (gains and seconds), not the
+    reference's mean over all four, and the ranking must say it rests on 2 seeds."""
+    ref_gain, ref_secs = [0.08, 0.06, 0.01, 0.01], [10.0, 12.0, 30.0, 30.0]
+    runs = [_exact("D", s, g) for s, g in enumerate(ref_gain)] + [_exact("X", 0, 0.05), _exact("X", 1, 0.03)]
+    metrics = {"D": [_secs(t) for t in ref_secs], "X": [_secs(5.0), _secs(7.0)]}
+    cost = costs(gains(runs), metrics, ["D", "X"])
+    r = cost_ratios(runs, metrics, ["D", "X"], "D")
+    assert r["X"].seeds == (0, 1) and r["D"].seeds == (0, 1, 2, 3)
+    matched = (0.04 / 6.0) / (0.07 / 11.0)                    # both rows on seeds 0 and 1: 1.048
+    assert r["X"].ratio == pytest.approx(matched)
+    mixed = cost["X"].gain_per_rollout / cost["D"].gain_per_rollout  # the reference on its 4 seeds: 3.42
+    assert abs(mixed - matched) > 1.0
+    line = next(x for x in ranking_section(cost, "D", r).splitlines() if "| X |" in x)
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[6] == "2" and cells[7].startswith(f"{matched:.2f}× [")
+    assert next(x for x in ranking_section(cost, "D", r).splitlines() if "| D |" in x).endswith(
+        "| 4 | 1 (the reference) |")
+    # on the same seeds the matched ratio is the rows' own quotient
+    same = [_exact("D", s, g) for s, g in enumerate(ref_gain[:2])] + [_exact("X", 0, 0.05), _exact("X", 1, 0.03)]
+    m2 = {"D": [_secs(t) for t in ref_secs[:2]], "X": metrics["X"]}
+    c2 = costs(gains(same), m2, ["D", "X"])
+    assert cost_ratios(same, m2, ["D", "X"], "D")["X"].ratio == pytest.approx(
+        c2["X"].gain_per_rollout / c2["D"].gain_per_rollout)
+
+
+def test_cost_ratio_interval_is_a_seeded_paired_bootstrap_and_lands_in_compare_json(tmp_path):
+    from cluster.compare.runner import write_report
+
+    runs = [_exact("ref", s, g) for s, g in enumerate([0.02, 0.03, 0.025, 0.02, 0.04])] + \
+           [_exact("up", s, g) for s, g in enumerate([0.05, 0.02, 0.06, 0.04, 0.05])]
+    metrics = {"ref": [_secs(t) for t in (20.0, 22.0, 21.0, 19.0, 20.0)],
+               "up": [_secs(t) for t in (10.0, 11.0, 9.0, 10.0, 12.0)]}
+    a = cost_ratios(runs, metrics, ["ref", "up"], "ref")["up"]
+    b = cost_ratios(runs, metrics, ["ref", "up"], "ref")["up"]
+    assert a == b and a.n == 5 and a.low < a.ratio < a.high          # deterministic, around the estimate
+    p = tmp_path / "m.yaml"
+    p.write_text(f"base: {QUICKSTART}\nseeds: 5\nreference: ref\nrows: {{ref: [kl.strategy=none], up: [kl.strategy=dual]}}\n")
+    write_report(load_matrix(p), {"runs": runs, "metrics": metrics, "failed": {}, "interrupted": False},
+                 tmp_path, "vgrpo compare -c m.yaml", 1.0)
+    j = json.loads((tmp_path / "compare.json").read_text())["cost_ratio"]["up"]
+    assert j["n"] == 5 and j["seeds"] == [0, 1, 2, 3, 4]
+    assert j["ratio"] == pytest.approx(a.ratio) and j["ci95"] == pytest.approx([a.low, a.high])
+    assert "| 5 | " + f"{a.ratio:.2f}× [{a.low:.2f}×, {a.high:.2f}×] |" in (tmp_path / "compare.md").read_text()
 
 
 # --- 3. one real tiny comparison through Driver ------------------------------------------------

@@ -14,6 +14,7 @@ from cluster.compare.matrix import load_matrix
 from cluster.compare.report import claims_section, paired_table
 from cluster.compare.stats import (
     betainc,
+    cost_ratio,
     paired_difference,
     seed_targets,
     seeds_needed,
@@ -204,6 +205,25 @@ def test_write_report_puts_paired_numbers_and_claims_in_compare_json(tmp_path):
     assert j["resolution"]["up"] == pytest.approx(0.049683, abs=1e-6)
     assert j["paired"]["up"]["composite"]["seeds_for_resolution"] == 7  # sd 0.02 (test_seeds_needed_by_hand)
     assert j["claims"][0]["verdict"] == "reproduces"
+
+
+def test_cost_ratio_by_hand():
+    """Two seeds: a resample is seed 0 twice, seed 1 twice (a quarter each) or one of each, so the
+    95% interval's ends are the ratios on seed 0 alone and seed 1 alone."""
+    gain, units = {0: 0.04, 1: 0.02, 5: 1.0}, {0: 10.0, 1: 10.0, 5: 1.0}   # seed 5: the reference never ran it
+    ref_gain, ref_units = {0: 0.01, 1: 0.01, 2: 0.5}, {0: 20.0, 1: 20.0, 2: 1.0}
+    c = cost_ratio(gain, units, ref_gain, ref_units)
+    assert c.seeds == (0, 1) and c.n == 2
+    assert c.ratio == pytest.approx((0.03 / 10) / (0.01 / 20))                     # 6.0
+    assert (c.low, c.high) == pytest.approx(((0.02 / 10) / (0.01 / 20), (0.04 / 10) / (0.01 / 20)))  # 4, 8
+    one = cost_ratio({0: 0.04}, {0: 10.0}, ref_gain, ref_units)
+    assert one.n == 1 and one.ratio == pytest.approx(8.0) and math.isnan(one.low)    # no interval from one seed
+    loss = cost_ratio({0: -0.04, 1: 0.01}, units, ref_gain, ref_units)
+    assert math.isnan(loss.ratio) and math.isnan(loss.high)                         # no ratio of a loss
+    assert cost_ratio({7: 0.1}, {7: 1.0}, ref_gain, ref_units) is None              # no seed in common
+    # a resample where the reference gains nothing is an unbounded ratio
+    wide = cost_ratio({0: 0.02, 1: 0.02}, units, {0: 0.03, 1: -0.01}, ref_units)
+    assert wide.ratio == pytest.approx((0.02 / 10) / (0.01 / 20)) and math.isinf(wide.high)
 
 
 # --- 3. the matrix keys ----------------------------------------------------------------------

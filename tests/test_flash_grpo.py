@@ -63,6 +63,22 @@ def test_one_step_per_group_shared_by_its_members_from_the_first_half():
     assert seen == set(range(10))   # its index among the first 10 of 20 steps (timestep_fraction 0.51)
 
 
+def test_the_toy_row_draws_from_the_first_half_of_its_ten_steps():
+    """configs/compare_toy.yaml's Flash-GRPO row: 10 steps, the last one ODE (ode_last_steps 1, from
+    the quickstart), so 9 can be trained; its step comes from the schedule's first half, 0-4
+    (floor(0.51·10) = 5), as upstream's from the first 10 of 20, not floor(0.51·9) = 4 of them."""
+    from pathlib import Path
+
+    from cluster.compare.matrix import load_matrix
+
+    cfg = load_matrix(Path(__file__).resolve().parents[1] / "configs" / "compare_toy.yaml").config("Flash-GRPO", 0)
+    s = Schedule.from_config(cfg.schedule)
+    assert s.steps == 10 and cfg.sampler.ode_last_steps == 1
+    scheme = make_scheme("flash", None, s)
+    seen = {draw_trained_steps(s, scheme, cfg.sampler, seed, members=2)[0][0] for seed in range(200)}
+    assert seen == set(range(5))
+
+
 def test_flash_group_runs_the_sde_at_its_step_only():
     model = TinyVideoModel()
     cfg = flash_cfg(schedule={"steps": 6, "shift": 3.0})

@@ -125,7 +125,7 @@ def upstream_post_sigmas(T: int, last: int, ratio: float, shift: float) -> list[
     unshifted time at step last + 1 down to 0 in int(max((T - last)·ratio, 1)) points, shifted."""
     n = int(max((T - last) * ratio, 1))
     t0 = [1 - i / T for i in range(T + 1)][last + 1]
-    ts = [t0 + (0 - t0) * j / (n - 1) for j in range(n)]
+    ts = [t0 + (0 - t0) * j / (n - 1) for j in range(n)] if n > 1 else [t0]  # torch.linspace(t0, 0, n)
     return [shift * t / (1 + (shift - 1) * t) for t in ts]
 
 
@@ -143,6 +143,24 @@ def test_flash_tail_matches_the_released_post_schedule(l0):
     plan = plan_steps(sched, make_scheme("flow", 0.7, sched), list(range(l0, l0 + 4)), cfg)
     assert len(plan) == last + 1 + len(want) - 1 < T   # fewer model calls than the T steps
     assert [p.rule for p in plan[last + 1:]] == ["dpm2"] * (len(want) - 1)
+
+
+@pytest.mark.parametrize("l0", [3, 4])
+def test_flash_tail_takes_one_step_where_the_released_rule_takes_none(l0):
+    """A late window in the toy MixGRPO-Flash row (10 steps, ratio 0.4): the released rule's post
+    schedule is one point, σ at step last + 1, so its sample stops there with no post step; vgrpo's
+    departure (docs/algorithm.md section 2b) takes one step from there to σ = 0."""
+    T, ratio, shift = 10, 0.4, 3.0
+    sched = Schedule.linear(T, shift)
+    last = l0 + 3
+    want = upstream_post_sigmas(T, last, ratio, shift)
+    assert len(want) == 1 and want[0] == pytest.approx(sched.sigmas[last + 1]) and want[0] > 0  # it ends noisy
+    got = tail_sigmas(sched, last + 1, ratio, shift)
+    assert got == [sched.sigmas[last + 1], 0.0]
+    cfg = mix_cfg(schedule={"steps": T, "shift": shift},
+                  sampler={"post_solver": "dpm2", "post_compress": ratio, "window": {"start": l0}})
+    plan = plan_steps(sched, make_scheme("flow", 0.7, sched), list(range(l0, l0 + 4)), cfg)
+    assert len(plan) == last + 2 and plan[-1].rule == "dpm2" and plan[-1].sigma_next == 0.0
 
 
 def test_flash_rollout_runs_dpm_2m_on_the_compressed_tail():

@@ -298,6 +298,37 @@ def test_nft_learns_a_fixed_reward_on_the_tiny_model():
     assert after > before + 0.2, (before, after)
 
 
+def test_an_evaluation_samples_the_given_weights_and_leaves_the_held_version_whole():
+    """DiffusionNFT's rollout actors hold v_old; an evaluation during training loads θ for itself
+    (RolloutWorker.evaluating): it samples exactly what an actor holding θ samples, and afterwards
+    the actor holds v_old again bit for bit, at the same version. A load that fails part-way leaves
+    the held weights whole too."""
+    from common.weights import checksum
+    from common.weights_record import WeightsRecord
+    from rollout_worker.actor import RolloutWorker
+
+    torch.set_num_threads(1)
+    cfg = load_config("configs/quickstart.yaml", ["schedule.steps=4"])
+    worker, holds_theta = RolloutWorker(cfg), RolloutWorker(cfg)
+    module = worker.model.trainable_module()
+    g = torch.Generator().manual_seed(0)
+    theta = {k: v.detach() + 0.2 * torch.randn(v.shape, generator=g)
+             for k, v in module.state_dict().items() if "lora" in k}
+    held = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    holds_theta.set_weights(theta, version=3)
+    prompts, seeds = ["a red square moving left", "a blue square moving up"], [1, 2]
+    with worker.evaluating(WeightsRecord(3, theta, checksum(theta, "blake2b"))):
+        got = worker.sample_videos(prompts, seeds)
+    assert torch.equal(got, holds_theta.sample_videos(prompts, seeds))
+    assert worker.version() == 0 and all(torch.equal(v, held[k]) for k, v in module.state_dict().items())
+    assert not torch.equal(worker.sample_videos(prompts, seeds), got)   # what it holds samples otherwise
+    first, second = list(theta)[:2]
+    bad = {first: theta[first], second: torch.zeros(3)}                   # the second tensor cannot load
+    with pytest.raises(ValueError, match="shape"), worker.evaluating(WeightsRecord(4, bad)):
+        pass
+    assert all(torch.equal(v, held[k]) for k, v in module.state_dict().items())
+
+
 # --- config ------------------------------------------------------------------------------
 
 

@@ -27,6 +27,8 @@ def register(sub) -> None:
         "fixed (prompt, seed) pairs, and write OUT/compare.md and OUT/compare.json: method × reward "
         "heads, mean ± stderr over seeds of the after − before gain, each row's rollout and learner seconds "
         "and its gain per rollout-(GPU-)second, ranked by it; with `reference:` in the matrix, "
+        "that quotient's ratio to the reference's on exactly the seeds both rows ran (with a paired 95% "
+        "bootstrap interval and the seed count), and "
         "each row's paired difference against that row on the same seeds and pairs, with its 95% "
         "Student-t interval and whether it resolves 0.02 composite; with `most_seeds:` above `seeds:`, "
         "a second stage runs more seeds for each row whose interval (against the reference or in a "

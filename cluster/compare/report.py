@@ -15,9 +15,13 @@ from typing import Any
 import numpy as np
 
 from cluster.compare.stats import (
+    BOOTSTRAP_RESAMPLES,
     RESOLUTION,
+    CostRatio,
     claim_verdict,
+    cost_ratio,
     paired_difference,
+    run_gains,
     seeds_needed,
     verdict,
 )
@@ -151,25 +155,80 @@ def cost_unit(cost: dict[str, Cost]) -> str:
     return "rollout-GPU-s" if cost and all(c.gpus > 0 for c in cost.values()) else "rollout-s"
 
 
-def ranking_section(cost: dict[str, Cost], reference: str | None) -> str:
-    """Rows ranked by composite gain per rollout-(GPU-)second, each against the reference's."""
+def run_units(runs: list[dict[str, Any]], metrics: dict[str, list[list[dict[str, Any]]]],
+              gpus: dict[str, float] | None = None) -> dict[tuple[str, int], float]:
+    """(row, train.seed) → that run's rollout units: its rollout seconds, times the rollout actor's
+    GPUs when it has any. metrics[row] lists the row's runs' metrics in the order `runs` lists the
+    row's runs (run_matrix returns both in plan order)."""
+    out = {}
+    for row, per_run in metrics.items():
+        seeds = [r["seed"] for r in runs if r["row"] == row]
+        if len(seeds) != len(per_run):
+            raise ValueError(f"row {row!r}: {len(seeds)} run record(s) but {len(per_run)} metrics file(s); "
+                             "each run needs both, in the same order")
+        g = float((gpus or {}).get(row, 0.0))
+        for s, ms in zip(seeds, per_run, strict=True):
+            out[(row, s)] = run_seconds(ms)[0] * (g if g > 0 else 1.0)
+    return out
+
+
+def cost_ratios(runs: list[dict[str, Any]], metrics: dict[str, list[list[dict[str, Any]]]], rows_order: list[str],
+                reference: str | None, gpus: dict[str, float] | None = None) -> dict[str, CostRatio]:
+    """row → its gain per rollout unit over the reference's, each pair on exactly the seeds both
+    ran (`stats.cost_ratio`); rows that share no seed with the reference are left out."""
+    if reference is None or not runs:
+        return {}
+    units = run_units(runs, metrics, gpus)
+    gain = {(r["row"], r["seed"]): run_gains(r)["composite"] for r in runs}
+
+    def of(row: str) -> tuple[dict[int, float], dict[int, float]]:
+        return ({s: v for (rw, s), v in gain.items() if rw == row},
+                {s: v for (rw, s), v in units.items() if rw == row})
+
+    out = {}
+    for row in rows_order:
+        c = cost_ratio(*of(row), *of(reference))
+        if c is not None:
+            out[row] = c
+    return out
+
+
+def _times(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{x:.2f}×"
+
+
+def _ratio_cell(c: CostRatio | None) -> str:
+    if c is None or math.isnan(c.ratio):
+        return "—"
+    if math.isnan(c.low):
+        return f"{_times(c.ratio)} (1 seed)"
+    return f"{_times(c.ratio)} [{_times(c.low)}, {_times(c.high)}]"
+
+
+def ranking_section(cost: dict[str, Cost], reference: str | None, ratios: dict[str, CostRatio]) -> str:
+    """Rows ranked by composite gain per rollout-(GPU-)second, each against the reference's on the
+    seeds both ran (`ratios`, from `cost_ratios`), with the seed count of each ratio."""
     if not cost:
         return ""
     unit = cost_unit(cost)
+    ref = reference or "reference"
     ranked = sorted(cost, key=lambda r: -cost[r].gain_per_rollout if math.isfinite(cost[r].gain_per_rollout)
                     else math.inf)
-    ref = cost.get(reference) if reference else None
     lines = [f"## Ranking by gain per {unit}\n", f"| rank | method | Δ composite / {unit} | rollout s | "
-             f"learner s | × {reference or 'reference'} |", "|---|---|---|---|---|---|"]
+             f"learner s | seeds with {ref} | × {ref} [95% interval] |", "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(ranked, 1):
-        c = cost[row]
-        ratio = "—"
-        if ref is not None and c.gain > 0 and ref.gain > 0:
-            ratio = f"{c.gain_per_rollout / ref.gain_per_rollout:.2f}×"
-        lines.append(f"| {i} | {row} | {c.gain_per_rollout:+.5f} | {c.rollout_s:.1f} | {c.learner_s:.1f} | {ratio} |")
-    lines.append(f"\n× {reference or 'reference'}: the row's gain per {unit} over the reference's, given only when "
-                 "both gains are positive (a ratio of a loss means nothing). The gains are each row's own "
-                 "after − before; whether two rows differ at all is the paired table's question.")
+        c, r = cost[row], ratios.get(row)
+        cell = "1 (the reference)" if row == reference else _ratio_cell(r)
+        lines.append(f"| {i} | {row} | {c.gain_per_rollout:+.5f} | {c.rollout_s:.1f} | {c.learner_s:.1f} | "
+                     f"{r.n if r is not None else 0} | {cell} |")
+    lines.append(
+        f"\nΔ composite / {unit}: the row's own mean gain over its own mean rollout seconds, on every seed it ran "
+        f"(the table above). × {ref}: the same quotient, the row's over {ref}'s, both taken on exactly the seeds "
+        f"the two rows ran (`seeds with {ref}`), so no ratio mixes seed sets; [95% paired bootstrap interval: "
+        f"those seeds resampled with replacement {BOOTSTRAP_RESAMPLES} times, the same draw for both rows, "
+        f"seeded]. A resample in which {ref} gains nothing counts as ∞. Given only when both rows' gains on "
+        "those seeds are positive (a ratio of a loss means nothing); whether two rows differ at all is the "
+        "paired table's question.")
     return "\n".join(lines) + "\n"
 
 

@@ -338,6 +338,7 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
     # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.compare.report import (
         claims_section,
+        cost_ratios,
         costs,
         gains,
         markdown_table,
@@ -360,7 +361,8 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
             markdown_table(result["runs"], result["metrics"], rows, gpus)]
     g = gains(result["runs"]) if result["runs"] else {}
     cost = costs(g, result["metrics"], rows, gpus)
-    ranking = ranking_section(cost, matrix.reference)
+    ratios = cost_ratios(result["runs"], result["metrics"], rows, matrix.reference, gpus)
+    ranking = ranking_section(cost, matrix.reference, ratios)
     if ranking:
         text.append(ranking)
     paired_md = paired_table(result["runs"], matrix.reference, rows)
@@ -380,11 +382,12 @@ def write_report(matrix, result: dict[str, Any], out: Path, command: str, elapse
         text.append("\nInterrupted: the tables cover the runs that finished.")
     md = out / "compare.md"
     md.write_text("\n".join(text) + "\n", encoding="utf-8")
-    _write_json(out / "compare.json", matrix, result, rows, g, claims_data, cost)
+    _write_json(out / "compare.json", matrix, result, rows, g, claims_data, cost, ratios)
     return md
 
 
-def _write_json(path: Path, matrix, result: dict[str, Any], rows: list[str], g, claims_data, cost) -> None:
+def _write_json(path: Path, matrix, result: dict[str, Any], rows: list[str], g, claims_data, cost,
+                ratios) -> None:
     """compare.json: the tables' numbers as plain data."""
     # lazy: torch, rich (kept out of vgrpo --help)
     from cluster.compare.report import paired_rows
@@ -401,6 +404,7 @@ def _write_json(path: Path, matrix, result: dict[str, Any], rows: list[str], g, 
          "resolution": {r: pk["composite"].get("half_width") for r, pk in paired.items()},
          "claims": claims_data,
          "cost": {r: c.to_dict() for r, c in cost.items()},
+         "cost_ratio": {r: c.to_dict() for r, c in ratios.items()},
          "failed": result["failed"], "interrupted": result["interrupted"]}, indent=2))
 
 

@@ -1,5 +1,6 @@
 """Paired statistics for `vgrpo compare`: the Student-t quantile, paired differences between rows
-on the same seeds, and the verdict on a claim. numpy and the standard library only.
+on the same seeds, the verdict on a claim, and the cost ratio of two rows on the seeds both ran
+(with a paired bootstrap interval). numpy and the standard library only.
 
 Two rows run with the same train.seed share the base, the prompt stream's seeds and the fixed
 eval pairs, so row A's gain minus row B's gain on one seed cancels what the seed and the pairs
@@ -215,3 +216,75 @@ def seed_targets(runs: list[dict[str, Any]], pairs: list[tuple[str, str]], done:
             if row in target:
                 target[row] = max(target[row], min(need, most))
     return target
+
+
+# --- 4. cost ratios on the seeds both rows ran -------------------------------------------------
+
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0  # the resampling is seeded: a report's intervals are the same on every rerun
+
+
+@dataclass(frozen=True)
+class CostRatio:
+    """Row A's gain per rollout unit over row B's, both taken on exactly the seeds both ran.
+
+    ratio = (mean gain_A / mean units_A) / (mean gain_B / mean units_B), every mean over `seeds`;
+    nan unless both mean gains are positive (a ratio of a loss means nothing). low, high: the 95%
+    paired bootstrap interval over those seeds (nan with one seed or no ratio)."""
+
+    seeds: tuple[int, ...]
+    gain: float        # mean gain of A over `seeds`
+    units: float       # mean rollout units (seconds, or GPU-seconds) of A over `seeds`
+    ref_gain: float
+    ref_units: float
+    ratio: float
+    low: float
+    high: float
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(x: float) -> float | str | None:
+            return None if math.isnan(x) else ("inf" if math.isinf(x) else x)
+        return {"seeds": list(self.seeds), "n": self.n, "gain": self.gain, "rollout_units": self.units,
+                "ref_gain": self.ref_gain, "ref_rollout_units": self.ref_units, "ratio": num(self.ratio),
+                "ci95": [num(self.low), num(self.high)], "resamples": BOOTSTRAP_RESAMPLES,
+                "bootstrap_seed": BOOTSTRAP_SEED}
+
+
+def rate_ratio(gain: np.ndarray, units: np.ndarray, ref_gain: np.ndarray, ref_units: np.ndarray) -> np.ndarray:
+    """(gain / units) / (ref_gain / ref_units), elementwise; +inf where ref_gain ≤ 0 (the
+    reference gained nothing, so no finite factor describes the row against it)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = (gain * ref_units) / (units * ref_gain)
+    return np.where(ref_gain > 0, r, np.inf)
+
+
+def cost_ratio(gain: dict[int, float], units: dict[int, float], ref_gain: dict[int, float],
+               ref_units: dict[int, float]) -> CostRatio | None:
+    """Row A against row B on the seeds both ran (train.seed → a run's composite gain and its
+    rollout units); None when they share no seed with finite, positive units.
+
+    The interval resamples those seeds with replacement (the same draw for both rows: paired),
+    BOOTSTRAP_RESAMPLES times from a generator seeded with BOOTSTRAP_SEED, and takes the 2.5% and
+    97.5% points of the resampled ratios (no interpolation, so an unbounded resample stays ∞)."""
+    def ok(u: dict[int, float], s: int) -> bool:
+        return s in u and math.isfinite(u[s]) and u[s] > 0
+    seeds = tuple(sorted(s for s in set(gain) & set(ref_gain) if ok(units, s) and ok(ref_units, s)))
+    if not seeds:
+        return None
+    g, u = np.array([gain[s] for s in seeds]), np.array([units[s] for s in seeds])
+    gr, ur = np.array([ref_gain[s] for s in seeds]), np.array([ref_units[s] for s in seeds])
+    means = (float(g.mean()), float(u.mean()), float(gr.mean()), float(ur.mean()))
+    if not (means[0] > 0 and means[2] > 0):
+        return CostRatio(seeds, *means, math.nan, math.nan, math.nan)
+    ratio = float(rate_ratio(*(np.array(m) for m in means)))
+    if len(seeds) < 2:
+        return CostRatio(seeds, *means, ratio, math.nan, math.nan)
+    idx = np.random.default_rng(BOOTSTRAP_SEED).integers(0, len(seeds), size=(BOOTSTRAP_RESAMPLES, len(seeds)))
+    draws = rate_ratio(g[idx].mean(1), u[idx].mean(1), gr[idx].mean(1), ur[idx].mean(1))
+    alpha = (1.0 - CONFIDENCE) / 2.0
+    low, high = np.quantile(draws, [alpha, 1.0 - alpha], method="inverted_cdf")
+    return CostRatio(seeds, *means, ratio, float(low), float(high))

@@ -63,6 +63,7 @@ from cluster.evaluation.run_eval import evaluate_run, step_videos
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
 from common.config import RunConfig
+from common.methods import method_of
 from common.metrics import Metrics
 from common.types import PullReceipt
 from learner.checkpoint import disk_full_line, is_disk_full
@@ -330,15 +331,17 @@ class Driver:
     def export_policy(self) -> None:
         """Every rollout actor loads the run's exported policy: the newest weights, or with
         optim.ema_decay their moving average, which the final evaluation then samples. The average
-        goes out as version step + 1 (actors load only newer versions; no step trains after it)."""
-        if self.cfg.optim.ema_decay <= 0:
-            self.fleet.sync_idle(POLL_S)
+        (or θ, where the rollouts sampled a method's anchor: DiffusionNFT's v_old) goes out as
+        version step + 1 (actors load only newer versions; no step trains after it)."""
+        if self.cfg.optim.ema_decay <= 0 and method_of(self.cfg).rollout_anchor is None:
+            self.fleet.sync_idle(POLL_S)  # the actors sample the newest weights: they hold it
             return
         self.fleet.wait_idle(POLL_S)  # a collective push must not meet an actor mid-group
         self.publisher.publish(self.state.step, ema=True)
         self.fleet.sync_idle(POLL_S)
-        self.note(f"the rollout actors hold the exported policy: the moving average of the weights "
-                  f"(optim.ema_decay {self.cfg.optim.ema_decay}) after step {self.state.step}")
+        what = (f"the moving average of the weights (optim.ema_decay {self.cfg.optim.ema_decay})"
+                if self.cfg.optim.ema_decay > 0 else "the trained weights θ, not the rollouts' sampling policy")
+        self.note(f"the rollout actors hold the exported policy: {what} after step {self.state.step}")
 
     def _learner_check(self) -> None:
         """Mark the learner lost when its ranks no longer answer (no checkpoint can be written)."""
@@ -451,7 +454,17 @@ class Driver:
         self.health.raise_if_stopped()  # health: a `stop` finding ends the run (the caller checkpoints)
 
     def _heldout(self, start: bool = False) -> None:
-        self.health.heldout(self.state.step, self.rollouts, self.rewards.heads, self.metrics, start=start)
+        self.health.heldout(self.state.step, self.rollouts, self.rewards.heads, self.metrics, start=start,
+                            policy=self._evaluated_policy)
+
+    def _evaluated_policy(self):
+        """What an evaluation during training samples: the exported policy (θ, or with
+        optim.ema_decay its moving average; section 9). None where the rollout actors sample θ
+        and so hold it; where they sample a method's anchor instead (DiffusionNFT's v_old,
+        section 6b), the exported policy's record, which they load for the evaluation alone."""
+        if method_of(self.cfg).rollout_anchor is None:
+            return None
+        return self.learner.weights_record(self.state.step, self.cfg.weight_sync.checksum, ema=True)
 
     def heads(self) -> list[str]:
         return list(self.rewards.heads.names)

@@ -72,12 +72,14 @@ def sample_pairs(rollouts: list, evals: EvalSet):
     return torch.stack(frames)
 
 
-def score_pairs(rollouts: list, evals: EvalSet, keep: set[int] | frozenset[int] = frozenset()):
+def score_pairs(rollouts: list, evals: EvalSet, keep: set[int] | frozenset[int] = frozenset(), weights=None):
     """Each rollout actor ODE-samples its share of the pairs and scores it with the reward pool
     itself (the data plane, as for training groups). Back come every pair's score row and the
-    frames of the pairs in `keep` only: (Scores [N, H], {pair index: uint8 [F, H, W, 3]})."""
+    frames of the pairs in `keep` only: (Scores [N, H], {pair index: uint8 [F, H, W, 3]}).
+    `weights` (a WeightsRecord): each actor samples with them for this evaluation alone, then
+    holds its own version again (RolloutWorker.evaluating); None: with the weights it holds."""
     calls = list(split_pairs(rollouts, evals))
-    refs = [a.evaluate_pairs.remote(prompts, seeds, imgs, [j for j, k in enumerate(share) if k in keep])
+    refs = [a.evaluate_pairs.remote(prompts, seeds, imgs, [j for j, k in enumerate(share) if k in keep], weights)
             for a, share, prompts, seeds, imgs in calls]
     rows: list = [None] * len(evals)
     frames: dict[int, torch.Tensor] = {}

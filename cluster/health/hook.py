@@ -68,9 +68,12 @@ class DriverHealth:
 
     # --- held out ----------------------------------------------------------------------------
 
-    def heldout(self, step: int, rollouts: list, heads, metrics, start: bool = False) -> None:
+    def heldout(self, step: int, rollouts: list, heads, metrics, start: bool = False,
+                policy: Callable[[], Any] | None = None) -> None:
         """At the start of the run (the baseline) and every health.eval_every steps after it:
-        the rollout actors sample the held-out pairs, scored with the run's RewardHeads."""
+        the rollout actors sample the held-out pairs, scored with the run's RewardHeads.
+        policy: returns the weights to evaluate (a WeightsRecord) where the actors hold others,
+        or None (default): the weights they hold."""
         every = self.cfg.health.eval_every
         if not self.on or every == 0 or (not start and step % every) \
                 or any(s == step for s, _ in self.monitor.evals):
@@ -79,7 +82,7 @@ class DriverHealth:
             return  # no held-out evaluation would follow to compare with
         evals = self.eval_set()  # outside the try: a bad prompt set is the user's to fix, not skipped
         try:
-            result = heldout_eval(rollouts, heads, evals)
+            result = heldout_eval(rollouts, heads, evals, policy() if policy is not None else None)
         except Exception as e:  # a dead actor or a reward timeout: the loop's own handling deals with it
             self.note(f"health: held-out evaluation at step {step} skipped: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}")
@@ -157,12 +160,12 @@ def export(metrics, record: dict[str, Any], monitor: HealthMonitor | None = None
             metrics.set("vgrpo_zero_spread_ratio", _bounded(v), head=key[len(SPREAD_PREFIX):])
 
 
-def heldout_eval(rollouts: list, heads, evals):
+def heldout_eval(rollouts: list, heads, evals, weights=None):
     """Deterministic (ODE) samples of the fixed held-out pairs (`evals`, an EvalSet: I2V pairs
-    with their first frames) with the weights the rollout actors hold, scored by the reward role
-    from the actors (no GIFs, no video: cheaper than Driver.evaluate); `heads`: the run's
-    RewardHeads, for the composite."""
-    scores, _ = score_pairs(rollouts, evals)  # scored by the actors: no frames come back
+    with their first frames) with the weights the rollout actors hold, or `weights` (a
+    WeightsRecord) loaded for this evaluation alone; scored by the reward role from the actors (no
+    GIFs, no video: cheaper than Driver.evaluate); `heads`: the run's RewardHeads, for the composite."""
+    scores, _ = score_pairs(rollouts, evals, weights=weights)  # scored by the actors: no frames come back
     return EvalResult(scores.heads, scores.values.numpy(), heads.composite(scores).numpy())
 
 

@@ -13,10 +13,10 @@ KEYS = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl
 
 class GRPO:
     keys = KEYS
-    rollout_anchor = None  # the rollouts sample the live weights
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.rollout_anchor = method_of(cfg).rollout_anchor  # None: the rollouts sample the live weights
         self.loss_cfg = LossConfig.from_run(cfg)
 
     def anchors(self) -> set[str]:

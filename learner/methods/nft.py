@@ -9,10 +9,10 @@ from learner.nft import NFT_KEYS, build_nft_rows, nft_loss, nft_micro_batches
 
 class NFT:
     keys = NFT_KEYS
-    rollout_anchor = "old"  # the rollouts sample v_old, not θ
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.rollout_anchor = method_of(cfg).rollout_anchor  # "old": the rollouts sample v_old, not θ
 
     def anchors(self) -> set[str]:
         return set(method_of(self.cfg).anchors(self.cfg))
