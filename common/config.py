@@ -544,6 +544,20 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, le=1000)
 
 
+class DataConfig(Section):
+    """Bounds on a prompt set read from a file (a prompts file, a JSONL manifest, an image
+    folder; cluster/data/): each is checked as the file is read, so a huge or hostile file is
+    refused in one line naming the file (and line) before it fills the driver's memory."""
+
+    max_file_bytes: int = Field(128 << 20, ge=1, le=1 << 40)
+    """A prompts file or manifest larger than this is refused before a byte of it is read."""
+    max_line_bytes: int = Field(1 << 20, ge=64, le=1 << 30)
+    """A line longer than this (in bytes, its newline not counted) is refused as soon as it is
+    met; a prompt is at most 4096 characters in any case (cluster/data/text.py)."""
+    max_prompts: int = Field(250_000, ge=1, le=100_000_000)
+    """Prompts (manifest rows, images) a set may hold; reading stops at the first one past it."""
+
+
 class RunDirConfig(Section):
     root: str = "runs"
     name: str | None = Field(None, min_length=1, max_length=200)
@@ -679,6 +693,7 @@ class RunConfig(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
