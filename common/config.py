@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -847,7 +848,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {key!r}: its value is nested too deeply") from None
     except yaml.YAMLError:
         value = raw
+    except ValueError as e:  # a number past Python's digit limit; a date like 2024-13-45
+        if "digits" in str(e):
+            raise ConfigError(f"override {key!r}: {_unreadable_number(e)}") from None
+        value = raw
     return parts, value
+
+
+def _unreadable_number(e: ValueError) -> str:
+    """What int() of a 5000-digit string raised (sys.get_int_max_str_digits()), as one clause."""
+    if "digits" in str(e):
+        return (f"a number longer than {sys.get_int_max_str_digits()} digits, which no setting takes "
+                "(and Python will not read)")
+    return f"a value that cannot be read ({str(e).splitlines()[0][:120]})"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -882,6 +895,8 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}:{where}: malformed YAML: {problem}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    except ValueError as e:  # a number past Python's digit limit; a date like 2024-13-45
+        raise ConfigError(f"{p}: {_unreadable_number(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
