@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import reprlib
+import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -564,6 +565,20 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, le=1000)
 
 
+class DataConfig(Section):
+    """Bounds on a prompt set read from a file (a prompts file, a JSONL manifest, an image
+    folder; cluster/data/): each is checked as the file is read, so a huge or hostile file is
+    refused in one line naming the file (and line) before it fills the driver's memory."""
+
+    max_file_bytes: int = Field(128 << 20, ge=1, le=1 << 40)
+    """A prompts file or manifest larger than this is refused before a byte of it is read."""
+    max_line_bytes: int = Field(1 << 20, ge=64, le=1 << 30)
+    """A line longer than this (in bytes, its newline not counted) is refused as soon as it is
+    met; a prompt is at most 4096 characters in any case (cluster/data/text.py)."""
+    max_prompts: int = Field(250_000, ge=1, le=100_000_000)
+    """Prompts (manifest rows, images) a set may hold; reading stops at the first one past it."""
+
+
 class RunDirConfig(Section):
     root: str = "runs"
     name: str | None = Field(None, min_length=1, max_length=200)
@@ -724,6 +739,7 @@ class RunConfig(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -878,7 +894,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {key!r}: its value is nested too deeply") from None
     except yaml.YAMLError:
         value = raw
+    except ValueError as e:  # a number past Python's digit limit; a date like 2024-13-45
+        if "digits" in str(e):
+            raise ConfigError(f"override {key!r}: {_unreadable_number(e)}") from None
+        value = raw
     return parts, value
+
+
+def _unreadable_number(e: ValueError) -> str:
+    """What int() of a 5000-digit string raised (sys.get_int_max_str_digits()), as one clause."""
+    if "digits" in str(e):
+        return (f"a number longer than {sys.get_int_max_str_digits()} digits, which no setting takes "
+                "(and Python will not read)")
+    return f"a value that cannot be read ({str(e).splitlines()[0][:120]})"
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -913,6 +941,8 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{p}:{where}: malformed YAML: {problem}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not a UTF-8 text file") from None
+    except ValueError as e:  # a number past Python's digit limit; a date like 2024-13-45
+        raise ConfigError(f"{p}: {_unreadable_number(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -8,9 +8,10 @@ and the reward registry read it; adding a reward model is its module, this entry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from common import toyscore
+from common import toyscore, toyworld
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,16 @@ class ScorerSpec:
     notes: str = ""           # what a user should know before choosing it
     caveat: str = ""          # said whenever a config uses it (`vgrpo config show`, the scorer's load log)
     path_at_load: str = ""    # when set, a config without rewards.models[].path is refused as it loads, with this
+    grammar: Callable[[str], object] | None = None
+    """Reads a prompt, raising ValueError (saying why) for one the scorer cannot score (it would
+    score NaN); None: any text. `vgrpo sample` refuses such a prompt before sampling."""
 
 
 SCORERS: dict[str, ScorerSpec] = {
     "toy": ScorerSpec("reward_worker.models.toy:ToyReward", toyscore.HEADS, 0.0, False,
-                      "the toy world's verifiable rewards (common/toyscore.py)"),
+                      "the toy world's verifiable rewards (common/toyscore.py)", grammar=toyworld.parse_prompt),
     "toy_i2v": ScorerSpec("reward_worker.models.toy:ToyI2VReward", toyscore.I2V_HEADS, 0.0, False,
-                          "the toy rewards plus first-frame agreement"),
+                          "the toy rewards plus first-frame agreement", grammar=toyworld.parse_prompt),
     "videoalign": ScorerSpec("reward_worker.models.videoalign:VideoAlign", ("VQ", "MQ", "TA"), 2.21e9, True,
                              "VideoAlign (VideoReward) on Qwen2-VL-2B; template_path: a KwaiVGI/VideoAlign checkout"),
     "hpsv3": ScorerSpec("reward_worker.models.hpsv3:HPSv3", ("HPS",), 8.29e9, True,

@@ -23,14 +23,92 @@ new file, never half); `pull_tree` brings them back for `vgrpo resume`/`eval`/`e
 from __future__ import annotations
 
 import fnmatch
+import functools
+import inspect
 import os
 import posixpath
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
+
+from common.errors import UserError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+class StoreUnavailable(UserError, RuntimeError):
+    """The object store cannot be used at all: its endpoint does not answer, or there are no
+    credentials. The message names the URL and what to set; the CLI prints it as one line, exit 2."""
+
+
+# The drivers' own exception classes, by name (botocore's for s3fs, google-auth's for gcsfs), so
+# that no driver is imported to recognise them; a class counts when it or a base has the name.
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ProxyConnectionError"}
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "DefaultCredentialsError"}
+_CREDENTIALS_HOW = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or give the pod an IAM role)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file (or give the pod a "
+          "workload identity)",
+}
+_ENDPOINT_HOW = {
+    "s3": "set AWS_ENDPOINT_URL to the S3 endpoint that serves it (unset for AWS itself) and check "
+          "that this machine reaches it",
+}
+
+
+def explain(e: BaseException, uri: str) -> StoreUnavailable | None:
+    """A StoreUnavailable naming `uri` and what to set when `e` (or what it was raised from) is an
+    unreachable endpoint or missing credentials; None for any other error."""
+    m = _SCHEME.match(uri)
+    scheme = m.group(1).lower() if m else ""
+    scheme = {"s3a": "s3", "gcs": "gs"}.get(scheme, scheme)
+    seen = 0
+    while e is not None and seen < 8:
+        names = {c.__name__ for c in type(e).__mro__}
+        if names & _UNREACHABLE:
+            kw = getattr(e, "kwargs", None) or {}
+            url = urlsplit(str(kw.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL") or ""))
+            at = f" at {url.scheme}://{url.netloc}" if url.netloc else ""
+            how = _ENDPOINT_HOW.get(scheme, "check the filesystem's endpoint and this machine's network")
+            return StoreUnavailable(f"{uri}: cannot reach the object store{at} ({type(e).__name__}); {how}")
+        if names & _NO_CREDENTIALS:
+            how = _CREDENTIALS_HOW.get(scheme, f"set the {scheme}:// filesystem's credentials")
+            return StoreUnavailable(f"{uri}: no credentials for the object store ({type(e).__name__}); {how}")
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _explained(at: int = 0):
+    """Decorate a function whose argument `at` is a URI: an unreachable endpoint or missing
+    credentials, met while it (or, for a generator, its iteration) runs, becomes StoreUnavailable."""
+    def wrap(fn):
+        def translate(e: Exception, args) -> None:
+            err = None if isinstance(e, UserError) else explain(e, str(args[at]))
+            if err is not None:
+                raise err from None
+
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def gen(*args, **kw):
+                try:
+                    yield from fn(*args, **kw)
+                except Exception as e:
+                    translate(e, args)
+                    raise
+            return gen
+
+        @functools.wraps(fn)
+        def call(*args, **kw):
+            try:
+                return fn(*args, **kw)
+            except Exception as e:
+                translate(e, args)
+                raise
+        return call
+    return wrap
 
 Writer = Callable[[IO[bytes]], Any]   # writes one file's bytes into an open binary file
 
@@ -66,6 +144,7 @@ def _fresh(uri: str):
     return fs, path
 
 
+@_explained()
 def exists(uri: str) -> bool:
     fs, path = _fresh(uri)
     return fs.exists(path)
@@ -93,14 +172,22 @@ class Uri(str):
     def exists(self) -> bool:
         return exists(self)
 
+    @_explained()
     def is_file(self) -> bool:
         fs, path = _fresh(self)
-        return fs.isfile(path)
+        try:  # not fs.isfile, which answers False for any error, an unreachable endpoint too
+            return fs.info(path)["type"] == "file"
+        except Exception as e:
+            if explain(e, self) is not None:
+                raise
+            return False
 
+    @_explained()
     def is_dir(self) -> bool:
         fs, path = _fresh(self)
         return fs.isdir(path)
 
+    @_explained()
     def iterdir(self) -> Iterator[Uri]:
         fs, path = _fresh(self)
         if fs.isdir(path):
@@ -123,10 +210,12 @@ class Uri(str):
     def write_text(self, text: str, encoding: str = "utf-8") -> None:
         write(self, text.encode(encoding))
 
+    @_explained()
     def open(self, mode: str = "rb"):
         fs, path = filesystem(self)
         return fs.open(path, mode)
 
+    @_explained()
     def size(self) -> int:
         fs, path = _fresh(self)
         return fs.size(path)
@@ -143,6 +232,7 @@ def location(where: str | os.PathLike) -> Path | Uri:
     return Uri(str(where)) if is_uri(where) else Path(where)
 
 
+@_explained()
 def remove(uri: str) -> None:
     """Delete an object or everything under a prefix (nothing there: nothing to do)."""
     fs, path = _fresh(uri)
@@ -150,6 +240,7 @@ def remove(uri: str) -> None:
         fs.rm(path, recursive=True)
 
 
+@_explained(at=1)
 def push_tree(local: Path, uri: str, skip: tuple[str, ...] = (),
               sent: dict[str, tuple[int, int]] | None = None) -> dict[str, tuple[int, int]]:
     """Upload the files under `local` that changed since `sent` (relative path → (size, mtime)),
@@ -167,6 +258,7 @@ def push_tree(local: Path, uri: str, skip: tuple[str, ...] = (),
     return sent
 
 
+@_explained()
 def pull_tree(uri: str, local: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
     """Download every object under `uri` into `local` but the top-level names in `skip`; returns
     what push_tree would take as already sent."""
@@ -187,6 +279,7 @@ def pull_tree(uri: str, local: Path, skip: tuple[str, ...] = ()) -> dict[str, tu
     return sent
 
 
+@_explained()
 def read_bytes(uri: str) -> bytes:
     fs, path = filesystem(uri)
     with fs.open(path, "rb") as f:
@@ -198,6 +291,7 @@ def read_bytes(uri: str) -> bytes:
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 
 
+@_explained()
 def write(uri: str, data: bytes | Writer) -> None:
     """One object: bytes, or a writer called with the open file."""
     fs, path = filesystem(uri)
@@ -216,6 +310,7 @@ def step_name(prefix: str, step: int) -> str:
     return f"{prefix}{step:08d}"
 
 
+@_explained()
 def list_steps(root: str, prefix: str, marker: str) -> list[Uri]:
     """Complete step directories under root (holding `marker`), oldest first, as URIs."""
     fs, path = _fresh(root)
@@ -230,6 +325,7 @@ def list_steps(root: str, prefix: str, marker: str) -> list[Uri]:
     return [uri for _, uri in sorted(found)]
 
 
+@_explained()
 def save_step(root: str, name: str, files: dict[str, bytes | Writer], marker: str, keep: int,
               prefix: str) -> Uri:
     """Write `<root>/<name>/` file by file with `marker` last, then keep only the newest `keep`
@@ -251,6 +347,7 @@ def save_step(root: str, name: str, files: dict[str, bytes | Writer], marker: st
     return Uri(d)
 
 
+@_explained()
 def resolve_step(location: str, prefix: str, marker: str) -> Uri:
     """A step directory, or a root holding several (the newest complete one is taken)."""
     if exists(join(location, marker)):

@@ -106,3 +106,28 @@ def test_the_cli_refuses_a_bomb_and_a_negative_seed_in_one_short_line(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and len(lines[0]) < 1000, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("where", ["override", "file"])
+def test_a_5000_digit_number_is_one_line_naming_the_field_or_file(tmp_path, where):
+    """yaml reads digits with int(), which refuses more than sys.get_int_max_str_digits() (4300)."""
+    digits = "7" * 5000
+    if where == "override":
+        args = ["train", "-c", "configs/quickstart.yaml", f"train.seed={digits}"]
+        needle = "override 'train.seed': a number longer than 4300 digits"
+    else:
+        f = tmp_path / "big.yaml"
+        f.write_text(f"train:\n  seed: {digits}\n")
+        args, needle = ["train", "-c", str(f)], f"{f}: a number longer than 4300 digits"
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert lines[0].startswith(f"error: {needle}") and len(lines[0]) < 300, lines
+
+
+def test_an_unreadable_yaml_date_in_an_override_is_left_to_the_field():
+    """A ValueError from yaml other than the digit limit (a date 2024-13-45) keeps the text as typed."""
+    assert load_config(None, ["train.prompts=2024-13-45"]).train.prompts == "2024-13-45"
+    with pytest.raises(ConfigError, match="train.seed"):
+        load_config(None, ["train.seed=2024-13-45"])

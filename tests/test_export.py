@@ -336,3 +336,30 @@ def test_the_readme_lines_load_an_export_and_sample(tmp_path, monkeypatch):
     exec(code, ns)
     want = sample_videos(load_policy(cfg, ckpt), ["a red square moving right"], [0], Schedule.linear(10, 3.0))
     assert ns["frames"].shape == (1, 6, 16, 16, 3) and torch.equal(ns["frames"], want)
+
+
+def test_an_export_to_s3_prints_a_loader_that_downloads_it_first(tmp_path, s3_root, capsys, monkeypatch):
+    """diffusers loads local folders: `vgrpo export --out s3://…` printed `load_lora_adapter("s3://…")`,
+    which it cannot open. The printed lines (also the card's and vgrpo_export.json's), run as written
+    in another folder against the S3 endpoint, download the export and sample what vgrpo samples."""
+    from common import storage
+
+    cfg = _toy_cfg(tmp_path, "schedule.steps=10")
+    run, ckpt, _ = _toy_run(tmp_path, cfg, steps=1)
+    out = f"{s3_root}/exported"
+    capsys.readouterr()
+    assert main(["export", str(run.path), "--out", out]) == 0
+    code = capsys.readouterr().out.split("load it with:\n", 1)[1].strip()
+    assert '("s3://' not in code.split("\n", 2)[2], code           # nothing after the download reads s3://
+    assert code.splitlines()[0] == (f"# diffusers loads local folders: download {out} first (or in a shell: "
+                                    f"aws s3 cp --recursive {out} exported/)")
+    assert json.loads(storage.read_bytes(storage.join(out, EXPORT_JSON)))["load"] == code
+    assert code in storage.read_bytes(storage.join(out, "README.md")).decode()
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    monkeypatch.chdir(where)
+    ns: dict = {}
+    exec(code, ns)
+    assert sorted(p.name for p in (where / "exported").iterdir()) == sorted([LORA_FILE, "README.md", EXPORT_JSON])
+    want = sample_videos(load_policy(cfg, ckpt), ["a red square moving right"], [0], Schedule.linear(10, 3.0))
+    assert torch.equal(ns["frames"], want)

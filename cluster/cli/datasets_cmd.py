@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common.config import load_config
+
 
 def register(sub) -> None:
     p = sub.add_parser("data", help="check a prompt set or image-to-video dataset",
@@ -14,6 +16,8 @@ def register(sub) -> None:
     chk.add_argument("spec", help="a .jsonl manifest, an image folder, a prompts file or a built-in set")
     chk.add_argument("--height", type=int, default=None, help="also fit each image to HEIGHT × WIDTH")
     chk.add_argument("--width", type=int, default=None)
+    chk.add_argument("-c", "--config", default=None,
+                     help="take the bounds (data.max_file_bytes, data.max_line_bytes, data.max_prompts) from CONFIG")
     chk.set_defaults(func=cmd_check)
 
 
@@ -22,7 +26,7 @@ def cmd_check(args) -> int:
     from cluster.data.prompts import load_prompts
     from common.images import condition_image
 
-    conds = load_prompts(args.spec)
+    conds = load_prompts(args.spec, load_config(args.config).data)
     with_image = sum(c.is_i2v for c in conds)
     if args.height and args.width:
         for c in conds:

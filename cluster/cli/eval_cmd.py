@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from cluster.data.text import clean_prompt
 from cluster.evaluation.policy import evaluate_policy, load_policy, score
 from cluster.runs.media import grid_image, write_gif
 from cluster.runs.policy_file import resolve_target
 from common import storage
 from common.config import SCHEME_NAMES, ConfigError
+from common.scorers import scorer_spec
 
 
 def register(sub) -> None:
@@ -125,6 +128,9 @@ def cmd_sample(args) -> int:
     from common.sde import Schedule
     from rollout_worker.sampler import sample_videos
 
+    prompt = clean_prompt(args.prompt, "--prompt")
+    if not prompt:
+        raise ConfigError("--prompt is empty (or only spaces); give the text to sample")
     cfg, ckpt = resolve_target(args.target, args.config)
     if (args.image is None) != (cfg.model.task == "t2v"):
         raise ConfigError(f"--image: model.task = {cfg.model.task!r} "
@@ -134,13 +140,37 @@ def cmd_sample(args) -> int:
     except ImageError as e:
         raise ConfigError(f"--image: {e}") from None
     model = load_policy(cfg, ckpt)
-    frames = sample_videos(model, [args.prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme,
+    _check_grammar(cfg, prompt)
+    frames = sample_videos(model, [prompt], [args.seed], Schedule.from_config(cfg.schedule), args.scheme,
                            images=images, forward_batch_size=cfg.sampler.forward_batch_size)
     shown = frames[0].numpy() if images is None else np.concatenate(  # the first frame to the left
         [np.broadcast_to(images.numpy(), frames[0].shape), np.full((*frames.shape[1:3], 1, 3), 128, np.uint8),
          frames[0].numpy()], axis=2)
     path = write_gif(shown, Path(args.out))
-    scores, composite = score(cfg, frames, [args.prompt], images)
-    heads = "  ".join(f"{h} {v:.3f}" for h, v in zip(scores.heads, scores.values[0].tolist(), strict=True))
-    print(f"wrote {path}\ncomposite {float(composite[0]):.3f}  {heads}")
+    scores, composite = score(cfg, frames, [prompt], images)
+    print(f"wrote {path}")
+    values = scores.values[0].tolist()
+    unscored = [h for h, v in zip(scores.heads, values, strict=True) if not math.isfinite(v)]
+    if unscored or not math.isfinite(float(composite[0])):
+        raise ConfigError(f"--prompt {_short(prompt)}: the reward models gave no finite score (heads "
+                          f"{', '.join(unscored) or 'composite'}); is the prompt one they can read?")
+    heads = "  ".join(f"{h} {v:.3f}" for h, v in zip(scores.heads, values, strict=True))
+    print(f"composite {float(composite[0]):.3f}  {heads}")
     return 0
+
+
+def _check_grammar(cfg, prompt: str) -> None:
+    """A reward model that reads only its own grammar (the toy world's) would score NaN: refused."""
+    for m in cfg.rewards.models:
+        grammar = scorer_spec(m.name).grammar
+        if grammar is None:
+            continue
+        try:
+            grammar(prompt)
+        except ValueError as e:
+            raise ConfigError(f"--prompt: outside the grammar of reward model {m.name!r}, which would "
+                              f"score it NaN: {e}") from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "…")

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 
-from cluster.data.text import clean_prompt, read_lines
-from common.config import ConfigError
+from cluster.data.text import clean_prompt, iter_lines
+from common.config import ConfigError, DataConfig
 from common.images import ImageError, condition_image, decode
 from common.types import Condition
 
@@ -71,7 +73,7 @@ class _Rows:
             negative: str | None = None) -> None:
         try:
             prompt = clean_prompt(prompt, where)
-            negative = None if negative is None else clean_prompt(negative, f"{where}: negative_prompt")
+            negative = None if negative is None else clean_prompt(negative, where, "negative_prompt")
         except ConfigError as e:
             self.defects.append(str(e))
             return
@@ -95,20 +97,38 @@ class _Rows:
         return list(self.conditions.values())
 
 
-def read_manifest(path: Path) -> list[Condition]:
-    """A JSONL manifest → one Condition per distinct (prompt, negative prompt, image bytes)."""
-    path = Path(path)
-    lines = read_lines(path, "manifest")
+def _parse_row(line: str, where: str) -> tuple[object, str | None]:
+    """json.loads of one manifest line, or (None, the defect) for any line it cannot read:
+    malformed JSON, nesting deeper than Python recurses, an integer past Python's digit limit."""
+    try:
+        return json.loads(line), None
+    except json.JSONDecodeError as e:
+        why = f"{e.msg} at column {e.colno}"
+    except RecursionError:
+        why = "nested too deeply; a row is one flat object"
+    except ValueError as e:  # int("1" * 5000): past sys.get_int_max_str_digits()
+        why = (f"a number longer than {sys.get_int_max_str_digits()} digits" if "digits" in str(e)
+               else str(e).splitlines()[0][:120])
+    return None, f'{where}: not a JSON object ({why}); write {{"prompt": "...", "image": "..."}}'
+
+
+def read_manifest(path: Path, limits: DataConfig | None = None) -> list[Condition]:
+    """A JSONL manifest → one Condition per distinct (prompt, negative prompt, image bytes);
+    read one bounded line at a time, at most `limits.max_prompts` rows (data.*; defaults when None)."""
+    path, limits = Path(path), limits or DataConfig()
     rows = _Rows(path)
-    for i, line in enumerate(lines, 1):
+    count = 0
+    for i, line in iter_lines(path, "manifest", limits):
         if not line.strip():
             continue
         where = f"{path}:{i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            rows.defects.append(f"{where}: not a JSON object ({e.msg} at column {e.colno}); "
-                                'write {"prompt": "...", "image": "..."}')
+        count += 1
+        if count > limits.max_prompts:
+            raise ConfigError(f"{where}: more than data.max_prompts = {limits.max_prompts:,} rows; "
+                              "use fewer or raise data.max_prompts")
+        row, defect = _parse_row(line, where)
+        if defect is not None:
+            rows.defects.append(defect)
             continue
         if not isinstance(row, dict):
             rows.defects.append(f'{where}: not a JSON object; write {{"prompt": "...", "image": "..."}}')
@@ -122,6 +142,12 @@ def read_manifest(path: Path) -> list[Condition]:
                     ([f"unknown field(s) {unknown}; expected {list(FIELDS)}"] if unknown else [])
             rows.defects.append(f"{where}: {'; '.join(parts)}")
             continue
+        surrogates = [f for f in FIELDS if f in row and any(unicodedata.category(c) == "Cs" for c in row[f])]
+        if surrogates:  # a JSON "\ud800": not text, and no file name or id can hold it
+            rows.defects.append(f"{where}: {', '.join(repr(f) for f in surrogates)} holds a lone surrogate "
+                                "(a \\ud800-\\udfff escape without its pair), which is not text; write the "
+                                "character itself (UTF-8)")
+            continue
         image = (path.parent / row["image"]).expanduser()
         data = rows.image(image, where)
         if data is not None:
@@ -129,15 +155,19 @@ def read_manifest(path: Path) -> list[Condition]:
     return rows.done()
 
 
-def read_folder(folder: Path) -> list[Condition]:
-    """A folder of NAME.png + NAME.txt pairs → one Condition per pair (sorted by name)."""
-    folder = Path(folder)
+def read_folder(folder: Path, limits: DataConfig | None = None) -> list[Condition]:
+    """A folder of NAME.png + NAME.txt pairs → one Condition per pair (sorted by name); at most
+    `limits.max_prompts` images (data.*; defaults when None)."""
+    folder, limits = Path(folder), limits or DataConfig()
     if not folder.is_dir():
         raise ConfigError(f"{folder}: dataset folder not found")
     rows = _Rows(folder)
     images: dict[str, Path] = {}
     for p in sorted(folder.iterdir()):
         if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file():
+            if len(images) == limits.max_prompts:
+                raise ConfigError(f"{folder}: more than data.max_prompts = {limits.max_prompts:,} images; "
+                                  "use fewer or raise data.max_prompts")
             if p.stem in images:
                 rows.defects.append(f"{p}: a second image for {p.stem!r} (also {images[p.stem].name}); keep one")
                 continue
@@ -150,6 +180,10 @@ def read_folder(folder: Path) -> list[Condition]:
         cap = captions.get(stem)
         if cap is None:
             rows.defects.append(f"{where}: no caption; write the prompt into {stem}.txt beside it")
+            continue
+        if cap.stat().st_size > limits.max_line_bytes:
+            rows.defects.append(f"{cap}: the caption is {cap.stat().st_size:,} bytes, more than "
+                                f"data.max_line_bytes = {limits.max_line_bytes:,}")
             continue
         try:
             text = " ".join(cap.read_text(encoding="utf-8").split())

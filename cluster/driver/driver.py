@@ -136,7 +136,7 @@ class Driver:
 
         cfg, s = self.cfg, self.started
         check_model_path(cfg)
-        self.stream.conditions = load_prompts(cfg.train.prompts)
+        self.stream.conditions = load_prompts(cfg.train.prompts, cfg.data)
         check_task(self.stream.conditions, cfg.model.task, cfg.train.prompts)
         # 1. Ray: join RAY_ADDRESS or start a local cluster that declares the role resources
         s.ray = init_ray(cfg)

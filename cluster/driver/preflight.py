@@ -30,7 +30,7 @@ def check_prompts(cfg: RunConfig) -> None:
         if spec is None:
             continue
         try:
-            check_task(load_prompts(spec), cfg.model.task, spec)
+            check_task(load_prompts(spec, cfg.data), cfg.model.task, spec)
         except ConfigError as e:
             raise ConfigError(f"{field}: {e}") from None
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
 from cluster.data.text import condition_id
-from common.config import ModelConfig
+from common.config import DataConfig, ModelConfig
 from common.toyworld import eval_seeds
 from common.types import Condition
 
@@ -27,9 +27,10 @@ class EvalSet:
     per_prompt: int = 1                 # seeds per prompt: pair i is prompt i // per_prompt's
 
     @classmethod
-    def load(cls, spec: str, seeds: int, model: ModelConfig) -> EvalSet:
-        """The prompt set `spec` (checked against model.task) × the first `seeds` fixed seeds."""
-        conds = load_prompts(spec)
+    def load(cls, spec: str, seeds: int, model: ModelConfig, limits: DataConfig | None = None) -> EvalSet:
+        """The prompt set `spec` (checked against model.task) × the first `seeds` fixed seeds; a
+        file is read within `limits` (the run's data section)."""
+        conds = load_prompts(spec, limits)
         check_task(conds, model.task, spec)
         fixed = eval_seeds(seeds)
         return cls(tuple(c for c in conds for _ in fixed), tuple(s for _ in conds for s in fixed), len(fixed))

@@ -68,7 +68,7 @@ def evaluate_policy(cfg, ckpt: Path | None, seeds: int | None = None, prompts: s
     from rollout_worker.sampler import sample_videos
 
     config_heads(cfg.rewards.models)  # a shared head name: refused before any video is sampled
-    evals = EvalSet.load(prompts or cfg.train.eval_prompts, seeds or cfg.train.eval_seeds, cfg.model)
+    evals = EvalSet.load(prompts or cfg.train.eval_prompts, seeds or cfg.train.eval_seeds, cfg.model, cfg.data)
     images = condition_images(list(evals.conditions), cfg.model.height, cfg.model.width)  # I2V: uint8 [N, H, W, 3]
     model = load_policy(cfg, ckpt)
     frames = sample_videos(model, evals.prompts, list(evals.seeds), Schedule.from_config(cfg.schedule),

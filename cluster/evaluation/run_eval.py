@@ -37,7 +37,7 @@ def evaluate_run(cfg, rollouts: list, heads, run_dir, step: int, label: str, gif
                  note: Callable[[str], None]) -> RunEval:
     """Evaluate with the weights the (idle) rollout actors hold; write `gifs` GIFs and the
     tracker's grid video under `label`."""
-    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
+    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model, cfg.data)
     gif_pairs = evals.firsts(gifs)  # the first seed of each prompt
     grid = evals.grid(cfg.log.video_pairs)
     shown, shown_per = shown_pairs(len(evals), evals.per_prompt)
@@ -68,7 +68,7 @@ def step_videos(cfg, step: int, rollouts: list, run_dir) -> None:
     every = cfg.log.video_every
     if not every or step % every:
         return
-    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model)
+    evals = EvalSet.load(cfg.train.eval_prompts, cfg.train.eval_seeds, cfg.model, cfg.data)
     try:
         frames = sample_pairs(rollouts, evals.subset(evals.grid(cfg.log.video_pairs))).numpy()
     except Exception as e:  # a rollout actor restarting: the video waits for the next turn, the run goes on

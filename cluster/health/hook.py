@@ -102,7 +102,8 @@ class DriverHealth:
         """The held-out pairs: health.eval_prompts (else train.eval_prompts) × health.eval_seeds."""
         if self._evals is None:
             h = self.cfg.health
-            self._evals = EvalSet.load(h.eval_prompts or self.cfg.train.eval_prompts, h.eval_seeds, self.cfg.model)
+            self._evals = EvalSet.load(h.eval_prompts or self.cfg.train.eval_prompts, h.eval_seeds,
+                                       self.cfg.model, self.cfg.data)
         return self._evals
 
     def final(self, before, after, step: int) -> None:

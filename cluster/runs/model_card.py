@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from common import storage
 from common.config import RunConfig, to_dict
 from common.families import FAMILIES
 
@@ -30,7 +31,18 @@ def method_name(cfg: RunConfig) -> str:
 
 
 def load_snippet(info: dict[str, Any], out: str) -> str:
-    """Python that loads the folder with diffusers and samples one video."""
+    """Python that loads the folder with diffusers and samples one video. diffusers reads local
+    folders (or hub ids) only: an export on an object store is downloaded first, by the snippet's
+    own first lines, into a folder of its name, and loaded from there."""
+    if storage.is_uri(out):
+        uri, rest = out.rstrip("/"), out.partition("://")[2].strip("/")
+        local = rest.rsplit("/", 1)[1] if "/" in rest else "vgrpo-export"  # the bucket itself: no name
+        alt = (f" (or in a shell: aws s3 cp --recursive {uri} {local}/)"
+               if out.lower().startswith(("s3://", "s3a://")) else "")
+        fetch = [f"# diffusers loads local folders: download {uri} first{alt}",
+                 f'import fsspec; fs, src = fsspec.core.url_to_fs({uri!r}); '
+                 f'fs.get(src + "/", {local + "/"!r}, recursive=True)']
+        return "\n".join([*fetch, load_snippet(info, f"{local}/")])
     base, kind = info["base"], info["kind"]
     if not FAMILIES[base["family"]].needs_path:  # its own pipeline, not diffusers'
         return _toy_snippet(info, out)
