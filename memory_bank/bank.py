@@ -101,6 +101,22 @@ def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def snapshot_problem(snap: Any, namespace: str) -> str | None:
+    """Why a checkpoint's bank snapshot (`MemoryBank.snapshot`) cannot be restored into bank
+    namespace `namespace`; None when it can. A resume asks before anything starts."""
+    if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+        fmt = snap.get("format") if isinstance(snap, dict) else snap
+        return f"unknown format {str(fmt)[:40]!r} (this vgrpo writes {SNAPSHOT_FORMAT})"
+    if snap.get("namespace") != namespace:
+        return (f"it is for bank.namespace {str(snap.get('namespace'))[:80]!r}, where the run's data is; "
+                f"this bank is {namespace!r}")
+    banked = snap.get("banked") or {}
+    if not isinstance(banked, dict) or not all(
+            isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
+        return "field 'banked' must map condition id -> [entry id]"
+    return None
+
+
 def check_step_fits(groups_per_step: int, group_bytes: int, max_bytes: int) -> None:
     """Refuse a bank that cannot hold one training step's groups: its producer would wait
     forever for space that only that step's commit frees."""
@@ -501,15 +517,9 @@ class MemoryBank:
         the snapshot's entries that still exist (entries banked since are evicted; entries
         evicted since cannot come back and are counted as missing)."""
         k = self.keys
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"bank snapshot: unknown format {snap.get('format') if isinstance(snap, dict) else snap!r}")
-        if snap.get("namespace") != k.namespace:
-            raise ValueError(f"bank snapshot is for namespace {snap.get('namespace')!r}, "
-                             f"this bank is {k.namespace!r} (bank.namespace)")
+        if (why := snapshot_problem(snap, k.namespace)) is not None:
+            raise ValueError(f"bank snapshot: {why}")
         banked = snap.get("banked") or {}
-        if not isinstance(banked, dict) or not all(
-                isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
-            raise ValueError("bank snapshot: field 'banked' must map condition id -> [entry id]")
         requeued = self.requeue_all_pending()   # restoring is taking over: no consumer is live
         current = {_s(c) for c in self.r.smembers(k.conds)}
         kept = missing = 0
