@@ -262,6 +262,8 @@ if token then
 end
 local total, limit, n = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
+local raw = redis.call('HGET', KEYS[9], ck)
+if raw and not decoded(raw) then recount() end  -- a damaged record's accounting: counted again
 local d = decoded(redis.call('HGET', KEYS[9], ck))
 local extra = 0                                 -- what the condition adds to the queued bytes
 if not d then
