@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -48,7 +49,17 @@ from memory_bank.errors import (
     LeaseLost,
     UnscoredGroup,
 )
-from memory_bank.keys import DEAD_CAP, DONE_CAP, QUARANTINE_CAP, Keys, check_eid, check_name
+from memory_bank.keys import (
+    DEAD_CAP,
+    DONE_CAP,
+    QUARANTINE_CAP,
+    VERSION_MAX,
+    Keys,
+    check_eid,
+    check_name,
+    read_info,
+    stored_whole,
+)
 from memory_bank.orphans import sweep_orphans
 from memory_bank.scripts import Fence, Scripts, run, run_one
 
@@ -88,6 +99,22 @@ def _reachable(fn: Callable[P, R]) -> Callable[P, R]:
             bank = args[0]
             raise LeaseLost.from_reply(bank.keys.namespace, str(e), bool(bank.fence.value)) from None
     return wrapper
+
+
+def snapshot_problem(snap: Any, namespace: str) -> str | None:
+    """Why a checkpoint's bank snapshot (`MemoryBank.snapshot`) cannot be restored into bank
+    namespace `namespace`; None when it can. A resume asks before anything starts."""
+    if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+        fmt = snap.get("format") if isinstance(snap, dict) else snap
+        return f"unknown format {str(fmt)[:40]!r} (this vgrpo writes {SNAPSHOT_FORMAT})"
+    if snap.get("namespace") != namespace:
+        return (f"it is for bank.namespace {str(snap.get('namespace'))[:80]!r}, where the run's data is; "
+                f"this bank is {namespace!r}")
+    banked = snap.get("banked") or {}
+    if not isinstance(banked, dict) or not all(
+            isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
+        return "field 'banked' must map condition id -> [entry id]"
+    return None
 
 
 def check_step_fits(groups_per_step: int, group_bytes: int, max_bytes: int) -> None:
@@ -387,13 +414,21 @@ class MemoryBank:
         leaves the bank (its data is deleted), a member of a queued group is never banked when
         its group commits. The caller drops or redraws the group, as for a corrupt one."""
         check_eid(entry_id)
+        why = self._quarantine(entry_id, reason)
+        log.warning("bank: quarantined entry %s: %s", entry_id, why)
+
+    def _quarantine(self, eid: str, reason: str, cid: str = "", nbytes: int | None = None) -> str:
+        """The QUARANTINE script; `cid`: the condition whose index lists the entry (its index
+        info may not say), `nbytes`: its bytes when its index info cannot say. Returns the reason
+        as recorded."""
         k = self.keys
         why = " ".join(str(reason).split())[:500] or "no reason given"
         out = run_one(self.r, self.scripts.quarantine.call(
             keys=[k.einfo, k.bytes, k.bankz, k.conds, k.trash, k.quarantine, k.counts, k.qbytes, k.cinfo],
-            args=[entry_id, why, repr(time.time()), k.cond_prefix, QUARANTINE_CAP]))
+            args=[eid, why, repr(time.time()), k.cond_prefix, QUARANTINE_CAP, cid,
+                  "" if nbytes is None else nbytes]))
         self._reclaim(out)
-        log.warning("bank: quarantined entry %s: %s", entry_id, why)
+        return why
 
     @_reachable
     def evict(self, condition_id: str, entry_ids: list[str]) -> None:
@@ -417,7 +452,7 @@ class MemoryBank:
         for eid, raw in self.r.hgetall(self.keys.quarantine).items():
             try:
                 rec = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 rec = {"reason": "unreadable quarantine record"}
             rec = rec if isinstance(rec, dict) else {}
             out.append({"id": _s(eid), **rec, "time": _num(rec.get("time"))})
@@ -426,7 +461,7 @@ class MemoryBank:
     @_reachable
     def quarantine_count(self) -> int:
         """Entries ever quarantined in this namespace."""
-        return int(self.r.hget(self.keys.counts, "quarantined") or 0)
+        return _counter(self.r.hget(self.keys.counts, "quarantined") or 0)
 
     # ------------------------------------------------------------------ inspection
     @_reachable
@@ -448,13 +483,13 @@ class MemoryBank:
         pipe.zcard(k.bankz).scard(k.conds).hlen(k.einfo).get(k.qbytes).hlen(k.cinfo).hvals(k.trash)
         fresh, nbytes, counts, banked, conds, entries, qbytes, records, trash = pipe.execute()
         pending = len(self.pending_ids())
-        c = {_s(a): int(b) for a, b in counts.items()}
+        c = {_s(a): _counter(b) for a, b in counts.items()}
         return {
             "fresh": fresh, "pending": pending, "banked": banked, "entries": entries,
             "conditions": conds, "pushed": c.get("pushed", 0), "committed": c.get("committed", 0),
             "dropped": c.get("dropped", 0), "corrupt": c.get("corrupt", 0),
             "quarantined": c.get("quarantined", 0), "orphans_reclaimed": c.get("orphans", 0),
-            "trash": len(trash), "trash_bytes": sum(int(b) for b in trash),
+            "trash": len(trash), "trash_bytes": sum(_counter(b) for b in trash),
             "cond_records": records, "bytes": int(nbytes or 0), "queued_bytes": int(qbytes or 0),
             "max_bytes": self.cfg.max_bytes,
             "redis_latency_ms": latency_ms,
@@ -473,7 +508,7 @@ class MemoryBank:
             "format": SNAPSHOT_FORMAT, "namespace": k.namespace, "time": time.time(),
             "pending": self.pending_ids(),
             "banked": {cid: [_s(e) for e in ix] for cid, ix in zip(conds, indexes, strict=True)},
-            "counts": {_s(a): int(b) for a, b in self.r.hgetall(k.counts).items()},
+            "counts": {_s(a): _counter(b) for a, b in self.r.hgetall(k.counts).items()},
         }
 
     @_reachable
@@ -482,15 +517,9 @@ class MemoryBank:
         the snapshot's entries that still exist (entries banked since are evicted; entries
         evicted since cannot come back and are counted as missing)."""
         k = self.keys
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"bank snapshot: unknown format {snap.get('format') if isinstance(snap, dict) else snap!r}")
-        if snap.get("namespace") != k.namespace:
-            raise ValueError(f"bank snapshot is for namespace {snap.get('namespace')!r}, "
-                             f"this bank is {k.namespace!r} (bank.namespace)")
+        if (why := snapshot_problem(snap, k.namespace)) is not None:
+            raise ValueError(f"bank snapshot: {why}")
         banked = snap.get("banked") or {}
-        if not isinstance(banked, dict) or not all(
-                isinstance(v, list) and all(isinstance(e, str) for e in v) for v in banked.values()):
-            raise ValueError("bank snapshot: field 'banked' must map condition id -> [entry id]")
         requeued = self.requeue_all_pending()   # restoring is taking over: no consumer is live
         current = {_s(c) for c in self.r.smembers(k.conds)}
         kept = missing = 0
@@ -534,26 +563,55 @@ class MemoryBank:
         for eid, info in zip(flat[::2], flat[1::2], strict=True):
             eid = _s(eid)
             try:
-                d = json.loads(info)
-                v = int(d["v"])
-            except (TypeError, ValueError, KeyError):
-                self._corrupt(f"bank entry {eid[:80]!r} of condition {cid!r}: bad index info")
-                bad.append(eid)
+                d = read_info(info, cid)
+            except ValueError as e:   # any value a push never writes: 1e999, NaN, -7, 10**400, ...
+                bad.append((eid, f"unreadable index info: {e}" if info else "no index info"))
                 continue
-            if version - v <= self.cfg.max_staleness:
-                keep[eid] = d["k"] if isinstance(d.get("k"), str) else ""
+            if version - d["v"] <= self.cfg.max_staleness:
+                keep[eid] = d["k"]
         if bad:
-            self._evict_banked(cid, bad)
+            self._dead_letters(cid, bad)
         return keep
+
+    def _dead_letters(self, cid: str, bad: list[tuple[str, str]]) -> None:
+        """Banked entries of condition `cid` whose index info cannot be read: each is skipped,
+        counted corrupt, logged, and quarantined with its reason (out of the index, its data
+        deleted). The scripts cannot read its bytes then, so they are given what its push
+        counted (`_pushed_bytes`)."""
+        ids = [eid for eid, _ in bad if _valid_eid(eid)]
+        sizes = self._pushed_bytes(ids)
+        for eid, why in bad:
+            self._corrupt(f"bank entry {eid[:80]!r} of condition {cid!r}: {why}")
+        for eid, why in bad:
+            if eid in sizes:
+                self._quarantine(eid, why, cid, sizes[eid])
+        if foreign := [eid for eid, _ in bad if eid not in sizes]:  # no keys of ours to delete
+            self._evict_banked(cid, foreign)
+
+    def _pushed_bytes(self, eids: list[str]) -> dict[str, int]:
+        """Each entry's bytes as its push counted them (blob and metadata, status 'fresh' and
+        trained '0' as written then), from what Redis holds now; 0 when nothing is left."""
+        if not eids:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for eid in eids:
+            pipe.strlen(self.keys.blob(eid)).hgetall(self.keys.meta(eid))
+        got = pipe.execute()
+        out = {}
+        for eid, n, meta in zip(eids, got[::2], got[1::2], strict=True):
+            m = {bytes(f): bytes(v) for f, v in meta.items()}
+            if m:
+                m.update({b"status": b"fresh", b"trained": b"0"})
+            out[eid] = int(n) + sum(len(f) + len(v) for f, v in m.items())
+        return out
 
     def _load_group(self, gid: str, cid: str, version: str, eids: list[str], bank_eids: list[str],
                     conds: dict[str, Cond], records: set[str]) -> tuple[Group | None, list[Entry]]:
         """Decode a pulled group (None when no member is usable) and the given bank entries;
         `records`: the condition records they name, as far as the index says."""
-        try:
-            v = int(version)
-        except ValueError:
-            self._corrupt(f"group {gid!r}: record missing or incomplete")
+        v = stored_whole(version, VERSION_MAX)
+        if v is None:
+            self._corrupt(f"group {gid!r}: record missing or incomplete (version {version[:40]!r})")
             return None, []
         fetched = self._fetch(eids + bank_eids, cid, members=set(eids), conds=conds, records=records)
         own = set(eids)
@@ -796,10 +854,17 @@ def _pairs(flat: Any) -> Any:
 
 
 def _num(v: Any) -> float:
+    """A stored number (a quarantine record's time or sequence); 0.0 unless finite."""
     try:
-        return float(v)
-    except (TypeError, ValueError):
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
         return 0.0
+    return f if math.isfinite(f) else 0.0
+
+
+def _counter(v: Any) -> int:
+    """A counter as the scripts keep it; 0 when it is not one (a damaged value)."""
+    return stored_whole(v if isinstance(v, (bytes, str)) else str(v)) or 0
 
 
 def _valid_eid(eid: str) -> bool:

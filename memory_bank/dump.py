@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +37,14 @@ from common import storage
 from memory_bank import codec
 from memory_bank.bank import MemoryBank, _s
 from memory_bank.errors import BankUnavailable, CorruptEntry
-from memory_bank.keys import check_eid
+from memory_bank.keys import VERSION_MAX, check_eid, read_info, stored_whole
 
 log = logging.getLogger(__name__)
 
 DIR, INDEX, DATA = "bank", "index.json", "entries.bin"
 FORMAT = 2
 BATCH = 64   # entries fetched per MULTI
+SLACK = 256  # bytes an entry's metadata may have grown since its push counted it ('trained', 'status')
 
 # KEYS: fresh, consumers, einfo, bankz, counts, conds, cinfo. ARGV: pending prefix, group prefix,
 # cond prefix. One atomic read of every index: pending then fresh groups with their records,
@@ -194,7 +197,13 @@ def step_dir(ckpt: str | Path, step: int) -> Path:
 
 
 def restore_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str:
-    """Load a checkpoint's bank data into an empty namespace; one line saying what happened."""
+    """Load a checkpoint's bank data into an empty namespace; one line saying what happened.
+
+    Whoever calls it, nothing is trusted: the index's offsets and every count the bank will keep
+    (each entry's bytes against what it holds, each group's as its entries', the counters) are
+    checked, and the data sized against this bank's bank.max_bytes, before anything is written. A
+    dump whose queued groups (never evicted) do not fit is refused; banked entries are a cache, so
+    the oldest are left out until the rest fits."""
     src = storage.location(ckpt_dir) / DIR
     try:
         held = bank.stats()
@@ -206,14 +215,20 @@ def restore_bank(bank: MemoryBank, ckpt_dir: str | Path) -> str:
                     "written without it); resuming with an empty bank")
         try:
             index, records = _read(src, bank.keys.namespace)
-        except (OSError, ValueError, KeyError, TypeError, CorruptEntry) as e:
-            return f"bank: cannot restore the bank from {src}: {e}; resuming with an empty bank"
+            sizes = _check_counts(index, records)
+            out, out_bytes = _fit(index, records, sizes, bank.cfg.max_bytes)
+        except Exception as e:  # noqa: BLE001 — an untrusted file: any failure to read it refuses it
+            why = f"{INDEX} lacks the field {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:500]
+            why = why or type(e).__name__
+            return f"bank: cannot restore the bank from {src}: {why}; resuming with an empty bank"
         _write(bank, index, records)
     except BankUnavailable as e:
         return f"bank: cannot restore the bank from {src}: {e}; resuming with an empty bank"
     banked = sum(len(v) for v in index["conds"].values())
+    left = (f"; left out the {out} oldest banked entries ({out_bytes} bytes) over bank.max_bytes="
+            f"{bank.cfg.max_bytes}") if out else ""
     return (f"bank: restored {banked} banked entries and {len(index['groups'])} queued groups "
-            f"from {src}")
+            f"from {src}{left}")
 
 
 def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[dict, bytes]]]:
@@ -229,6 +244,12 @@ def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[di
     data = (src / DATA).read_bytes()
     if len(data) != index["size"] or hashlib.sha256(data).hexdigest() != index["sha256"]:
         raise ValueError(f"{DATA} is damaged ({len(data)} bytes, checksum mismatch)")
+    for key in ("cond_records", "entries"):
+        _need(isinstance(index[key], dict), f"'{key}'", "must be a map of id -> [offset, meta bytes, blob bytes]")
+        for name, loc in index[key].items():
+            _need(isinstance(loc, list) and len(loc) == 3 and all(_whole(x) for x in loc)
+                  and sum(loc) <= len(data), f"'{key}.{name}'",
+                  f"must be 3 byte counts >= 0 inside the file's {len(data)} bytes, got {_short(loc)}")
     conds = {}
     for ck, (off, n_meta, n_blob) in index["cond_records"].items():
         fields = {**json.loads(data[off:off + n_meta]), "blob": data[off + n_meta:off + n_meta + n_blob]}
@@ -254,6 +275,110 @@ def _read(src: Path, namespace: str) -> tuple[dict[str, Any], dict[str, tuple[di
         if any(e not in records for e in ids):
             raise ValueError(f"condition {cid!r} names entries the file does not hold")
     return index, records
+
+
+def _need(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{INDEX}: {field} {what}")
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _short(v: Any) -> str:
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 20 else "a number past int64"
+    return text if len(text) <= 60 else text[:60] + "…"
+
+
+def _check_counts(index: dict[str, Any], records: dict[str, tuple[dict, bytes]]) -> dict[str, int]:
+    """Every count the restored bank keeps, as a push and the scripts write it: each entry's index
+    info (its bytes no fewer than its blob's and no more than it holds, its condition and record
+    those of its metadata), each queued group's bytes its entries' and its version, each banked
+    entry's place in the bank order, the counters; every entry once, in one group or one
+    condition's bank. Returns each entry's bytes."""
+    einfo, groups, conds = index["einfo"], index["groups"], index["conds"]
+    _need(isinstance(einfo, dict) and set(einfo) == set(records), "'einfo'",
+          "must hold the accounting of exactly the entries the file holds")
+    sizes: dict[str, int] = {}
+    for eid, (meta, blob) in records.items():
+        try:
+            d = read_info(einfo[eid], meta["condition"])
+        except ValueError as e:
+            raise ValueError(f"{INDEX}: 'einfo.{eid}': {e}") from None
+        held = len(blob) + sum(len(f) + len(v.encode()) for f, v in meta.items())
+        _need(len(blob) <= d["b"] <= held + SLACK, f"'einfo.{eid}'",
+              f"counts {d['b']} bytes; the entry holds {held} ({len(blob)} of them its blob)")
+        _need(d["k"] == meta["cond_key"], f"'einfo.{eid}'", "names another condition record than the entry")
+        sizes[eid] = d["b"]
+    _need(isinstance(groups, list), "'groups'", "must be a list of queued groups")
+    placed = Counter(e for ids in conds.values() for e in ids)
+    for i, g in enumerate(groups):
+        fields = g.get("fields") if isinstance(g, dict) else None
+        _need(isinstance(fields, dict) and isinstance(g.get("id"), str)
+              and all(isinstance(v, str) for v in fields.values()), f"'groups[{i}]'", "must be {id, fields}")
+        eids = fields.get("eids", "").split()
+        placed.update(eids)
+        _need(stored_whole(fields.get("bytes")) == sum(sizes[e] for e in eids), f"'groups[{i}].fields.bytes'",
+              f"is {_short(fields.get('bytes'))}, its entries count {sum(sizes[e] for e in eids)}")
+        _need(stored_whole(fields.get("version"), VERSION_MAX) is not None, f"'groups[{i}].fields.version'",
+              f"is {_short(fields.get('version'))}, not a policy version")
+        _need(all(records[e][0]["condition"] == fields.get("cond") for e in eids), f"'groups[{i}].fields.cond'",
+              "is not its entries' condition")
+    for cid, ids in conds.items():
+        _need(all(records[e][0]["condition"] == cid for e in ids), f"'conds.{cid}'", "lists entries of another condition")
+    _need(not (twice := [e for e, n in placed.items() if n > 1]), "an entry",
+          f"is listed more than once ({twice[:1]})")
+    bankz = index["bankz"]
+    _need(isinstance(bankz, dict) and set(bankz) == {e for ids in conds.values() for e in ids}
+          and all(_finite(v) for v in bankz.values()), "'bankz'",
+          "must give each banked entry a finite place in the bank order")
+    counts = index["counts"]
+    _need(isinstance(counts, dict), "'counts'", "must be a map of name -> count")
+    for name, v in counts.items():
+        _need(stored_whole(v) is not None, f"'counts.{name}'", f"is {_short(v)}, not a count")
+    return sizes
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _fit(index: dict[str, Any], records: dict[str, tuple[dict, bytes]], sizes: dict[str, int],
+         max_bytes: int) -> tuple[int, int]:
+    """Size the dump against bank.max_bytes as the bank counts it (entries, and each condition
+    record once while an entry names it): queued groups that do not fit are refused (ValueError);
+    past that, the oldest banked entries are left out of `index` and `records` until the rest
+    fits. Returns (entries left out, their bytes)."""
+    key = {eid: meta["cond_key"] for eid, (meta, _) in records.items()}
+    record_bytes = {ck: codec.cond_nbytes(f) for ck, f in index["cond_fields"].items()}
+    queued = {e for g in index["groups"] for e in g["fields"].get("eids", "").split()}
+    need = sum(sizes[e] for e in queued) + sum(record_bytes[ck] for ck in {key[e] for e in queued})
+    if need > max_bytes:
+        raise ValueError(f"its {len(index['groups'])} queued groups need {need} bytes with their condition "
+                         f"records, over bank.max_bytes={max_bytes} (queued groups are never evicted); "
+                         f"raise bank.max_bytes to at least {need} to keep them")
+    refs = Counter(key.values())
+    total = sum(sizes.values()) + sum(record_bytes[ck] for ck in refs)
+    out: list[str] = []
+    for eid in sorted(index["bankz"], key=index["bankz"].get):   # oldest first
+        if total <= max_bytes:
+            break
+        out.append(eid)
+        total -= sizes[eid]
+        refs[key[eid]] -= 1
+        if not refs[key[eid]]:
+            total -= record_bytes[key[eid]]
+    gone = set(out)
+    for eid in out:
+        del records[eid], index["einfo"][eid], index["bankz"][eid]
+    index["conds"] = {c: kept for c, ids in index["conds"].items() if (kept := [e for e in ids if e not in gone])}
+    return len(out), sum(sizes[e] for e in out)
 
 
 def _write(bank: MemoryBank, index: dict[str, Any], records: dict[str, tuple[dict, bytes]]) -> None:

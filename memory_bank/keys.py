@@ -31,8 +31,11 @@ Only the first `{...}` of a key is its hash tag, so ids after it may hold any ch
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _EID = re.compile(r"^[0-9a-f]{32}$")
@@ -40,6 +43,9 @@ _EID = re.compile(r"^[0-9a-f]{32}$")
 DONE_CAP = 10_000   # committed group ids kept for inspection
 DEAD_CAP = 1_000    # dropped (corrupt) group ids kept for inspection
 QUARANTINE_CAP = 1_000   # quarantine records kept (the oldest are forgotten beyond it)
+COUNT_MAX = 2 ** 53      # a byte count or counter the scripts keep exactly (Lua numbers are doubles)
+VERSION_MAX = 2 ** 63    # a policy version: a whole number below this
+_WHOLE = re.compile(r"0|[1-9][0-9]{0,18}")   # str(int) >= 0 of at most 19 digits, nothing else
 
 
 @dataclass(frozen=True)
@@ -181,3 +187,59 @@ def check_eid(eid: str) -> str:
     if not _EID.match(eid):
         raise ValueError(f"bad entry id {eid!r}: expected 32 lowercase hex characters")
     return eid
+
+
+# --- values read back: untrusted (a bit flip or a hand can make any of them 1e999, NaN, -7,
+# 10**400 or not JSON); each reader below raises ValueError naming the field, or returns None.
+
+
+def stored_whole(raw: Any, limit: int = COUNT_MAX) -> int | None:
+    """A whole number 0 <= n < limit stored as str(int) (a counter, a group's version or bytes),
+    else None."""
+    text = raw.decode("ascii", "replace") if isinstance(raw, (bytes, bytearray)) else raw
+    if not isinstance(text, str) or not _WHOLE.fullmatch(text):
+        return None
+    n = int(text)
+    return n if n < limit else None
+
+
+def read_info(raw: Any, cid: str | None = None) -> dict[str, Any]:
+    """An entry's index info (`einfo`: {b: bytes, c: composite, v: policy version, cond:
+    condition id, k: its condition record's key}) exactly as a push writes it, of condition
+    `cid` when given; ValueError naming the first field that is not."""
+    try:
+        d = json.loads(raw)
+    except Exception as e:  # noqa: BLE001 — stored bytes: not UTF-8, not JSON, nested too deep...
+        raise ValueError(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    for name, limit in (("b", COUNT_MAX), ("v", VERSION_MAX)):
+        if not (_is_int(d.get(name)) and 0 <= d[name] < limit):
+            raise ValueError(f"field {name!r} is {_short(d.get(name))}, expected a whole number in 0..{limit - 1}")
+    if not _finite(d.get("c")):
+        raise ValueError(f"field 'c' is {_short(d.get('c'))}, expected a finite number")
+    if not isinstance(d.get("cond"), str) or (cid is not None and d["cond"] != cid):
+        raise ValueError(f"field 'cond' is {_short(d.get('cond'))}, expected the condition id {cid!r}")
+    if not (isinstance(d.get("k"), str) and _EID.fullmatch(d["k"])):
+        raise ValueError(f"field 'k' is {_short(d.get('k'))}, expected a condition record's key")
+    return d
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:        # an int past float's range (10**400)
+        return False
+
+
+def _short(v: Any) -> str:
+    if _is_int(v) and abs(v) >= 10 ** 20:   # str() of an int past 4300 digits raises
+        return f"a number of about {int(abs(v).bit_length() * 0.30103) + 1} digits"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:40] + "…"

@@ -17,7 +17,7 @@ import logging
 
 import redis
 
-from memory_bank.keys import Keys
+from memory_bank.keys import Keys, stored_whole
 from memory_bank.scripts import run
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ BATCH = 256
 def sweep_orphans(r: redis.Redis, k: Keys, min_age_s: float = 0.0) -> dict[str, int]:
     """Delete the trash and every entry no index names (untouched for min_age_s); returns
     {"entries": n, "bytes": b} and counts them under the `orphans` counter."""
-    trash = {_s(e): int(b or 0) for e, b in r.hgetall(k.trash).items()}
+    trash = {_s(e): stored_whole(b) or 0 for e, b in r.hgetall(k.trash).items()}  # 0: damaged
     known = {_s(e) for e in r.hkeys(k.einfo)}
     stray: set[str] = set()
     for key in r.scan_iter(match=k.entry_pattern, count=1000):

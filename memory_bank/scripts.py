@@ -107,22 +107,49 @@ return n
 # was lost.
 _EVICT_FN = """
 local evicted = {}
+local sizes = {}   -- eid -> its bytes, from the caller, for an entry whose index info cannot say
 local function decoded(raw)
   if not raw then return nil end
   local ok, d = pcall(cjson.decode, raw)
   if ok and type(d) == 'table' then return d end
   return nil
 end
+-- a stored count (bytes, references) as the scripts write it: a whole number 0 <= n < 2^53;
+-- nil for anything else a flip or a hand left there (1e999, NaN, -7, 10^400, a string)
+local function count(v)
+  if v == nil then return nil end
+  v = tonumber(v)
+  if v and v == v and v >= 0 and v < 9007199254740992 and v == math.floor(v) then return v end
+  return nil
+end
 local function crec(ck)
   return (string.gsub(KEYS[C], 'cinfo$', 'condrec:')) .. ck
 end
--- dn more entries name condition record ck, dq more of them queued
-local function cond_ref(ck, dn, dq)
-  if type(ck) ~= 'string' then return end
-  local d = decoded(redis.call('HGET', KEYS[C], ck))
-  if not d then return end
-  local b, q0 = tonumber(d['b']) or 0, tonumber(d['q']) or 0
-  local n, q = (tonumber(d['n']) or 0) + dn, math.max(q0 + dq, 0)
+-- what a condition record holds (field names and values), as codec.cond_nbytes counts it
+local function record_size(ck)
+  local key, n = crec(ck), 0
+  for _, f in ipairs(redis.call('HKEYS', key)) do n = n + #f + redis.call('HSTRLEN', key, f) end
+  return n
+end
+-- each record key -> entries naming it, and those queued (not in bankz), from the index infos
+-- as they are now (an entry whose own info is unreadable names none)
+local function tally()
+  local n, q = {}, {}
+  local all = redis.call('HGETALL', KEYS[E])
+  for i = 1, #all, 2 do
+    local d = decoded(all[i + 1])
+    local ck = d and d['k']
+    if type(ck) == 'string' then
+      n[ck] = (n[ck] or 0) + 1
+      if not redis.call('ZSCORE', KEYS[Z], all[i]) then q[ck] = (q[ck] or 0) + 1 end
+    end
+  end
+  return n, q
+end
+-- record ck (its cinfo d, its bytes b) is named by n entries, q of them queued (q0 before): it
+-- counts in qbytes while q > 0, and is deleted when no entry names it
+local function settle(ck, d, b, n, q, q0)
+  if n <= 0 then q = 0 end
   if q0 == 0 and q > 0 then redis.call('INCRBY', KEYS[Q], b) end
   if q0 > 0 and q == 0 then redis.call('DECRBY', KEYS[Q], b) end
   if n <= 0 then
@@ -130,20 +157,41 @@ local function cond_ref(ck, dn, dq)
     redis.call('DECRBY', KEYS[B], b)
     redis.call('DEL', crec(ck))
   else
-    d['n'], d['q'] = n, q
-    redis.call('HSET', KEYS[C], ck, cjson.encode(d))
+    local cond = nil
+    if type(d['cond']) == 'string' then cond = d['cond'] end
+    redis.call('HSET', KEYS[C], ck, cjson.encode({b = b, n = n, q = q, cond = cond}))
   end
+end
+-- every record's accounting counted again from the index infos, when a script meets an entry
+-- whose info names no readable record (a damaged value): whatever it named is counted right
+local function recount()
+  local n, q = tally()
+  local recs = redis.call('HGETALL', KEYS[C])
+  for i = 1, #recs, 2 do
+    local ck, d = recs[i], decoded(recs[i + 1]) or {}
+    local qn = q[ck] or 0
+    settle(ck, d, count(d['b']) or record_size(ck), n[ck] or 0, qn, count(d['q']) or qn)
+  end
+end
+-- dn more entries name condition record ck, dq more of them queued; called after the index
+-- infos hold the change (a damaged count is counted again from them)
+local function cond_ref(ck, dn, dq)
+  if type(ck) ~= 'string' then return recount() end
+  local d = decoded(redis.call('HGET', KEYS[C], ck))
+  if not d then return recount() end
+  local b, n, q = count(d['b']) or record_size(ck), count(d['n']), count(d['q'])
+  if n and q then return settle(ck, d, b, n + dn, math.max(q + dq, 0), q) end
+  local ns, qs = tally()
+  settle(ck, d, b, ns[ck] or 0, qs[ck] or 0, math.max((qs[ck] or 0) - dq, 0))
 end
 local function evict(eid)
   local d = decoded(redis.call('HGET', KEYS[E], eid))
   local b = 0
   if redis.call('HDEL', KEYS[E], eid) == 1 then
-    if d and tonumber(d['b']) then
-      b = tonumber(d['b'])
-      redis.call('DECRBY', KEYS[B], b)
-    end
+    b = (d and count(d['b'])) or sizes[eid] or 0
+    redis.call('DECRBY', KEYS[B], b)
     local queued = not redis.call('ZSCORE', KEYS[Z], eid)   -- banked entries are in bankz
-    if d then cond_ref(d['k'], -1, queued and -1 or 0) end
+    if d and type(d['k']) == 'string' then cond_ref(d['k'], -1, queued and -1 or 0) else recount() end
   end
   redis.call('ZREM', KEYS[Z], eid)
   redis.call('HSET', KEYS[T], eid, b)
@@ -173,9 +221,11 @@ local function shrink(limit, cond_prefix)
     evict(oldest)
   end
 end
+-- an entry's composite for SDU's order; 0 when its index info holds no finite number
 local function composite(eid)
   local d = decoded(redis.call('HGET', KEYS[E], eid))
-  if d and tonumber(d['c']) then return tonumber(d['c']) end
+  local c = d and tonumber(d['c'])
+  if c and c == c and c > -math.huge and c < math.huge then return c end
   return 0
 end
 """
@@ -212,17 +262,26 @@ if token then
 end
 local total, limit, n = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[6])
 local queued = tonumber(redis.call('GET', KEYS[6]) or '0')
+local raw = redis.call('HGET', KEYS[9], ck)
+if raw and not decoded(raw) then recount() end  -- a damaged record's accounting: counted again
 local d = decoded(redis.call('HGET', KEYS[9], ck))
 local extra = 0                                 -- what the condition adds to the queued bytes
 if not d then
   if redis.call('EXISTS', crec(ck)) == 0 then return {-3, reclaim()} end
   extra = cbytes
-elseif (tonumber(d['q']) or 0) == 0 then
-  extra = tonumber(d['b']) or 0
+else
+  local q = count(d['q'])
+  if not q then local _, qs = tally(); q = qs[ck] or 0 end
+  if q == 0 then extra = count(d['b']) or record_size(ck) end
 end
 if queued + total + extra > limit then
   unclaimed()
   return {-2, reclaim(), queued, extra}
+end
+local eids = {}
+for i = 0, n - 1 do
+  redis.call('HSET', KEYS[3], ARGV[11 + 2 * i], ARGV[12 + 2 * i])
+  eids[#eids + 1] = ARGV[11 + 2 * i]
 end
 if not d then
   redis.call('HSET', KEYS[9], ck, cjson.encode({b = cbytes, n = 0, q = 0, cond = ARGV[3]}))
@@ -230,11 +289,6 @@ if not d then
 end
 cond_ref(ck, n, n)                              -- before shrink: its entries now hold it
 shrink(limit - total, ARGV[8])
-local eids = {}
-for i = 0, n - 1 do
-  redis.call('HSET', KEYS[3], ARGV[11 + 2 * i], ARGV[12 + 2 * i])
-  eids[#eids + 1] = ARGV[11 + 2 * i]
-end
 redis.call('HSET', KEYS[1], 'token', ARGV[2], 'cond', ARGV[3], 'version', ARGV[4],
            'eids', table.concat(eids, ' '), 'bytes', total, 'ck', ck)
 redis.call('INCRBY', KEYS[4], total)
@@ -252,13 +306,21 @@ return {1, reclaim()}
 # group was not pending (exactly once).
 COMMIT = FENCE + _with_evict("""
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 0 then return {0, reclaim()} end
-redis.call('DECRBY', KEYS[10], tonumber(redis.call('HGET', KEYS[2], 'bytes') or '0') or 0)
+local all = redis.call('HGET', KEYS[2], 'eids') or ''
+local gbytes = count(redis.call('HGET', KEYS[2], 'bytes'))
+if not gbytes then             -- damaged: what its entries' index infos say the push counted
+  gbytes = 0
+  for eid in string.gmatch(all, '%S+') do
+    local d = decoded(redis.call('HGET', KEYS[4], eid))
+    gbytes = gbytes + ((d and count(d['b'])) or 0)
+  end
+end
+redis.call('DECRBY', KEYS[10], gbytes)
 local mode, cap, cid = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local keep = {}
 for i = 9, #ARGV do keep[ARGV[i]] = true end
 -- 1. members not banked: corrupt ones, or all of them on a skipped or dropped step
 local new = {}
-local all = redis.call('HGET', KEYS[2], 'eids') or ''
 for eid in string.gmatch(all, '%S+') do
   if keep[eid] and mode ~= 'skip' and mode ~= 'drop' and redis.call('HEXISTS', KEYS[13], eid) == 0
   then new[#new + 1] = eid else evict(eid) end
@@ -269,7 +331,7 @@ for _, eid in ipairs(new) do
   redis.call('RPUSH', KEYS[3], eid)
   redis.call('ZADD', KEYS[9], redis.call('HINCRBY', KEYS[6], 'bank_seq', 1), eid)
   local d = decoded(redis.call('HGET', KEYS[4], eid))
-  if d then cond_ref(d['k'], 0, -1) end
+  if d and type(d['k']) == 'string' then cond_ref(d['k'], 0, -1) else recount() end
 end
 -- 3. trim to capacity N: FIFO drops the oldest, SDU keeps the composite's extremes
 local len = redis.call('LLEN', KEYS[3])
@@ -358,23 +420,32 @@ return 1
 """
 
 # KEYS: einfo, bytes, bankz, conds, trash, quarantine, counts, qbytes, cinfo (+ lease).
-# ARGV: (fence, ttl +) eid, reason, time, cond_prefix, cap.
-# Dead letter for an entry that decodes but cannot be trained: its record (reason, time,
-# condition, version, a sequence number for order) goes to the quarantine hash; a banked entry leaves its condition's index
-# and is evicted, a member of a queued group stays until its group is committed or dropped
-# (COMMIT never banks a quarantined member). Over `cap` records, the oldest are forgotten.
+# ARGV: (fence, ttl +) eid, reason, time, cond_prefix, cap, cid, bytes.
+# Dead letter for an entry that decodes but cannot be trained, or whose index info cannot be
+# read: its record (reason, time, condition, version, a sequence number for order) goes to the
+# quarantine hash; a banked entry leaves its condition's index and is evicted, a member of a
+# queued group stays until its group is committed or dropped (COMMIT never banks a quarantined
+# member). `cid` ('' if unknown): the condition whose index lists it, when its index info may not
+# say; `bytes` ('' if unknown): its bytes, when its index info cannot say. Only what reads as a
+# condition id and a version goes into the record. Over `cap` records, the oldest are forgotten.
 # Returns reclaim().
 QUARANTINE = FENCE + _with_evict("""
-local eid = ARGV[1]
+local eid, cid = ARGV[1], ARGV[6]
+sizes[eid] = count(ARGV[7])
 local rec = {reason = ARGV[2], time = ARGV[3], seq = redis.call('HINCRBY', KEYS[7], 'quarantine_seq', 1)}
-local info = redis.call('HGET', KEYS[1], eid)
-local ok, d = pcall(cjson.decode, info or '')
-if ok and type(d) == 'table' then rec['condition'] = d['cond']; rec['version'] = d['v'] end
-rec['banked'] = redis.call('ZSCORE', KEYS[3], eid) ~= false
+local d = decoded(redis.call('HGET', KEYS[1], eid))
+if d then
+  if type(d['cond']) == 'string' then rec['condition'] = d['cond'] end
+  local v = tonumber(d['v'])
+  if v and v == v and math.abs(v) < 9007199254740992 then rec['version'] = v end
+end
+if cid ~= '' then rec['condition'] = cid end
+local listed = cid ~= '' and redis.call('LREM', ARGV[4] .. cid, 0, eid) > 0
+rec['banked'] = listed or redis.call('ZSCORE', KEYS[3], eid) ~= false
 if rec['banked'] then
   if type(rec['condition']) == 'string' then
     local ckey = ARGV[4] .. rec['condition']
-    redis.call('LREM', ckey, 0, eid)
+    if not listed then redis.call('LREM', ckey, 0, eid) end
     if redis.call('LLEN', ckey) == 0 then redis.call('SREM', KEYS[4], rec['condition']) end
   end
   evict(eid)
@@ -388,7 +459,7 @@ if n > cap then
   local all, order = redis.call('HGETALL', KEYS[6]), {}
   for i = 1, #all, 2 do
     local okr, r = pcall(cjson.decode, all[i + 1])
-    order[#order + 1] = {all[i], okr and type(r) == 'table' and tonumber(r['seq']) or 0}
+    order[#order + 1] = {all[i], okr and type(r) == 'table' and count(r['seq']) or 0}
   end
   table.sort(order, function(a, b) return a[2] < b[2] end)
   for i = 1, n - cap do redis.call('HDEL', KEYS[6], order[i][1]) end

@@ -9,52 +9,20 @@ compares them with what the scripts keep."""
 
 from __future__ import annotations
 
-import json
 import re
-from collections import Counter
 
 import pytest
 import torch
+from bank_helpers import check_accounting as _check_accounting
+from bank_helpers import json_hash as _json_hash
 from bank_helpers import make_cond, make_group
 
 from common.types import Cond
 from memory_bank import scripts
-from memory_bank.bank import MemoryBank
 from memory_bank.codec import cond_nbytes, encode_cond
 from memory_bank.errors import BankFull, DuplicateGroup
 
 SMALL = (2, 2, 4, 4)
-
-
-def _json_hash(bank: MemoryBank, key: str) -> dict[str, dict]:
-    return {a.decode(): json.loads(b) for a, b in bank.r.hgetall(key).items()}
-
-
-def _queued_groups(bank: MemoryBank) -> list[str]:
-    k = bank.keys
-    gids = [g.decode() for g in bank.r.lrange(k.fresh, 0, -1)]
-    for c in bank.r.smembers(k.consumers):
-        gids += [g.decode() for g in bank.r.lrange(k.pending(c.decode()), 0, -1)]
-    return gids
-
-
-def _check_accounting(bank: MemoryBank) -> dict[str, dict]:
-    """Every record's (n, q), `bytes`, `qbytes` and the record keys, recomputed independently."""
-    k = bank.keys
-    einfo, cinfo = _json_hash(bank, k.einfo), _json_hash(bank, k.cinfo)
-    queued = {e for g in _queued_groups(bank) for e in bank.r.hget(k.group(g), "eids").decode().split()}
-    refs = Counter(d["k"] for d in einfo.values())
-    qrefs = Counter(d["k"] for e, d in einfo.items() if e in queued)
-    assert {c: (d["n"], d["q"]) for c, d in cinfo.items()} == {c: (refs[c], qrefs[c]) for c in refs}
-    records = {key.decode().rsplit(":", 1)[1] for key in bank.r.scan_iter(match=f"{k.namespace}:*condrec:*")}
-    assert records == set(cinfo)
-    for c, d in cinfo.items():   # a record's bytes are what it holds in Redis
-        assert d["b"] == cond_nbytes({a.decode(): v if a == b"blob" else v.decode()
-                                      for a, v in bank.r.hgetall(k.cond_record(c)).items()})
-    group_bytes = sum(int(bank.r.hget(k.group(g), "bytes")) for g in _queued_groups(bank))
-    assert bank.bytes_used() == sum(d["b"] for d in einfo.values()) + sum(d["b"] for d in cinfo.values())
-    assert bank.queued_bytes() == group_bytes + sum(d["b"] for d in cinfo.values() if d["q"])
-    return cinfo
 
 
 def test_a_condition_is_stored_once_for_all_its_groups(bank):

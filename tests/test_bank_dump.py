@@ -174,3 +174,112 @@ def test_a_dump_keeps_each_condition_record_once_and_counts_it_again(tmp_path):
         st = bank.stats()
         assert (st["entries"], st["cond_records"], st["bytes"], st["queued_bytes"]) == (0, 0, 0, 0), st
         assert bytes_before > 0 and list(bank.r.scan_iter(match="ckptc:*condrec*")) == []
+
+
+def _dumped(bank: MemoryBank, tmp_path, fill) -> None:
+    """`fill` the bank, dump it and empty it: the dump is the only copy."""
+    fill(bank)
+    assert dump_bank(bank, tmp_path) is None
+    bank.clear()
+
+
+def _edit_index(tmp_path, edit) -> None:
+    """Change index.json (entries.bin, which the checksum covers, is untouched)."""
+    f = tmp_path / DIR / INDEX
+    index = json.loads(f.read_text())
+    edit(index)
+    f.write_text(json.dumps(index))
+
+
+def _nothing_written(bank: MemoryBank) -> bool:
+    return list(bank.r.scan_iter(match=f"{bank.keys.namespace}:*")) == []
+
+
+def _first(index: dict, key: str) -> str:
+    return next(iter(index[key]))
+
+
+def _einfo(field: str, literal: str):
+    def edit(index):
+        eid = _first(index, "einfo")
+        d = json.loads(index["einfo"][eid])
+        d[field] = "@@"
+        index["einfo"][eid] = json.dumps(d).replace('"@@"', literal)
+    return edit
+
+
+LIES = {  # a checksum-valid dump whose index lies: what the one line names
+    "an entry counted 1 byte": (_einfo("b", "1"), "'einfo."),
+    "an entry counted -21000000 bytes": (_einfo("b", "-21000000"), "'einfo."),
+    "an entry counted 1e999 bytes": (_einfo("b", "1e999"), "'einfo."),
+    "an entry of version NaN": (_einfo("v", "NaN"), "'einfo."),
+    "an entry of version 10**400": (_einfo("v", "1" + "0" * 400), "'einfo."),
+    "a group counted 1 byte": (lambda ix: ix["groups"][0]["fields"].update(bytes="1"), "'groups[0].fields.bytes'"),
+    "a group of version -3": (lambda ix: ix["groups"][0]["fields"].update(version="-3"), "'groups[0].fields.version'"),
+    "a counter NaN": (lambda ix: ix["counts"].update(pushed="NaN"), "'counts.pushed'"),
+    "an entry at a negative offset": (
+        lambda ix: ix["entries"].update({_first(ix, "entries"): [-100, 10, 10]}), "'entries."),
+    "an entry in two groups": (lambda ix: ix["groups"].append(ix["groups"][0]), "more than once"),
+    "an entry without its accounting": (lambda ix: ix["einfo"].pop(_first(ix, "einfo")), "'einfo'"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIES))
+def test_a_checksum_valid_dump_with_wrong_byte_counts_is_refused_before_writing(bank, tmp_path, case):
+    """restore_bank checks every count the bank will keep, whoever calls it: an index that lies
+    (a byte count below what the entry holds would let a dump overfill the bank) is refused in
+    one line naming the field, and nothing is written."""
+    edit, needle = LIES[case]
+    _dumped(bank, tmp_path, _filled)
+    _edit_index(tmp_path, edit)
+    note = restore_bank(bank, tmp_path)
+    assert "\n" not in note and note.startswith("bank: cannot restore the bank from")
+    assert needle in note and note.endswith("resuming with an empty bank")
+    assert _nothing_written(bank)
+
+
+def _big(bank: MemoryBank, queued: int, banked: int) -> None:
+    """Groups of 2 members of about 170 kB each: `banked` committed ones, then `queued` queued."""
+    for i in range(banked):
+        bank.push_group(make_group(f"c{i % 2}", f"old{i}", g=2, seed=i))
+    if banked:
+        bank.commit(bank.pull(banked, 0), 1)
+    for i in range(queued):
+        bank.push_group(make_group(f"c{i % 2}", f"new{i}", g=2, seed=10 + i))
+
+
+@pytest.mark.parametrize("bank", [{"max_bytes": 8 << 20}], indirect=True)
+def test_a_dump_whose_queued_groups_exceed_the_bank_is_refused_before_writing(bank, tmp_path):
+    """The issue's case, smaller: a checksum-valid dump of more queued groups than this bank's
+    bank.max_bytes holds (they are never evicted) is refused in one line, nothing written."""
+    _dumped(bank, tmp_path, lambda b: _big(b, queued=4, banked=0))
+    need = sum(int(g["fields"]["bytes"]) for g in json.loads((tmp_path / DIR / INDEX).read_text())["groups"])
+    small = MemoryBank(bank.r, bank.cfg.model_copy(update={"max_bytes": 1 << 20}))
+    note = restore_bank(small, tmp_path)
+    assert "\n" not in note and note.endswith("resuming with an empty bank"), note
+    assert "4 queued groups need" in note and "over bank.max_bytes=1048576" in note
+    assert need > 1 << 20 and _nothing_written(bank)
+
+
+@pytest.mark.parametrize("bank", [{"max_bytes": 8 << 20}], indirect=True)
+def test_a_dump_over_the_bank_leaves_out_its_oldest_banked_entries(bank, tmp_path):
+    """Banked entries are a cache: a dump holding more than this bank's bank.max_bytes keeps its
+    queued groups and its newest banked entries, the oldest left out (said in the line)."""
+    from bank_helpers import check_accounting
+
+    _dumped(bank, tmp_path, lambda b: _big(b, queued=2, banked=4))
+    index = json.loads((tmp_path / DIR / INDEX).read_text())
+    order = sorted(index["bankz"], key=index["bankz"].get)        # oldest first
+    small = MemoryBank(bank.r, bank.cfg.model_copy(update={"max_bytes": 1 << 20}))
+    note = restore_bank(small, tmp_path)
+    st = small.stats()
+    out = len(order) - st["banked"]
+    assert "\n" not in note and "2 queued groups" in note and f"left out the {out} oldest banked entries" in note, note
+    assert st["fresh"] == 2 and st["bytes"] <= 1 << 20 and 0 < out < len(order)
+    kept = [e.id for c in ("c0", "c1") for e in small.entries(c)]
+    assert sorted(kept) == sorted(order[out:])
+    check_accounting(small)
+    batch = small.pull(2, 1)
+    assert [g.group_id for g in batch.fresh] == ["new0", "new1"]
+    small.commit(batch, 2)
+    check_accounting(small)

@@ -8,7 +8,10 @@ so nothing is started, written or half-restored on bad input:
 - `trainer.pt`: the trainer state's structure and every tensor's shape, against the optimizer's
   and anchors' copies and the model itself (toy built; wan and hunyuan15 built on meta);
 - `bank/index.json`: the dump's counts, sizes and offsets (a negative byte count would disable
-  `bank.max_bytes`). Its SHA-256 and entries are checked when it is restored (memory_bank/dump.py).
+  `bank.max_bytes`) and its namespace. Its SHA-256 and entries are checked when it is restored
+  (memory_bank/dump.py);
+- extra.json's bank snapshot: its format and the namespace it is for, against `bank.namespace`
+  (`vgrpo resume RUN bank.namespace=other` would otherwise fail in the driver's setup, after Ray).
 
 extra.json's driver fields are `DriverState.from_saved`'s (cluster/driver/state.py).
 """
@@ -29,6 +32,7 @@ from cluster.driver.state import DriverState
 from cluster.runs.run_dir import RunFileError, is_stale
 from common.families import FAMILIES
 from learner.checkpoint import EXTRA_FILE, STATE_FILE, CheckpointError, load_state_file, read_extra
+from memory_bank.bank import snapshot_problem
 from rollout_worker.models import build_model
 from rollout_worker.models.base import is_local
 
@@ -166,9 +170,25 @@ def model_shapes(cfg) -> dict[str, tuple]:
 
 # --- bank/index.json --------------------------------------------------------------------------
 
-def check_bank_index(ckpt: Path) -> None:
+def check_bank_snapshot(ckpt: Path, extra: dict[str, Any], namespace: str) -> None:
+    """extra.json's bank snapshot (null when the checkpoint has none): one this run's bank can
+    restore, of this run's bank.namespace; CheckpointError naming the field and the fix."""
+    snap = extra.get("bank")
+    if snap is None or (why := snapshot_problem(snap, namespace)) is None:
+        return
+    f = ckpt / EXTRA_FILE
+    if isinstance(snap, dict) and isinstance(snap.get("namespace"), str) and snap["namespace"] != namespace:
+        raise CheckpointError(
+            f"{f}: field 'bank.namespace' is {snap['namespace']!r}: the run's bank data is in that "
+            f"namespace, and this resume has bank.namespace={namespace!r}; resume with "
+            f"bank.namespace={snap['namespace']} (or without overriding it)")
+    raise CheckpointError(f"{f}: field 'bank' is not a bank snapshot this vgrpo restores: {why}")
+
+
+def check_bank_index(ckpt: Path, namespace: str | None = None) -> None:
     """The bank dump's index, when there is one: every count, size and offset a whole number
-    >= 0 (the entries inside the file's size); CheckpointError naming the field."""
+    >= 0 (the entries inside the file's size), and of `namespace` when given; CheckpointError
+    naming the field."""
     f = ckpt / "bank" / "index.json"
     if not f.is_file():
         return
@@ -211,6 +231,11 @@ def check_bank_index(ckpt: Path) -> None:
     counts = index.get("counts", {})
     need(isinstance(counts, dict) and all(isinstance(v, str) and v.lstrip("-").isdigit() and not v.startswith("-")
                                           for v in counts.values()), "'counts'", "must be counts >= 0")
+    if namespace is not None and isinstance(index.get("namespace"), str) and index["namespace"] != namespace:
+        raise CheckpointError(
+            f"{f}: field 'namespace' is {index['namespace']!r}: the run's bank data is in that namespace, "
+            f"and this resume has bank.namespace={namespace!r}; resume with bank.namespace="
+            f"{index['namespace']} (or without overriding it)")
 
 
 def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
@@ -218,10 +243,12 @@ def check_saved_state(run_dir, ckpt, cfg) -> list[str]:
     extra.json as a DriverState, trainer.pt's structure and shapes, the bank dump's counts,
     status.json and metrics.jsonl. One line naming the file and the field (exit 2) before
     anything starts; returns the notes (a stale `running` status, a torn last metrics line)."""
-    saved = DriverState.from_saved(read_extra(ckpt / EXTRA_FILE), str(ckpt / EXTRA_FILE))
+    extra = read_extra(ckpt / EXTRA_FILE)
+    saved = DriverState.from_saved(extra, str(ckpt / EXTRA_FILE))
+    check_bank_snapshot(ckpt, extra, cfg.bank.namespace)
     if (ckpt / STATE_FILE).is_file():  # a sharded checkpoint's shards are checked by its ranks
         check_trainer_state(ckpt, cfg, saved.step)
-    check_bank_index(ckpt)
+    check_bank_index(ckpt, cfg.bank.namespace)
     status = check_status(run_dir.status_file)
     notes = [n for n in (check_not_running(run_dir.status_file, status),
                          run_dir.metrics_rows()[1]) if n]

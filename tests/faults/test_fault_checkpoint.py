@@ -241,6 +241,48 @@ def test_resume_reads_trainer_state_status_bank_dump_and_metrics_before_ray(work
     assert _hashes(work) == before
 
 
+def _snapshot(d: Path, **fields) -> Path:
+    """extra.json with the bank snapshot a run on the default namespace writes (`fields` replaced)."""
+    import json
+
+    f = d / "extra.json"
+    extra = json.loads(f.read_text())
+    extra["bank"] = {"format": 1, "namespace": "vgrpo", "time": 0.0, "pending": [],
+                     "banked": {"c0": ["a" * 32]}, "counts": {"pushed": 4}, **fields}
+    f.write_text(json.dumps(extra))
+    return f
+
+
+@pytest.mark.parametrize("where", ["extra.json", "bank/index.json"])
+def test_resume_with_another_bank_namespace_is_one_line_before_ray(work, where):
+    """`vgrpo resume RUN bank.namespace=other` on a run whose bank data is in 'vgrpo' (was: a
+    ValueError traceback from the driver's setup, after Ray and the actors had started)."""
+    d = work / "run/checkpoints" / NEWEST
+    f = _snapshot(d) if where == "extra.json" else _bank_index(d, format=2)
+    before = _hashes(work)
+    out = _vgrpo("resume", str(work / "run"), "bank.namespace=other")
+    _assert_one_line(out, f, "'vgrpo'", "bank.namespace='other'", "resume with bank.namespace=vgrpo")
+    assert "Ray" not in out.stdout + out.stderr
+    assert _hashes(work) == before
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"format": 7}, "unknown format '7'"),
+    ({"banked": {"c0": "not a list"}}, "'banked' must map condition id -> [entry id]"),
+    ({"namespace": "other"}, "'bank.namespace' is 'other'"),
+])
+def test_a_bank_snapshot_the_bank_cannot_restore_is_refused_before_ray(work, fields, needle):
+    from cluster.driver.saved_state import check_saved_state
+
+    f = _snapshot(work / "run/checkpoints" / NEWEST, **fields)
+    run = RunDir.open(work / "run")
+    with pytest.raises(CheckpointError) as err:
+        check_saved_state(run, run.checkpoints / NEWEST, load_config(work / "run/config.yaml"))
+    assert str(f) in str(err.value) and needle in str(err.value) and "\n" not in str(err.value)
+    _snapshot(work / "run/checkpoints" / NEWEST)       # the run's own snapshot passes
+    check_saved_state(run, run.checkpoints / NEWEST, load_config(work / "run/config.yaml"))
+
+
 def test_a_torn_last_metrics_line_is_dropped_with_a_note_and_a_stale_status_recognised(work):
     """What a SIGKILL leaves: half a metrics line, and status.json still `running` with a dead
     pid. Both are read before Ray as notes, the torn line is dropped on resume, and the stale
