@@ -192,7 +192,7 @@ def _floor_s(transport: str, pub, actors: list, mappers: list, state: dict, buck
 
     def once() -> None:
         calls = [a.receive_weights.remote(0, md) for a in actors]
-        for w in [pub._pg.broadcast(b, 0) for b in buckets]:
+        for w in [pub._group.broadcast(b) for b in buckets]:
             w.wait()
         assert ray.get(calls) == [False] * len(actors)   # drained, not loaded
     return _timed(once, repeats)

@@ -14,10 +14,14 @@ Two transports (cfg.weight_sync.transport):
   The group is built on the first publish and rebuilt after a failure (`close`); a stream
   only starts once the group is up, so a rebuild never meets a half-sent version.
 
-Every step is bounded: the group's own timeout on each collective and a bounded `ray.get` on
-the actors' answers. A peer that does not answer is named in a WeightSyncTimeout. The
-receiving side ignores a version older than the one it holds (but still drains the
-broadcast, so the group stays in step), and refuses a bucket whose digest differs.
+Every step is bounded: the store's and the group's timeouts on the rendezvous, a bounded poll
+on each broadcast (common/weight_group.WeightGroup.wait), a bounded `ray.wait` on the actors'
+answers. A peer that does not answer is named in a WeightSyncTimeout. A member that dies (its
+`receive_weights` call fails) or gives up mid-broadcast makes the publisher abort the group at
+once: the other members, polling the group's abort key, return within a poll instead of at
+their timeout, and the next publish builds a new group. The receiving side ignores a version
+older than the one it holds (but still drains the broadcast, so the group stays in step), and
+refuses a bucket whose digest differs.
 """
 
 from __future__ import annotations
@@ -37,9 +41,18 @@ from torch import Tensor
 
 from common import weights as W
 from common.config import WeightSyncConfig
-from common.weight_group import WeightSyncTimeout, backend_for, join_key, make_process_group
+from common.weight_group import (
+    WeightGroup,
+    WeightGroupAborted,
+    WeightSyncTimeout,
+    backend_for,
+    join_key,
+    make_process_group,
+)
 from common.weights_record import StreamedWeights, WeightsRecord
 from learner.fsdp import full_tensors
+
+WHO_FAILED_S = 5.0  # how long a failed collective publish waits for its members' calls to say why
 
 
 class WeightStream:
@@ -129,8 +142,7 @@ class WeightPublisher:
         self.actors = list(actors)
         self.names = names or [f"rollout actor {i}" for i in range(len(actors))]
         self.device = torch.device(device)
-        self._pg: dist.ProcessGroup | None = None
-        self._store: dist.Store | None = None
+        self._group: WeightGroup | None = None
 
     # --- the one verb ------------------------------------------------------------------
 
@@ -151,8 +163,10 @@ class WeightPublisher:
                              stream.manifest.nbytes, answers)
 
     def close(self) -> None:
-        """Forget the weight group; a later collective publish builds a fresh one."""
-        self._pg = self._store = None
+        """Leave the weight group (without waiting on it); a later collective publish builds a fresh one."""
+        if self._group is not None:
+            self._group.close()
+        self._group = None
 
     # --- object store ------------------------------------------------------------------
 
@@ -164,11 +178,15 @@ class WeightPublisher:
     # --- collective --------------------------------------------------------------------
 
     def _publish_collective(self, stream: WeightStream, version: int) -> list[Any]:
-        if self._pg is None:
+        if self._group is not None and self._group.aborted_by() is not None:
+            self.close()  # a member gave the group up after our last wait: build a new one
+        if self._group is None:
             self._connect()
+        group = self._group
         m = stream.manifest
         m.digest = W.alg_for(self.cfg.checksum, self.device)
         calls = [a.receive_weights.remote(version, m.to_dict()) for a in self.actors]
+        gone = _Departures(calls, self.names)
         try:
             pending: tuple[list, list] = ([], [])  # the previous bucket's (works, tensors): two buckets live
             for i, bucket in enumerate(stream.buckets):
@@ -177,19 +195,29 @@ class WeightPublisher:
                 if m.digest is not None:  # taken before the bytes leave; sent right after them
                     sent.append(W.digests(W.bucket_views(m, i, data).values(), m.digest).to(self.device))
                 works = [self._broadcast(t) for t in sent]
-                for w in pending[0]:
-                    w.wait()  # the group's timeout bounds it
+                gone.all_sent = i == len(m.buckets) - 1
+                group.wait(pending[0], f"bucket {i - 1} of version {version}", gone)
                 pending = (works, sent)
-            for w in pending[0]:
-                w.wait()
-        except RuntimeError as e:
-            self.close()  # a broken group is rebuilt on the next publish
+            group.wait(pending[0], f"the last bucket of version {version}", gone)
+        except (RuntimeError, WeightSyncTimeout) as e:
+            # the group is given up (a wait did, or this does): the members still in it return at
+            # once, and the next publish builds a new one
+            group.abort(f"rank 0 (the publisher): version {version}: {e}")
+            self._group = None
             late = self._who_failed(calls)
             raise WeightSyncTimeout(f"weight broadcast of version {version} failed: {late} ({e})") from None
-        return self._answers(calls, "receive_weights")
+        except BaseException as e:
+            group.abort(f"rank 0 (the publisher) stopped sending version {version}: {type(e).__name__}")
+            self._group = None
+            raise
+        try:
+            return self._answers(calls, "receive_weights")
+        except ray.exceptions.RayActorError:
+            self.close()  # a member died after the last bucket: the group is not whole any more
+            raise
 
     def _broadcast(self, t: Tensor):
-        return self._pg.broadcast(t, 0)
+        return self._group.broadcast(t)
 
     def _connect(self) -> None:
         # 1. A store served here, on a free port, with a fresh prefix for this group's keys.
@@ -213,8 +241,8 @@ class WeightPublisher:
             raise WeightSyncTimeout(f"weight group at {host}:{base.port}: {', '.join(missing)} did not "
                                     f"join within {timeout} s") from None
         # 4. Our side of the group, then the actors' acknowledgements.
-        self._pg = make_process_group(store, 0, world, backend, timeout)
-        self._store = base
+        self._group = WeightGroup(make_process_group(store, 0, world, backend, timeout), store, 0, backend,
+                                  timeout, server=base)
         self._answers(joins, "join_weight_group")
 
     # --- bounded waits -----------------------------------------------------------------
@@ -230,8 +258,12 @@ class WeightPublisher:
         return ray.get(calls)  # all ready: re-raises an actor's own error unchanged
 
     def _who_failed(self, calls: list) -> str:
-        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=1.0)
-        parts = []
+        """Each member's part in a failed broadcast: died, failed (how), or did not answer; a
+        member that only left because the group was aborted is named last. Waits a few seconds
+        at most: the members still in the group leave within a poll of the abort, and Ray reports
+        a dead one within a second or two."""
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=min(self.cfg.timeout_s, WHO_FAILED_S))
+        parts, followed = [], []
         for i, c in enumerate(calls):
             if c not in ready:
                 parts.append(f"{self.names[i]} did not answer")
@@ -239,5 +271,50 @@ class WeightPublisher:
             try:
                 ray.get(c)
             except Exception as e:
-                parts.append(f"{self.names[i]} failed: {type(e).__name__}")
+                why = _why(e)
+                if why == "aborted":
+                    followed.append(self.names[i])
+                else:
+                    parts.append(f"{self.names[i]} {why}")
+        if followed:
+            parts.append(f"{', '.join(followed)} (left with the group)")
         return "; ".join(parts) or "no peer reported an error"
+
+
+def _why(e: BaseException) -> str:
+    """How a member's call ended: `died`, `aborted` (it left a group another member gave up),
+    or `failed: <its error>`."""
+    if isinstance(e, ray.exceptions.RayActorError):
+        return "died"
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, WeightGroupAborted):
+        return "aborted"
+    text = str(cause).strip()
+    return f"failed: {type(cause).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+
+
+class _Departures:
+    """The check a publisher's waits make between polls: a member whose `receive_weights` call
+    ended while the broadcast still runs has left the group; its reason. Before the last bucket
+    is sent, any end is one (no member can have taken every bucket yet: it died, or raised);
+    after, only a death is: a member may take the last bucket, then raise its own error (a
+    digest that differs) before rank 0 sees its sends to the others complete, and those still
+    take the version."""
+
+    def __init__(self, calls: list, names: list[str]):
+        self.calls, self.names, self.ended = calls, names, set()
+        self.all_sent = False
+
+    def __call__(self) -> str | None:
+        ready, _ = ray.wait(self.calls, num_returns=len(self.calls), timeout=0)
+        for c in ready:
+            i = self.calls.index(c)
+            if i in self.ended:
+                continue
+            try:
+                ray.get(c, timeout=0)
+            except Exception as e:  # noqa: BLE001 - any way out of the call may be a departure
+                if not self.all_sent or isinstance(e, ray.exceptions.RayActorError):
+                    return f"{self.names[i]} {_why(e)}"
+            self.ended.add(i)
+        return None

@@ -7,7 +7,10 @@ each tensor's digest with the published one:
   buffers) mapped in turn, no copy, the next one fetched to this node while this one loads;
 - `WeightReceiver`: the `collective` transport. `join` connects to the publisher's group as
   rank 1..n; `receive` posts the broadcast of bucket i + 1 (into the other of two
-  buffers) before it checks and loads bucket i.
+  buffers) before it checks and loads bucket i. It never blocks inside a broadcast: it polls
+  (common/weight_group.WeightGroup.wait), so when another member gives the group up (the
+  publisher, on seeing a member die) it returns within a poll, its group dropped, and joins the
+  group the next publish builds; when it gives up itself, it tells the others the same way.
 
 So a receiver holds two buckets at most; `BucketGauge` counts the bytes of the live ones (each
 tracked until its memory can be freed: a view keeps its base alive) for tests and benchmarks.
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from common import weights as W
-from common.weight_group import Backend, WeightSyncTimeout, join_as_peer
+from common.weight_group import Backend, WeightGroup, WeightSyncTimeout, join_as_peer
 from common.weights_record import StreamedWeights
 
 Sink = Callable[[dict[str, Tensor]], None]
@@ -122,65 +125,80 @@ def load_streamed(sw: StreamedWeights, checksum: str | None, sink: Sink, device:
 
 class WeightReceiver:
     def __init__(self) -> None:
-        self._pg = None
+        self._group: WeightGroup | None = None
         self.rank: int | None = None
         self.gauge = BucketGauge()
 
     @property
     def joined(self) -> bool:
-        return self._pg is not None
+        return self._group is not None and self._group.live
 
     def join(self, host: str, port: int, prefix: str, rank: int, world_size: int,
              backend: Backend, timeout_s: float) -> None:
-        """Join (or re-join: the old group is dropped) the publisher's weight group."""
-        self._pg = None
-        self._pg = join_as_peer(host, port, prefix, rank, world_size, backend, timeout_s)
+        """Join (or re-join: the old group is dropped, without waiting on it) the publisher's weight group."""
+        self.leave()
+        self._group = join_as_peer(host, port, prefix, rank, world_size, backend, timeout_s)
         self.rank = rank
+
+    def leave(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
 
     def receive(self, manifest: dict, sink: Sink | None, device: torch.device | str = "cpu") -> W.Manifest:
         """Take part in every broadcast of one version. Each bucket is checked against the digests
         broadcast after it, then given to `sink` (None: drained, e.g. a stale version). A failed
-        check or load is raised after the last bucket: the group stays in step."""
-        if self._pg is None:
-            raise RuntimeError("receive_weights called before join_weight_group")
+        check or load is raised after the last bucket: the group stays in step. A broadcast that
+        fails, times out or is aborted by another member raises WeightSyncTimeout (the group is
+        dropped: the publisher builds a new one); leaving for any other reason aborts the group,
+        so the others do not wait for this member."""
+        group = self._group
+        if group is None or not group.live:
+            raise RuntimeError("receive_weights called before join_weight_group (or after its group was given up)")
         m = W.Manifest.from_dict(manifest)
         who, failure = f"weight group rank {self.rank}, version {m.version}", None
         n = len(m.buckets)
-        # two receive buffers, used in turn: bucket i + 1 arrives in one while bucket i loads from
-        # the other (the broadcast that reuses a buffer is posted after its last bucket was loaded)
-        size = max((b.nbytes for b in m.buckets), default=0)
-        buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(n, 2))]
-        for b in buffers:
-            self.gauge.track([b], size)
-        nxt = self._post(m, 0, buffers[0]) if n else None
-        for i in range(n):
-            bucket, digest, works = nxt
-            try:
-                for w in works:
-                    w.wait()  # bounded by the group's timeout
-            except RuntimeError as e:
-                self._pg = None  # the publisher rebuilds the group after a failure
-                raise WeightSyncTimeout(f"{who}: broadcast from the publisher failed ({e})") from None
-            nxt = self._post(m, i + 1, buffers[(i + 1) % 2]) if i + 1 < n else None
-            if failure is None and sink is not None:
+        try:
+            # two receive buffers, used in turn: bucket i + 1 arrives in one while bucket i loads from
+            # the other (the broadcast that reuses a buffer is posted after its last bucket was loaded)
+            size = max((b.nbytes for b in m.buckets), default=0)
+            buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(n, 2))]
+            for b in buffers:
+                self.gauge.track([b], size)
+            nxt = self._post(group, m, 0, buffers[0]) if n else None
+            for i in range(n):
+                bucket, digest, works = nxt
                 try:
-                    views = W.bucket_views(m, i, bucket)
-                    W.check_bucket(m, i, views, digest, who)
-                    sink(views)
-                except Exception as e:  # noqa: BLE001 - raised below, once the stream is drained
-                    failure = e
-            views = bucket = digest = works = None
-        nxt = buffers = None
+                    group.wait(works, f"bucket {i} of version {m.version}")
+                except WeightSyncTimeout as e:  # or WeightGroupAborted: kept, so the publisher tells them apart
+                    self._group = None  # given up (by the wait): the publisher builds a new group
+                    raise type(e)(f"{who}: broadcast from the publisher failed ({e})") from None
+                nxt = self._post(group, m, i + 1, buffers[(i + 1) % 2]) if i + 1 < n else None
+                if failure is None and sink is not None:
+                    try:
+                        views = W.bucket_views(m, i, bucket)
+                        W.check_bucket(m, i, views, digest, who)
+                        sink(views)
+                    except Exception as e:  # noqa: BLE001 - raised below, once the stream is drained
+                        failure = e
+                views = bucket = digest = works = None
+            nxt = buffers = None
+        except BaseException as e:
+            if group.live:  # left mid-stream for another reason: the others must not wait for us
+                group.abort(f"rank {self.rank} left version {m.version}: {type(e).__name__}")
+                self._group = None
+            raise
         if failure is not None:
             raise failure
         return m
 
-    def _post(self, m: W.Manifest, i: int, buffer: Tensor) -> tuple[Tensor, Tensor | None, list]:
+    @staticmethod
+    def _post(group: WeightGroup, m: W.Manifest, i: int, buffer: Tensor) -> tuple[Tensor, Tensor | None, list]:
         spec = m.buckets[i]
         bucket = buffer[:spec.nbytes].view(W.DTYPES[spec.dtype])
-        works = [self._pg.broadcast(bucket, 0)]
+        works = [group.broadcast(bucket)]
         digest = None
         if m.digest is not None:
             digest = torch.empty(len(m.members(i)), 2, dtype=torch.int64, device=buffer.device)
-            works.append(self._pg.broadcast(digest, 0))
+            works.append(group.broadcast(digest))
         return bucket, digest, works
