@@ -17,10 +17,12 @@ from memory_bank.errors import (
     LeaseLost,
     RedisBinaryNotFound,
     UnscoredGroup,
+    VulnerableServer,
 )
 
 __all__ = [
     "MemoryBank", "Entry", "connect_bank", "client_from_url", "redact_url", "EmbeddedRedis",
     "find_redis_server", "BankError", "BankUnavailable", "CorruptEntry", "DuplicateGroup",
     "InsecureRedisUrl", "LeaseLost", "RedisBinaryNotFound", "UnscoredGroup",
+    "VulnerableServer",
 ]
