@@ -303,7 +303,7 @@ class AlignConfig(Section):
 class BankConfig(Section):
     enabled: bool = True
     redis_url: SecretStr | None = None
-    """redis://:PASSWORD@host:port/db. None starts an embedded redis-server on loopback."""
+    """redis://:PASSWORD@host:port/db. None starts an embedded valkey-server (bank.embedded_listen)."""
     redis_url_env: str = "VGRPO_REDIS_URL"
     """Environment variable read for the URL when redis_url is not set."""
     allow_no_password: bool = False
