@@ -54,20 +54,37 @@ def client_from_url(url: str, allow_no_password: bool = False) -> redis.Redis:
 
 
 def server_identity(client: redis.Redis) -> tuple[str, tuple[int, ...] | None]:
-    """(server name, version) from HELLO without arguments (which every authenticated client
-    may send, and which changes nothing): ("valkey", (9, 1, 2)). A server without HELLO (Redis
-    before 6) or that refuses it answers ("redis", None)."""
+    """(server name, version), ("valkey", (9, 1, 2)): from HELLO without arguments (which any
+    authenticated client may send, and which changes nothing), then, when that says Redis or is
+    refused, from INFO server where the user may read it (Valkey 7.2 answers HELLO as the Redis
+    7.2.4 it is compatible with; INFO has `valkey_version`). ("redis", None) when neither tells."""
+    name, version = "redis", None
     try:
         reply = client.execute_command("HELLO")
+        if isinstance(reply, list):   # RESP2: a flat list of pairs
+            reply = dict(zip(reply[::2], reply[1::2], strict=False))
+        fields = {_text(k): _text(v) for k, v in dict(reply).items()}
+        name, version = fields.get("server", "").lower() or "redis", _version(fields.get("version", ""))
     except redis.ResponseError:
-        return "redis", None
-    if isinstance(reply, list):   # RESP2: a flat list of pairs
-        reply = dict(zip(reply[::2], reply[1::2], strict=False))
-    fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in dict(reply).items()}
-    name, ver = (v.decode() if isinstance(v, bytes) else str(v or "")
-                 for v in (fields.get("server"), fields.get("version")))
-    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", ver.strip())
-    return (name.lower() or "redis"), (tuple(int(g) for g in m.groups()) if m else None)
+        pass
+    if name == "redis":
+        try:
+            info = client.info("server")
+        except redis.ResponseError:
+            return name, version
+        if info.get("valkey_version"):
+            return "valkey", _version(str(info["valkey_version"]))
+        version = version or _version(str(info.get("redis_version", "")))
+    return name, version
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", text.strip())
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 def resolve_redis_url(cfg: BankConfig) -> tuple[str | None, str]:
