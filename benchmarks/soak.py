@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.driver.driver import Driver
     from cluster.runs.run_dir import RunDir
     from common.config import load_config
+    from memory_bank.bank import MemoryBank
 
     torch.set_num_threads(1)
     # unlimited restarts: the soak kills more often than a pool's default restart budget allows
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         # pushed: the receipts of the groups the rollout actors stored; trained: the bank's own
         # done list (commit appends each group it moves out of pending)
         done_before = driver.bank.r.llen(driver.bank.keys.done)
+        # the damage comes from below the bank (a disk, a foreign writer): through the embedded
+        # server's owner, as the actors' user may run the bank's own scripts only
+        disk = (MemoryBank(driver.redis.admin_client(), driver.bank.cfg) if driver.redis is not None
+                else driver.bank)
         corrupt_before = driver.bank.stats()["corrupt"]
         end = time.monotonic() + args.minutes * 60
 
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[soak] killed a {role} actor at step {driver.step}", flush=True)
                 return
             queued = queued_members(driver.bank)
-            if (eid := ATTACKS[attack](driver.bank, rng)) is not None:
+            if (eid := ATTACKS[attack](disk, rng)) is not None:
                 damaged[attack].append(eid)
                 was_queued.update({eid} & queued)
                 print(f"[soak] {attack}: {'queued' if eid in queued else 'banked'} entry {eid} "

@@ -4,7 +4,9 @@ the driver past its bank lease. Each returns the entry id it damaged (None when 
 to damage), so the soak can check afterwards where each one went.
 
 Every write is conditional on the key still existing (`SET … XX`, a Lua guard): an entry the
-bank deleted meanwhile is left alone, never recreated as an orphan.
+bank deleted meanwhile is left alone, never recreated as an orphan. The Lua guard is not one of
+the bank's scripts, so the `bank` handed in holds the embedded server's owner client
+(`EmbeddedRedis.admin_client`): the actors' user may run the bank's own scripts only.
 """
 
 from __future__ import annotations

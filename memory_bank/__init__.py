@@ -1,7 +1,8 @@
-"""Redis-backed memory bank: fresh-group queue, per-condition bank, embedded redis-server.
+"""Redis-backed memory bank: fresh-group queue, per-condition bank, embedded valkey-server.
 
 Owns: every key in the bank (built in memory_bank/keys.py), the lease and its fence, and the
-embedded server's process. Every write goes through MemoryBank's scripts. Imports no other role.
+embedded server's process and its two users (memory_bank/privileges.py: what the actors may run).
+Every write goes through MemoryBank's scripts. Imports no other role.
 """
 
 from memory_bank.bank import MemoryBank
@@ -17,10 +18,12 @@ from memory_bank.errors import (
     LeaseLost,
     RedisBinaryNotFound,
     UnscoredGroup,
+    VulnerableServer,
 )
 
 __all__ = [
     "MemoryBank", "Entry", "connect_bank", "client_from_url", "redact_url", "EmbeddedRedis",
     "find_redis_server", "BankError", "BankUnavailable", "CorruptEntry", "DuplicateGroup",
     "InsecureRedisUrl", "LeaseLost", "RedisBinaryNotFound", "UnscoredGroup",
+    "VulnerableServer",
 ]

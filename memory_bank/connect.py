@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -16,7 +17,7 @@ from redis.retry import Retry
 
 from common.config import BankConfig
 from memory_bank.bank import MemoryBank
-from memory_bank.embedded import EmbeddedRedis, client_kwargs, listen_mode
+from memory_bank.embedded import EmbeddedRedis, check_version, client_kwargs, listen_mode
 from memory_bank.errors import BankUnavailable, InsecureRedisUrl
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,40 @@ def client_from_url(url: str, allow_no_password: bool = False) -> redis.Redis:
             "the environment variable named by bank.redis_url_env), or set "
             "bank.allow_no_password=true to accept an unauthenticated Redis")
     return redis.Redis.from_url(url, **client_kwargs())
+
+
+def server_identity(client: redis.Redis) -> tuple[str, tuple[int, ...] | None]:
+    """(server name, version), ("valkey", (9, 1, 2)): from HELLO without arguments (which any
+    authenticated client may send, and which changes nothing), then, when that says Redis or is
+    refused, from INFO server where the user may read it (Valkey 7.2 answers HELLO as the Redis
+    7.2.4 it is compatible with; INFO has `valkey_version`). ("redis", None) when neither tells."""
+    name, version = "redis", None
+    try:
+        reply = client.execute_command("HELLO")
+        if isinstance(reply, list):   # RESP2: a flat list of pairs
+            reply = dict(zip(reply[::2], reply[1::2], strict=False))
+        fields = {_text(k): _text(v) for k, v in dict(reply).items()}
+        name, version = fields.get("server", "").lower() or "redis", _version(fields.get("version", ""))
+    except redis.ResponseError:
+        pass
+    if name == "redis":
+        try:
+            info = client.info("server")
+        except redis.ResponseError:
+            return name, version
+        if info.get("valkey_version"):
+            return "valkey", _version(str(info["valkey_version"]))
+        version = version or _version(str(info.get("redis_version", "")))
+    return name, version
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", text.strip())
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 def resolve_redis_url(cfg: BankConfig) -> tuple[str | None, str]:
@@ -96,12 +131,17 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str 
     else:
         listen = listen_mode(cfg.embedded_listen, spans_nodes=host is not None)
         server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, binary=cfg.redis_server,
-                               listen=listen, host=host or "127.0.0.1").start()
+                               listen=listen, host=host or "127.0.0.1", max_bytes=cfg.max_bytes,
+                               allow_vulnerable=cfg.allow_vulnerable_server).start()
         client = probe = server.client()
-        where = repr(server)
-    # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly.
+        where = repr(server)   # its binary's version was checked before it started
+    # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly; 2. a
+    #    URL's server passes the same version check as an embedded one's binary did.
     try:
         probe.ping()
+        if server is None:
+            name, version = server_identity(probe)
+            where = f"{check_version(name, version, redact_url(url), cfg.allow_vulnerable_server)} at {where}"
     except redis.AuthenticationError:
         raise BankUnavailable(f"Redis at {where} refused the password") from None
     except redis.RedisError as e:

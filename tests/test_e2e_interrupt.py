@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from memory_bank.embedded import find_redis_server
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,8 +49,9 @@ def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, 
         time.sleep(0.5)
     assert metrics.exists(), "no step finished in 300 s"
     started = _children(proc.pid)
-    assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
-               for p in started if Path(f"/proc/{p}/cmdline").exists())
+    server = os.path.realpath(find_redis_server()[0])      # the embedded server's binary
+    assert any(os.path.realpath(f"/proc/{p}/exe") == server for p in started
+               if Path(f"/proc/{p}/exe").exists())
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == code, out[-3000:]

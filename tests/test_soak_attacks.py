@@ -11,6 +11,14 @@ from bank_helpers import SHAPE, make_group
 
 from benchmarks.soak_attacks import FUTURE, flip_bits, non_finite, queued_members, untrainable
 from learner.admit import Admission, admit
+from memory_bank.bank import MemoryBank
+
+
+@pytest.fixture
+def disk(bank, redis_server):
+    """The fixture's bank through the server owner's client: the damage comes from below the
+    bank (the actors' user may run the bank's own scripts only, not the attacks' Lua guard)."""
+    return MemoryBank(redis_server.admin_client(), bank.cfg)
 
 
 def _queued(bank, gid="g0"):
@@ -19,18 +27,18 @@ def _queued(bank, gid="g0"):
 
 
 @pytest.mark.parametrize("attack", [flip_bits, non_finite])
-def test_a_damaged_queued_member_is_skipped_as_corrupt_and_its_group_trains_the_rest(bank, attack):
+def test_a_damaged_queued_member_is_skipped_as_corrupt_and_its_group_trains_the_rest(bank, disk, attack):
     members = _queued(bank)
-    eid = attack(bank, random.Random(3))
+    eid = attack(disk, random.Random(3))
     assert eid in members
     batch = bank.pull(1, 0)
     assert sorted(t.bank_id for t in batch.fresh[0].members) == sorted(members - {eid})
     assert bank.stats()["corrupt"] >= 1
 
 
-def test_a_member_from_the_future_decodes_and_is_then_quarantined_by_admission(bank):
+def test_a_member_from_the_future_decodes_and_is_then_quarantined_by_admission(bank, disk):
     members = _queued(bank)
-    eid = untrainable(bank, random.Random(0))
+    eid = untrainable(disk, random.Random(0))
     assert eid in members
     batch = bank.pull(1, 0)                        # the codec accepts the 39-digit version
     (bad,) = [t for t in batch.fresh[0].members if t.bank_id == eid]
@@ -39,11 +47,11 @@ def test_a_member_from_the_future_decodes_and_is_then_quarantined_by_admission(b
     assert list(verdict.quarantine) == [eid] and batch.fresh == []
 
 
-def test_attacks_never_recreate_a_deleted_entry(bank):
+def test_attacks_never_recreate_a_deleted_entry(bank, disk):
     members = _queued(bank)
     for eid in members:   # the bank deleted them (as a commit or an eviction would) after they were listed
         bank.r.delete(bank.keys.blob(eid), bank.keys.meta(eid))
     rng = random.Random(1)
     for attack in (flip_bits, non_finite, untrainable):
-        assert attack(bank, rng) is None
+        assert attack(disk, rng) is None
     assert not any(bank.r.exists(bank.keys.blob(e), bank.keys.meta(e)) for e in members)

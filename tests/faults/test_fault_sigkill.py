@@ -17,6 +17,10 @@ from pathlib import Path
 import pytest
 from fault_helpers import ROOT, when
 
+from memory_bank.embedded import find_redis_server
+
+SERVER = os.path.realpath(find_redis_server()[0])   # the binary the embedded server runs
+
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -130,7 +134,7 @@ def test_the_watchdog_follows_a_restart_of_the_embedded_redis(tmp_path):
     try:
         first, second = map(int, child.stdout.readline().split())
         assert first != second and _gone(first) and not _gone(second)
-        assert _exe(second).endswith("redis-server")
+        assert _exe(second) == SERVER
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
         assert when(lambda: _gone(second), 15), "the restarted redis-server outlived its driver"
@@ -157,10 +161,10 @@ def test_sigkill_of_vgrpo_train_takes_its_redis_and_password_file_along(tmp_path
     run = tmp_path / "killed"
     try:
         def started() -> bool:
-            return bool([c for c in _children(driver.pid) if _exe(c).endswith("redis-server")]) \
+            return bool([c for c in _children(driver.pid) if _exe(c) == SERVER]) \
                 and any(tmp.glob("vgrpo-bank-*/redis_url")) and any((run / "checkpoints").glob("step_*"))
         assert when(started, 400, poll_s=0.5), "the run did not reach its first checkpoint"
-        redis = [c for c in _children(driver.pid) if _exe(c).endswith("redis-server")]
+        redis = [c for c in _children(driver.pid) if _exe(c) == SERVER]
         secret = next(tmp.glob("vgrpo-bank-*"))
         started = _descendants(driver.pid)  # Ray's gcs_server, raylet, agents, workers; redis; the watchdog
         assert len(started) > 5 and _naming(tmp), started
