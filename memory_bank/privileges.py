@@ -47,7 +47,7 @@ COMMANDS = (
     "auth", "hello", "ping", "multi", "exec", "discard",
     "get", "set", "del", "exists", "strlen", "incrby", "decrby", "pexpire", "pttl", "scan",
     "object|idletime",
-    "hget", "hset", "hdel", "hexists", "hgetall", "hkeys", "hvals", "hlen", "hmget", "hincrby",
+    "hget", "hset", "hdel", "hexists", "hgetall", "hkeys", "hvals", "hlen", "hmget", "hincrby", "hstrlen",
     "hrandfield",
     "llen", "lmove", "lpop", "lpush", "rpush", "lrange", "lrem", "ltrim",
     "sadd", "srem", "smembers", "scard",
