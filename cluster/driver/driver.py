@@ -66,7 +66,7 @@ from common.config import RunConfig
 from common.methods import method_of
 from common.metrics import Metrics
 from common.types import PullReceipt
-from learner.checkpoint import disk_full_line, is_disk_full
+from learner.checkpoint import DiskFull, disk_full_line, is_disk_full
 from learner.finite_guard import GROUPS, SKIPPED
 from memory_bank.connect import connect_bank
 from memory_bank.errors import BankUnavailable
@@ -364,9 +364,11 @@ class Driver:
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
-        except (StopRun, OSError) as e:
+        except (StopRun, OSError, DiskFull) as e:
             if isinstance(e, OSError):  # a full disk under the run dir (a metrics row, a plot): one line
                 e = self._disk_full(e)
+            elif isinstance(e, DiskFull):  # a checkpoint's write, whatever layer reported it: its line
+                e = StopRun(str(e))
             # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
             self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
