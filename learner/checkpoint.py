@@ -66,6 +66,48 @@ def is_disk_full(e: BaseException) -> bool:
     return "no space left on device" in text or "disk quota exceeded" in text
 
 
+NEARLY_FULL = 1 << 20   # free bytes below which a failed write is taken as a full disk whatever it said
+
+
+def out_of_space(e: BaseException, where: str | os.PathLike, needed: int = 0) -> bool:
+    """A write to `where` failed with `e`: was it for want of space? Whatever layer reported it:
+    ENOSPC (is_disk_full), or any other exception (torch's zip writer says `RuntimeError:
+    unexpected pos …`) while the filesystem holding `where` has less free than the write
+    still `needed` (bytes), or nearly nothing. Check before the failed write's bytes are removed."""
+    if is_disk_full(e):
+        return True
+    if not isinstance(e, Exception) or storage.is_uri(where):
+        return False  # a kill (KeyboardInterrupt, SystemExit) is not a full disk; an object store has no df
+    p = Path(where)
+    while not p.exists() and p != p.parent:  # the nearest dir that exists: the same filesystem
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except (OSError, ValueError):
+        return False
+    return free < max(needed, NEARLY_FULL)
+
+
+def state_bytes(state) -> int:
+    """The bytes of the tensors in a (nested) state dict: what writing it needs at least."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def unwritten(state, f: Path) -> int:
+    """What of `state` a failed write to `f` had still to write (its tensors' bytes less the file's)."""
+    try:
+        done = f.stat().st_size
+    except OSError:
+        done = 0
+    return max(0, state_bytes(state) - done)
+
+
 def disk_full_line(root: str | os.PathLike, step: int, path: str | os.PathLike | None = None) -> str:
     """The one line a full disk gives: where, how much is free, which checkpoint stands. `root`:
     the checkpoints dir; `path`: a file of the run dir a write outside a checkpoint failed on."""
@@ -110,8 +152,9 @@ def take_stage(root: Path, step: int) -> Path:
 
 
 def write_torch(state: dict, path: Path) -> None:
-    """torch.save through our own file: a full disk is then OSError(ENOSPC), not torch's
-    'unexpected pos 1408 vs 1302'."""
+    """torch.save through our own file. A full disk still often surfaces as torch's
+    `RuntimeError: unexpected pos 1408 vs 1302` (the zip writer checks its own offsets): callers
+    tell it apart with `out_of_space`, not by the exception's type."""
     with open(path, "wb") as f:
         torch.save(state, f)
 
@@ -172,8 +215,9 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         final = step_dir(root, step)
         seal(tmp, final)
     except BaseException as e:
+        full = out_of_space(e, tmp, unwritten(state, tmp / STATE_FILE))  # before the partial file goes
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e):
+        if full:
             raise DiskFull(disk_full_line(root, step)) from None
         raise
     prune(root, keep)

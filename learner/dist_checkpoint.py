@@ -30,9 +30,9 @@ from learner.checkpoint import (
     CheckpointError,
     DiskFull,
     disk_full_line,
-    is_disk_full,
     list_checkpoints,
     load_state_file,
+    out_of_space,
     prune,
     read_extra,
     seal,
@@ -40,6 +40,7 @@ from learner.checkpoint import (
     step_dir,
     step_dirs,
     take_stage,
+    unwritten,
     verify_file,
     write_torch,
 )
@@ -107,11 +108,12 @@ def save(root: str | os.PathLike, step: int, state: dict, extra: dict, keep: int
         (tmp / EXTRA_FILE).write_text(json.dumps(extra, sort_keys=True), encoding="utf-8")
     dist.barrier()
     # 2. every rank writes its shard (a full disk: its flag, so every rank agrees to give up)
+    local = to_local(state)
     try:
-        write_torch(to_local(state), tmp / shard_file(rank))
+        write_torch(local, tmp / shard_file(rank))
         failed = 0
-    except OSError as e:
-        if not is_disk_full(e):
+    except Exception as e:  # torch's zip writer reports a full disk as RuntimeError too
+        if not out_of_space(e, tmp, unwritten(local, tmp / shard_file(rank))):
             raise
         failed = 1
     _wait(timeout_s, "wrote its checkpoint shard")   # a slow rank meets the barrier's timeout, not a collective's

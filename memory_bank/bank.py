@@ -138,7 +138,7 @@ class MemoryBank:
         self.cfg = cfg
         self.keys = Keys(cfg.namespace)
         # the run's lease value: every script that moves a group checks it (memory_bank.scripts)
-        self.fence = Fence(self.keys.lease, max(1, int(cfg.lease_ttl_s * 1000)), fence or "")
+        self.fence = Fence(self.keys.lease, max(1, int(cfg.lease_ttl_s * 1000)), fence or "", self.keys.epoch)
         self.scripts = Scripts(self.fence)
         self.dropped_ids: list[str] = []  # fresh groups dropped as corrupt by pull, for the caller to refill
         self.consumer = check_name(consumer or uuid.uuid4().hex[:16], "consumer id")
@@ -540,11 +540,11 @@ class MemoryBank:
     @_reachable
     def clear(self, keep_lease: bool = False) -> int:
         """Delete every key of this namespace (tests, or starting a run afresh); keep_lease
-        keeps the run-ownership lease (memory_bank.ownership) of the caller."""
+        keeps the run-ownership lease (memory_bank.ownership) of the caller and its epoch."""
         n = 0
         batch: list[bytes] = []
         for key in self.r.scan_iter(match=self.keys.pattern, count=500):
-            if keep_lease and key.decode("utf-8", "replace") == self.keys.lease:
+            if keep_lease and key.decode("utf-8", "replace") in (self.keys.lease, self.keys.epoch):
                 continue
             batch.append(key)
             if len(batch) >= 500:

@@ -63,7 +63,12 @@ class LeaseLost(BankError):
 
     @classmethod
     def from_reply(cls, namespace: str, message: str, fenced: bool) -> LeaseLost:
-        holder = describe_holder(message.partition(" ")[2])
+        rest = message.partition(" ")[2]
+        if fenced and rest.startswith("epoch "):  # the lease is free, but another run claimed it since
+            return cls(f"memory bank: this run's lease on bank.namespace {namespace!r} lapsed and another run "
+                       f"claimed it since (claim {rest.split()[1]}) and released it; this run must stop "
+                       "(no push, pull or commit is taken)")
+        holder = describe_holder(rest)
         if fenced:
             return cls(f"memory bank: this run lost the lease on bank.namespace {namespace!r} to "
                        f"another run ({holder}); it must stop (no push, pull or commit is taken)")

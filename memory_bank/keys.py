@@ -7,7 +7,8 @@ Layout (namespace `ns`, which config restricts to [A-Za-z0-9_.-]):
   `ns:{ns}:fresh` list of group ids (FIFO, producers RPUSH),
   `ns:{ns}:pending:<consumer>` per consumer: groups it pulled but has not committed (reliable
   queue; a consumer requeues only its own), `ns:{ns}:consumers` set of those consumer ids,
-  `ns:{ns}:lease` the live run's ownership lease (TTL), `ns:{ns}:owner` the run that owns the data,
+  `ns:{ns}:lease` the live run's ownership lease (TTL), `ns:{ns}:lease:epoch` the count of claims
+  of it (never expires: a fence names its claim's epoch), `ns:{ns}:owner` the run that owns the data,
   `ns:{ns}:done` / `ns:{ns}:dead` capped lists of committed / dropped groups,
   `ns:{ns}:g:<gid>` hash: a queued group's entry ids, condition, version, push token, bytes and
   the key of its condition record (`ck`),
@@ -75,6 +76,10 @@ class Keys:
     @property
     def lease(self) -> str:
         return f"{self._g}:lease"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self._g}:lease:epoch"
 
     @property
     def owner(self) -> str:

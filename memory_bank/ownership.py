@@ -6,6 +6,11 @@ deleted only when `bank.clear_stale` is on; a resume of the same run (the `owner
 it) adopts its data instead, requeues the pending groups its dead consumers left and deletes
 the orphan entries it left (memory_bank.orphans).
 
+Epoch: every claim increments `ns:{ns}:lease:epoch` (a key that outlives the lease) and the lease's
+value ends with the claim's epoch, so a run whose lease lapsed cannot take it back, by its renewal
+or by a fenced script, once another run has claimed it, even if that run released it since (its
+`clear_stale` may have deleted this run's data): it is refused (`LeaseLost`) and must stop.
+
 Fencing: the lease's value is the run's fence. The claiming bank carries it, and so does every
 `BankRef` this process makes for the namespace while it holds the lease (`held_fence`), so
 the actors' banks carry it too; each script that moves a group checks it on the server, so a
@@ -29,12 +34,24 @@ from memory_bank.scripts import eval_cached
 log = logging.getLogger(__name__)
 _HELD: dict[str, str] = {}   # namespace -> the lease value (fence) this process holds
 
-# KEYS: lease. ARGV: our value, ttl ms. 1: renewed; 2: had lapsed, taken again; 0: another's.
+# KEYS: lease, epoch. ARGV: our value without its end, ttl ms. A free lease is claimed: the epoch
+# counts one more claim and ends the value (`, "epoch": N}`); returns that value, or nil (held).
+CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return nil end
+local v = ARGV[1] .. ', "epoch": ' .. redis.call('INCR', KEYS[2]) .. '}'
+redis.call('SET', KEYS[1], v, 'PX', ARGV[2])
+return v
+"""
+
+# KEYS: lease, epoch. ARGV: our value, ttl ms, our epoch. 1: renewed; 2: had lapsed, taken
+# again; 0: another's; 3: had lapsed and another run claimed it since (and let it go).
 RENEW = """
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-if not v then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 end
-return 0
+if v then return 0 end
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return 3 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 2
 """
 
 # KEYS: lease. ARGV: our value. Deletes the lease only while it is ours.
@@ -49,8 +66,8 @@ class Lease:
 
     def __init__(self, bank: MemoryBank, run_id: str, ttl_s: float):
         self.bank, self.run_id, self.ttl_s = bank, run_id, ttl_s
-        self.value = json.dumps({"run": run_id, "token": uuid.uuid4().hex,
-                                 "host": socket.gethostname(), "pid": os.getpid()})
+        self.value = ""   # set by acquire: run, token, host, pid and the claim's epoch, as JSON
+        self.epoch = 0
         self.renewals = 0
         self.lost = False
         self._stop = threading.Event()
@@ -65,8 +82,15 @@ class Lease:
         return max(1, int(self.ttl_s * 1000))
 
     def acquire(self) -> bool:
-        if not self.bank.r.set(self.key, self.value, nx=True, px=self.ttl_ms):
+        """Claim the lease if it is free; every claim takes the next epoch, which the value (the
+        fence) ends with, so a later claim by anyone (even one released since) shows."""
+        head = json.dumps({"run": self.run_id, "token": uuid.uuid4().hex, "host": socket.gethostname(),
+                           "pid": os.getpid()})[:-1]
+        got = eval_cached(self.bank.r, CLAIM, 2, self.key, self.bank.keys.epoch, head, self.ttl_ms)
+        if got is None:
             return False
+        self.value = got.decode() if isinstance(got, bytes) else str(got)
+        self.epoch = int(json.loads(self.value)["epoch"])
         self.bank.fence.value = _HELD[self.bank.keys.namespace] = self.value
         return True
 
@@ -77,17 +101,24 @@ class Lease:
 
     def renew(self) -> bool:
         """Extend the TTL; False (and one error line) when another run holds the lease now."""
-        got = int(eval_cached(self.bank.r, RENEW, 1, self.key, self.value, self.ttl_ms))
+        got = int(eval_cached(self.bank.r, RENEW, 2, self.key, self.bank.keys.epoch, self.value, self.ttl_ms,
+                              self.epoch))
         if got == 2:
             log.warning("bank: the lease on namespace %r had lapsed (Redis unreachable or this "
-                        "process stalled for over bank.lease_ttl_s=%s); taken again",
-                        self.bank.keys.namespace, self.ttl_s)
+                        "process stalled for over bank.lease_ttl_s=%s); taken again (no other run "
+                        "claimed it meanwhile)", self.bank.keys.namespace, self.ttl_s)
         if got == 0 and not self.lost:
             log.error("bank: lost the lease on namespace %r to another run (%s): stop this run",
                       self.bank.keys.namespace, describe_holder(self.bank.r.get(self.key)))
-        self.lost = self.lost or got == 0  # sticky: a run that lost its lease once must stop
-        self.renewals += got != 0
-        return got != 0
+        if got == 3 and not self.lost:
+            log.error("bank: lost the lease on namespace %r: it lapsed, and another run claimed it "
+                      "(epoch %s, this run's %d) and released it since; its data may have changed: "
+                      "stop this run", self.bank.keys.namespace, _s(self.bank.r.get(self.bank.keys.epoch)),
+                      self.epoch)
+        lost = got in (0, 3)
+        self.lost = self.lost or lost  # sticky: a run that lost its lease once must stop
+        self.renewals += not lost
+        return not lost
 
     def start(self) -> Lease:
         def loop() -> None:
@@ -126,7 +157,7 @@ def leftovers(bank: MemoryBank) -> dict[str, int]:
     if not any(out.values()) and not counts:
         # no index at all: any key left under the namespace (entries whose index is gone)
         stray = next((key for key in bank.r.scan_iter(match=k.pattern, count=500)
-                      if key.decode() not in (k.lease, k.owner)), None)
+                      if key.decode() not in (k.lease, k.epoch, k.owner)), None)
         out["other"] = int(stray is not None)
     return out
 
@@ -167,6 +198,10 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
         lease.release()
         raise
     return lease.start()
+
+
+def _s(raw: bytes | None) -> str:
+    return raw.decode("utf-8", "replace") if raw is not None else "none"
 
 
 def held_fence(namespace: str) -> str | None:

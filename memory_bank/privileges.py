@@ -36,7 +36,7 @@ SCRIPTS: dict[str, str] = {
     "push": scripts.PUSH, "pull": scripts.PULL, "requeue": scripts.REQUEUE,
     "requeue_all": scripts.REQUEUE_ALL, "commit": scripts.COMMIT, "evict": scripts.EVICT,
     "restore": scripts.RESTORE, "touch": scripts.TOUCH, "discard": scripts.DISCARD,
-    "quarantine": scripts.QUARANTINE, "lease_renew": ownership.RENEW,
+    "quarantine": scripts.QUARANTINE, "lease_claim": ownership.CLAIM, "lease_renew": ownership.RENEW,
     "lease_release": ownership.RELEASE, "index_read": dump.INDEX_READ,
 }
 

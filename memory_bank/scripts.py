@@ -5,12 +5,12 @@ half-moved group. Entry keys (other hash tags) are written before a group is que
 deleted after it is evicted; a crash in between leaves at worst an orphan, never a loss.
 
 Fencing: every script that moves a group (push, pull, commit, requeue, restore, discard,
-quarantine) takes the namespace's lease key last in KEYS and the caller's fence (the lease
+quarantine) takes the namespace's lease and epoch keys last in KEYS and the caller's fence (the lease
 value its run holds, '' for none) and the lease TTL first in ARGV, and checks them before it
 changes anything (FENCE below): a bank whose run lost the lease to another run is refused with
 a `LEASELOST <holder>` error reply, and a bank without a fence is refused while a run holds
 the lease. A lapsed lease (nobody holds it) is taken again by the fenced caller, as the
-renewal thread would.
+renewal thread would, but only while no other run has claimed it since (the epoch).
 
 Orphans: an evicted entry leaves the accounting inside the script, but its keys (other hash
 slots) are deleted by the caller after the reply. Each eviction is therefore recorded in the
@@ -29,16 +29,23 @@ from redis.exceptions import NoScriptError
 
 from memory_bank import wire
 
-# Prepended to every fenced script: the lease key is the last of KEYS, fence and TTL the first
+# Prepended to every fenced script: the lease and epoch keys are the last of KEYS, fence and TTL the first
 # two ARGV; local KEYS and ARGV without them shadow the globals (left unchanged), so the
 # script's own indexes are those of its documented KEYS and ARGV.
+# The lease's epoch key follows it: a lapsed lease is taken again only while the epoch is still
+# the one the fence names (`"epoch": N` ends a lease value, memory_bank.ownership), so a run
+# whose lease another run claimed (and released) since is refused, not handed the lease back.
 FENCE = """
-local LEASE, FENCE, LEASE_TTL = KEYS[#KEYS], ARGV[1], ARGV[2]
-local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 3)}
+local LEASE, EPOCH, FENCE, LEASE_TTL = KEYS[#KEYS - 1], KEYS[#KEYS], ARGV[1], ARGV[2]
+local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 2)}, {unpack(ARGV, 3)}
 local holder = redis.call('GET', LEASE)
 if holder then
   if holder ~= FENCE then return redis.error_reply('LEASELOST ' .. holder) end
 elseif FENCE ~= '' then
+  local now = redis.call('GET', EPOCH)
+  if now ~= string.match(FENCE, '"epoch": (%d+)}$') then
+    return redis.error_reply('LEASELOST epoch ' .. (now or 'none'))
+  end
   redis.call('SET', LEASE, FENCE, 'PX', LEASE_TTL)
 end
 """
@@ -471,11 +478,13 @@ FENCED = frozenset({PUSH, PULL, REQUEUE, REQUEUE_ALL, COMMIT, RESTORE, DISCARD, 
 
 
 class Fence:
-    """What a fenced script is called with: the lease key, the caller's fence ('' for none)
-    and the lease TTL, which a fenced caller uses to take a lapsed lease again."""
+    """What a fenced script is called with: the lease and epoch keys, the caller's fence ('' for
+    none) and the lease TTL, which a fenced caller uses to take a lapsed lease again (only while
+    the epoch is its own)."""
 
-    def __init__(self, lease_key: str, ttl_ms: int, value: str = ""):
+    def __init__(self, lease_key: str, ttl_ms: int, value: str = "", epoch_key: str = ""):
         self.lease_key, self.ttl_ms, self.value = lease_key, ttl_ms, value
+        self.epoch_key = epoch_key or f"{lease_key}:epoch"
 
 
 class Script:
@@ -490,7 +499,7 @@ class Script:
     def call(self, keys: list, args: list = ()) -> Call:
         if self.fenced:
             f = self.fence
-            keys, args = [*keys, f.lease_key], [f.value, f.ttl_ms, *args]
+            keys, args = [*keys, f.lease_key, f.epoch_key], [f.value, f.ttl_ms, *args]
         return Call(self, len(keys), [*keys, *args])
 
 

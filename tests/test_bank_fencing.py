@@ -115,3 +115,33 @@ def test_a_lapsed_lease_nobody_took_is_taken_again_by_the_next_operation(redis_s
     assert lease.renew() and not lease.lost
     lease.release()
     bank.clear()
+
+
+def test_a_lapsed_lease_another_run_claimed_and_released_is_not_taken_back(redis_server, tmp_path):
+    """A frozen owner A: B claims the namespace (A's lease had lapsed) and releases it. A wakes:
+    the lease key is gone, but the epoch says someone claimed it since, so A's renewal and every
+    fenced operation (its own bank's and its actors') are refused, and A takes nothing back."""
+    url, ns = redis_server.url.get_secret_value(), f"fence{uuid.uuid4().hex[:8]}"
+    a = MemoryBank(redis.Redis.from_url(url), _cfg(ns))
+    lease_a = claim_namespace(a, "run-a")
+    actor_a = make_ref(a.cfg, url, secret_dir=tmp_path)[0].open()
+    actor_a.push_group(make_group("c", "g0", g=2, seed=0, shape=SMALL))
+    _pause_past_ttl(a, lease_a)                       # A freezes past its TTL
+
+    b = MemoryBank(redis.Redis.from_url(url), _cfg(ns).model_copy(update={"clear_stale": True}))
+    lease_b = claim_namespace(b, "run-b")             # B takes it, deletes A's data (clear_stale)
+    assert lease_b.epoch == lease_a.epoch + 1
+    lease_b.release()                                 # and lets it go
+    assert not b.r.exists(b.keys.lease)
+
+    # A wakes up: nobody holds the lease, yet A is refused, by the renewal and by the server
+    assert not lease_a.renew() and lease_a.lost
+    for bank in (a, actor_a):
+        with pytest.raises(LeaseLost, match="another run claimed it since") as err:
+            bank.push_group(make_group("c", "g1", g=2, seed=1, shape=SMALL))
+        assert "\n" not in str(err.value)
+        with pytest.raises(LeaseLost, match="another run claimed it since"):
+            bank.pull(5, 0)
+    assert not a.r.exists(a.keys.lease)               # A took nothing back
+    assert a.stats()["fresh"] == 0                    # and nothing of A's is queued again
+    b.clear()

@@ -83,3 +83,70 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state != "Z"
+
+
+# `vgrpo train` whose checkpoint writer waits once, after the test's first SIGTERM, in the middle
+# of the stop's checkpoint (its bank dump is written, the policy and trainer state are not yet)
+SLOW_CHECKPOINT = """
+import sys, time
+from pathlib import Path
+import cluster.driver.checkpoint as ck
+sent, writing = Path(sys.argv[1]), Path(sys.argv[2])
+real = ck.dump_bank
+def dump_bank(bank, staged):
+    out = real(bank, staged)
+    if sent.exists() and not writing.exists():
+        writing.write_text("dumped")
+        time.sleep(6)
+    return out
+ck.dump_bank = dump_bank
+sys.argv = ["vgrpo", *sys.argv[3:]]
+from cluster.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_written(tmp_path, ray_address):
+    """SIGTERM, then SIGTERM again while the stop's own checkpoint is being written: the driver
+    logs and ignores it, the checkpoint is written whole, teardown stops the redis-server, and
+    the exit is SIGTERM's 143 (before: the handlers were gone by then and the second SIGTERM
+    killed the driver mid-checkpoint, with no teardown)."""
+    from learner import checkpoint, dist_checkpoint
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_address,
+           "COLUMNS": "2000"}
+    sent, writing = tmp_path / "sent", tmp_path / "writing"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CHECKPOINT, str(sent), str(writing), "train", "--no-eval",
+         "-c", "configs/quickstart.yaml", "train.steps=200", "train.mode=sync", "train.groups_per_step=2",
+         "sampler.group_size=4", "train.checkpoint_every=1000", f"run.root={tmp_path}", "run.name=int2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "int2" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    assert metrics.exists(), "no step finished in 300 s"
+    started = _children(proc.pid)
+    assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
+               for p in started if Path(f"/proc/{p}/cmdline").exists())
+    sent.write_text("")
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not writing.exists():  # the stop's checkpoint is under way
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    assert writing.exists(), "the stop's checkpoint never started"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, (proc.returncode, out[-3000:])
+    assert "SIGTERM: ignored, the run is writing its last checkpoint" in out, out[-3000:]
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    ckpts = checkpoint.list_checkpoints(tmp_path / "int2" / "checkpoints")
+    assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}", out[-3000:]  # the stop's checkpoint, whole
+    assert dist_checkpoint.verify_newest(tmp_path / "int2" / "checkpoints", 1) == ckpts[-1]
+    assert (ckpts[-1] / "policy.safetensors").is_file() and (ckpts[-1] / "bank" / "index.json").is_file()
+    status = json.loads((tmp_path / "int2" / "status.json").read_text())
+    assert (status["state"], status["reason"]) == ("stopped", f"interrupted (SIGTERM) at step {steps[-1]}")
+    alive = _wait_gone(started, timeout_s=30)       # teardown ran: the redis-server is gone
+    assert not alive, f"processes left behind: {alive}"

@@ -59,10 +59,29 @@ def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callab
         learner.save_policy(staged / "policy.safetensors")
         path = learner.save_checkpoint(root, extra)   # the trainer state last: now it is visible
     except Exception as e:
+        # whatever layer reported it (ENOSPC, torch's `unexpected pos`, a Ray task's error): a
+        # failed write with less room left than the last checkpoint took is a full disk
+        full = ckpt.out_of_space(e, staged, _room_needed(root, staged))
         if not storage.is_uri(root):
             shutil.rmtree(staged, ignore_errors=True)  # the stage goes; the last complete checkpoint stands
-        if ckpt.is_disk_full(e):
+        if full:
             raise DiskFull(ckpt.disk_full_line(root, state.step)) from None
         raise
     note(f"checkpoint written: {path}")
     return path
+
+
+def _room_needed(root, staged) -> int:
+    """What the failed checkpoint still needed, as far as the driver knows: the newest complete
+    checkpoint's bytes less what the stage holds (0 on an object store, or with none yet)."""
+    if storage.is_uri(root):
+        return 0
+    done = ckpt.list_checkpoints(root)
+
+    def du(d: Path) -> int:
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0
+
+    try:
+        return max(0, du(done[-1]) - du(Path(staged))) if done else 0
+    except OSError:  # a file went while it was counted
+        return 0

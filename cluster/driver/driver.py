@@ -66,7 +66,7 @@ from common.config import RunConfig
 from common.methods import method_of
 from common.metrics import Metrics
 from common.types import PullReceipt
-from learner.checkpoint import disk_full_line, is_disk_full
+from learner.checkpoint import DiskFull, disk_full_line, is_disk_full
 from learner.finite_guard import GROUPS, SKIPPED
 from memory_bank.connect import connect_bank
 from memory_bank.errors import BankUnavailable
@@ -105,6 +105,8 @@ class Driver:
         self.stop_reason: str | None = None     # why the run stopped early (None: finished or a signal)
         self.stop_code = 1                      # `vgrpo train`'s exit status for that stop
         self.stopped_by: str | None = None      # "Ctrl-C" or "SIGTERM": the signal that asked the run to stop
+        self.phase = "loop"                     # what a stop signal does now (`_on_signal`)
+        self._prev_signals: dict = {}           # the handlers run() replaced; teardown puts them back
         self.learner_lost = False
         self.lease_lost = False
         self.checkpoint_failed: str | None = None  # why the last checkpoint could not be written (a full disk)
@@ -357,16 +359,22 @@ class Driver:
     def run(self, progress=None) -> None:
         self.t_start, self.videos_at_start = time.monotonic(), self.state.counts["videos"]
         main = threading.current_thread() is threading.main_thread()
-        # SIGTERM is what Kubernetes sends before it evicts a pod: it stops the run like Ctrl-C
-        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        # SIGTERM is what Kubernetes sends before it evicts a pod: it stops the run like Ctrl-C.
+        # The handlers stay until teardown is done (`_restore_signals`): the stop's own checkpoint
+        # and teardown come after run() returns, and a second signal then must not kill the driver
+        if main and not self._prev_signals:
+            self._prev_signals = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.phase = "loop"
         try:
             self._heldout(start=True)  # health: the held-out baseline
             (self._run_sync if self.cfg.train.mode == "sync" else self._run_async)(progress)
             if self.state.step >= self.cfg.train.steps:
                 self.export_policy()  # a finished run leaves every rollout actor on the exported policy
-        except (StopRun, OSError) as e:
+        except (StopRun, OSError, DiskFull) as e:
             if isinstance(e, OSError):  # a full disk under the run dir (a metrics row, a plot): one line
                 e = self._disk_full(e)
+            elif isinstance(e, DiskFull):  # a checkpoint's write, whatever layer reported it: its line
+                e = StopRun(str(e))
             # a clean stop: the caller writes a checkpoint (unless the learner or the lease is gone)
             self.lease_lost = self.lease_lost or isinstance(e, LeaseStop)
             self.stop_reason = str(e)
@@ -375,8 +383,13 @@ class Driver:
             log.error("run stopped at step %d: %s", self.state.step, e)
             self.note(f"stopping at step {self.state.step}: {e}")
         finally:
-            for s, handler in prev.items():
-                signal.signal(s, handler)
+            self.phase = "final"  # the stop's checkpoint next: a signal is logged and ignored (`_on_signal`)
+
+    def _restore_signals(self) -> None:
+        """The handlers run() replaced, back (teardown's last act)."""
+        prev, self._prev_signals = self._prev_signals, {}
+        for s, handler in prev.items():
+            signal.signal(s, handler)
 
     def _disk_full(self, e: OSError) -> StopRun:
         """The run stops at this step in one line naming the file; any other OSError goes on up."""
@@ -386,9 +399,22 @@ class Driver:
         return StopRun(disk_full_line(self.run_dir.checkpoints, self.state.step, path))
 
     def _on_signal(self, signum, frame) -> None:
+        """`phase` "loop": the first signal stops the run after the current step, a second aborts
+        it (KeyboardInterrupt). "final" (from the loop's end until the stop's own checkpoint is
+        written, and again during teardown): every signal is logged and ignored, so the checkpoint
+        is written whole and what the run started is stopped; only SIGKILL cuts that short.
+        "after" (a finished run's last evaluation, lifecycle.py): a signal aborts it, and
+        teardown still runs."""
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.phase == "after":
+            raise KeyboardInterrupt
+        if self.phase == "final":
+            self.note(f"{name}: ignored, the run is writing its last checkpoint and stopping what it "
+                      "started (SIGKILL aborts, and leaves them behind)")
+            return
         if self.stop_requested.is_set():
             raise KeyboardInterrupt
-        self.stopped_by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self.stopped_by = name
         self.stop_requested.set()
         self.note(f"{self.stopped_by}: finishing the current step, then writing a checkpoint "
                   "(Ctrl-C again to abort)")
@@ -499,6 +525,13 @@ class Driver:
 
     def teardown(self) -> None:
         """Stop what setup started, in reverse order (setup may have stopped part-way)."""
+        self.phase = "final"
+        try:
+            self._stop_started()
+        finally:
+            self._restore_signals()  # only now: a signal during the last checkpoint or this is ignored
+
+    def _stop_started(self) -> None:
         from common.actors import kill_and_wait  # heavy: ray
 
         s = self.started

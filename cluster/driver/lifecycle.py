@@ -64,7 +64,8 @@ def live(driver, *, resume=None, before: Callable[[], EvalResult] | None = None,
         with progress() as p:
             driver.run(p)
         # 4. the last checkpoint; a full disk there stops the run like any fault
-        driver.checkpoint()
+        driver.checkpoint()   # a stop signal meanwhile is logged and ignored (Driver._on_signal)
+        driver.phase = "after"  # from here a signal aborts (teardown below still runs)
         if driver.checkpoint_failed and driver.stop_reason is None:
             driver.stop_reason = driver.checkpoint_failed
         # 5. how it ended

@@ -242,3 +242,72 @@ def test_a_disk_that_fills_up_during_vgrpo_train_stops_it_in_one_line_and_resume
     # it went on from that checkpoint: the rows past it (the lost step's, a torn one) were dropped
     assert [r["step"] for r in RunDir.open(run).read_metrics()] == list(range(1, step + 3))
     assert checkpoint.list_checkpoints(run / "checkpoints")[-1].name == f"step_{step + 2:08d}"
+
+
+def _fill_leaving(disk: Path, leave: int, name: str = "filler") -> Path:
+    """Fill the mount so that `leave` bytes stay free."""
+    filler = disk / name
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(disk).free - leave))
+    return filler
+
+
+class FillsDuringState(OneRank):
+    """The learner rank, while the disk fills up (another writer) just before its trainer state."""
+
+    def __init__(self, trainer: Trainer, disk: Path, leave: int):
+        super().__init__(trainer)
+        self.disk, self.leave = disk, leave
+
+    def save_checkpoint(self, root, extra):
+        _fill_leaving(self.disk, self.leave, "filler-late")
+        return super().save_checkpoint(root, extra)
+
+
+def test_a_disk_full_that_torchs_zip_writer_reports_as_unexpected_pos_is_one_line(small_disk, bank):
+    """torch's zip writer reports a full disk in the middle of trainer.pt as `RuntimeError:
+    unexpected pos …`, not ENOSPC: it is still the one-line DiskFull (the free space is checked
+    when a write fails), through the learner's save and the driver's writer, and the last
+    complete checkpoint stands."""
+    _fill(bank)
+    trainer = _trainer()
+    disk = small_disk(16 * 1024 * 1024)
+    root = disk / "checkpoints"
+    first, _ = _save(OneRank(trainer), bank, root, 1)
+    # where torch says `unexpected pos` on this disk: the free bytes left before its trainer state
+    probe, leave = disk / "probe.pt", None
+    for room in range(0, 256 * 1024, 1024):
+        filler = _fill_leaving(disk, room)
+        try:
+            checkpoint.write_torch(trainer.state_dict(), probe)
+        except RuntimeError as e:
+            if "unexpected pos" in str(e):
+                leave = room
+        except OSError:
+            pass
+        finally:
+            probe.unlink(missing_ok=True)
+            filler.unlink()
+        if leave is not None:
+            break
+    assert leave is not None, "torch's zip writer said ENOSPC at every fill: nothing to test here"
+
+    # 1. the learner's own save (trainer.pt into a full disk)
+    filler = _fill_leaving(disk, leave)
+    trainer.version = 2
+    with pytest.raises(DiskFull) as err:
+        trainer.save_checkpoint(root, {"step": 2})
+    line = str(err.value)
+    assert "\n" not in line and "no space left on device" in line and "step 2" in line, line
+    assert "step_00000001, stands" in line, line
+    assert checkpoint.list_checkpoints(root) == [first]
+    filler.unlink()
+
+    # 2. the driver's writer: bank dump and policy written, then the disk fills during trainer.pt
+    with pytest.raises(DiskFull) as err:
+        _save(FillsDuringState(trainer, disk, leave), bank, root, 2)
+    line = str(err.value)
+    assert "\n" not in line and "no space left on device" in line and "step 2" in line, line
+    assert [p.name for p in root.iterdir()] == ["step_00000001"]  # nothing of step 2 is left
+    assert dist_checkpoint.verify_newest(root, 1) == first
+    assert (first / "bank" / "index.json").is_file() and (first / "policy.safetensors").is_file()
