@@ -45,7 +45,7 @@ SCRIPTS: dict[str, str] = {
 # probes, MULTI/EXEC/DISCARD are redis-py's transactions.
 COMMANDS = (
     "auth", "hello", "ping", "multi", "exec", "discard",
-    "get", "set", "del", "exists", "strlen", "incrby", "decrby", "pexpire", "pttl", "scan",
+    "get", "set", "del", "exists", "strlen", "incr", "incrby", "decrby", "pexpire", "pttl", "scan",
     "object|idletime",
     "hget", "hset", "hdel", "hexists", "hgetall", "hkeys", "hvals", "hlen", "hmget", "hincrby", "hstrlen",
     "hrandfield",
