@@ -27,7 +27,8 @@ class Cond:
     - toy: text [B, L, D] word embeddings; image [B, 4, H, W] first frame + mask (zeros for T2V);
     - wan: encoder_hidden_states [B, L, D] (UMT5); I2V adds condition [B, 4 + C, F, H, W] (the
       first-frame mask and VAE latents) and, for Wan 2.1, encoder_hidden_states_image [B, N, D]
-      (CLIP);
+      (CLIP); Wan 2.2 TI2V-5B's I2V instead first_frame [B, C, 1, H, W] (the first frame's VAE
+      latents, held as the first latent frame);
     - hunyuan15: encoder_hidden_states [B, L, D] and encoder_attention_mask [B, L] (Qwen2.5-VL),
       encoder_hidden_states_2 [B, L2, D2] and encoder_attention_mask_2 [B, L2] (ByT5),
       image_embeds [B, 729, D_img] (SigLIP; zeros for T2V), cond_latents [B, C, F, H, W] and

@@ -270,3 +270,89 @@ def test_vae_tiling_and_slicing_decode_the_same_frames(family):
     # random weights are the worst case for seams (no smoothness); measured 3.6 (Wan) and 3.2
     # (HunyuanVideo 1.5, whose mid-block attention sees one tile) mean levels, against ~35 std
     assert d.mean() < 4.0
+
+
+# --- issue 47: Wan 2.2 TI2V-5B (per-token timesteps, the Wan 2.2 VAE, the held first frame) ---
+
+TI2V = dict(num_frames=9, height=32, width=64)  # 3 latent frames of 2 x 4 (16x spatial), 2 tokens per frame
+
+
+def ti2v_latents(model, images=None, frames=9, height=32, width=64) -> torch.Tensor:
+    """The sampler's ODE final latents at TI2V's test size (captured at decode)."""
+    seen = {}
+    decode = model.decode
+    model.decode = lambda z: (seen.setdefault("z", z.clone()), decode(z))[1]
+    video = sample_videos(model, ["a red cat"], [SEED], Schedule(SIGMAS), images=images)
+    model.decode = decode
+    assert video.dtype == torch.uint8 and video.shape == (1, frames, height, width, 3)
+    return seen["z"]
+
+
+def test_wan22_ti2v_5b_t2v_ode_matches_wan_pipeline_with_per_token_timesteps():
+    comps = tiny_wan_components("ti2v_5b")
+    model = WanVideoModel.from_components(comps, wan_cfg(**TI2V))
+    assert model.expand_timesteps and model.latent_shape == (48, 3, 2, 4)  # the Wan 2.2 VAE: 48 ch, 16x
+    pipe = WanPipeline(scheduler=FixedSigmas(shift=1.0), **comps)
+    assert pipe.config.expand_timesteps
+    ref = pipe("a red cat", negative_prompt="", num_inference_steps=4, guidance_scale=2.0, max_sequence_length=16,
+               output_type="latent", generator=torch.Generator().manual_seed(SEED), **TI2V).frames
+    ours = ti2v_latents(model)
+    assert ours.shape == ref.shape == (1, 48, 3, 2, 4)
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=0)
+    # the transformer is given one timestep per token: [B, F·H/2·W/2], all t in T2V
+    seen = []
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    with torch.no_grad():
+        model.velocity(torch.randn(2, *model.latent_shape), torch.tensor([0.9, 0.5]), model.encode(["a", "b"]))
+    hook.remove()
+    assert seen[0].shape == (4, 6)  # [cond; uncond] rows x 3 frames x 1 x 2 tokens
+    assert torch.equal(seen[0][:2], torch.tensor([[900.0] * 6, [500.0] * 6]))
+
+
+def test_wan22_ti2v_5b_i2v_ode_matches_wan_i2v_pipeline_and_holds_the_first_frame():
+    comps = tiny_wan_components("ti2v_5b")
+    model = WanVideoModel.from_components(comps, wan_cfg(task="i2v", **TI2V))
+    pipe = WanImageToVideoPipeline(scheduler=FixedSigmas(shift=1.0), **comps)
+    ref = pipe(Image.fromarray(IMAGE.numpy()), "a red cat", negative_prompt="", num_inference_steps=4,
+               guidance_scale=2.0, max_sequence_length=16, output_type="latent",
+               generator=torch.Generator().manual_seed(SEED), **TI2V).frames
+    ours = ti2v_latents(model, IMAGE[None])
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=0)
+    # the condition is the first frame's latents alone (no mask channels, no concatenation) and the
+    # final latents' first frame is exactly them; the image matters to the frames after it
+    cond = model.encode(["a red cat"], IMAGE[None])
+    assert set(cond.tensors) == {"encoder_hidden_states", "first_frame"}
+    assert cond.tensors["first_frame"].shape == (1, 48, 1, 2, 4)
+    assert torch.allclose(ours[:, :, :1], cond.tensors["first_frame"], atol=1e-6, rtol=0)
+    other = ti2v_latents(model, 255 - IMAGE[None])
+    assert not torch.allclose(ours[:, :, 1:], other[:, :, 1:], atol=1e-3)
+    # the held frame's tokens are at timestep 0, the rest at t; its velocity is (x - c) / σ, the
+    # same whatever the weights, so its elements add nothing to log r
+    seen = []
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["timestep"]), with_kwargs=True)
+    x, sigma = torch.randn(1, *model.latent_shape), torch.tensor([0.75])
+    with torch.no_grad():
+        v = model.velocity(x, sigma, cond)
+        for p in model.transformer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        v2 = model.velocity(x, sigma, cond)
+    hook.remove()
+    assert torch.equal(seen[0][0], torch.tensor([0.0, 0.0, 750.0, 750.0, 750.0, 750.0]))
+    assert torch.allclose(v[:, :, :1], (x[:, :, :1] - cond.tensors["first_frame"]) / 0.75, atol=1e-6)
+    assert torch.equal(v[:, :, :1], v2[:, :, :1]) and not torch.allclose(v[:, :, 1:], v2[:, :, 1:])
+
+
+def test_wan22_ti2v_5b_learner_build_and_shape_checks():
+    """The learner's transformer-only build keeps per-token timesteps (same velocities); sizes off
+    the 32-pixel grid of the 16x VAE and 2x2 patch are refused."""
+    comps = tiny_wan_components("ti2v_5b")
+    full = WanVideoModel.from_components(comps, wan_cfg(task="i2v", **TI2V))
+    lean = WanVideoModel.from_components(comps, wan_cfg(task="i2v", **TI2V), parts="transformer")
+    assert lean.expand_timesteps and lean.latent_shape == full.latent_shape
+    cond = full.encode(["a"], IMAGE[None])
+    x = torch.randn(2, *full.latent_shape)
+    with torch.no_grad():
+        assert torch.equal(full.velocity(x, torch.tensor([0.9, 0.3]), cond.repeat(2)),
+                           lean.velocity(x, torch.tensor([0.9, 0.3]), cond.repeat(2)))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        WanVideoModel.from_components(tiny_wan_components("ti2v_5b"), wan_cfg(num_frames=9, height=48, width=64))

@@ -157,3 +157,33 @@ def test_initial_noise_per_condition_is_shared_across_groups_but_step_noise_is_n
         x0_a, x0_b = a.members[0].x[0], b.members[0].x[0]  # x at step 0 is the initial noise
         assert torch.equal(x0_a, x0_b) is same_start, mode
         assert not torch.equal(a.members[0].x_next[0], b.members[0].x_next[0])  # step noise differs
+
+
+@torch.no_grad()
+def test_ti2v_5b_i2v_group_replays_exactly_on_the_learners_build_and_ends_on_the_image():
+    """Wan 2.2 TI2V-5B I2V (per-token timesteps, the held first frame): the learner's
+    transformer-only build replays every stored step with log r = 0 from the group's own encoded
+    condition, and each member's final latents start with the image's latents."""
+    import numpy as np
+
+    cfg = run_cfg(model={"task": "i2v", "num_frames": 9, "height": 32, "width": 64},
+                  sampler={"latent_dtype": "bfloat16"})
+    comps = tiny_wan_components("ti2v_5b")
+    rollout = WanVideoModel.from_components(comps, cfg.model)
+    learner = WanVideoModel.from_components(comps, cfg.model, parts="transformer")
+    image = torch.from_numpy(np.random.RandomState(0).randint(0, 256, (32, 64, 3), dtype=np.uint8))
+    group = sample_group(rollout, Condition(id="c1", prompt="a red cat", image=image), cfg, seed=3, policy_version=0)
+    schedule = Schedule.from_config(cfg.schedule)
+    scheme = scheme_from_config(cfg, schedule)
+    cond = group.members[0].cond
+    first = cond.tensors["first_frame"]  # [1, 48, 1, 2, 4] in model.dtype
+    for j, k in enumerate(group.members[0].step_indices):
+        b_x = torch.stack([m.x[j] for m in group.members])
+        b_next = torch.stack([m.x_next[j] for m in group.members])
+        sig = torch.tensor([schedule.sigmas[k]] * group.size)
+        sig_next = torch.tensor([schedule.sigmas[k + 1]] * group.size)
+        logp, _ = transition_log_prob(learner, scheme, b_x, b_next, sig, sig_next, cond.repeat(group.size))
+        assert torch.equal(logp, torch.stack([m.logp_old[j] for m in group.members]))
+    for m in group.members:
+        assert torch.equal(m.final_latents[:, :1].float(), first[0].to(torch.bfloat16).float())
+    assert not torch.equal(group.members[0].final_latents[:, 1:], group.members[1].final_latents[:, 1:])

@@ -6,6 +6,15 @@ from cluster.cli.config_cmd import add_config_args
 from cluster.driver.preflight import health_warnings
 from cluster.plan.bank import bank_size
 from cluster.plan.checks import refuse, run_checks
+from cluster.plan.devices import (
+    CUDA_CONTEXT,
+    FREE,
+    device_total,
+    free_fraction,
+    reward_memory,
+    role_peaks,
+    shared_devices,
+)
 from cluster.plan.host import host_ram, peak, pods_for
 from cluster.plan.sizing import (
     GB,
@@ -99,13 +108,49 @@ def render(cfg, p: Plan, source: str) -> str:
                                 f"{cfg.weight_sync.bucket_mb:g})"}
     for what, total in peaks.items():
         lines.append(f"  {'peak while ' + what:<32}{total / GB:9.1f} GiB{_fit(total, cap)}{why[what]}")
+    lines += _reward_lines(cfg, cap)
     lines += _compute_lines(cfg, p)
-    lines += [f"split of {p.split['gpus']:.0f} GPUs that balances rollout and learner: "
+    lines += [f"split of {p.split['gpus']:g} GPUs that balances rollout and learner: "
               f"{p.split['rollout gpus']:.1f} rollout : {p.split['learner gpus']:.1f} learner "
               f"(rollout share {p.split['rollout share']:.0%}; configured "
-              f"{cfg.pools.rollout.processes * cfg.pools.rollout.num_gpus:.0f} : "
-              f"{cfg.pools.learner.processes * cfg.pools.learner.num_gpus:.0f})"]
+              f"{cfg.pools.rollout.processes * cfg.pools.rollout.num_gpus:g} : "
+              f"{cfg.pools.learner.processes * cfg.pools.learner.num_gpus:g})"]
+    lines += _device_lines(cfg, p, cap)
     return "\n".join(lines)
+
+
+def _reward_lines(cfg, cap: float) -> list[str]:
+    mem = reward_memory(cfg)
+    total = sum(mem.values())
+    if total == 0:
+        return []
+    lines = [f"reward rank (the largest of {', '.join(r.name for r in cfg.rewards.models)}, one scoring batch):"]
+    lines += [f"  {k:<32}{v / GB:9.1f} GiB" for k, v in mem.items()]
+    return lines + [f"  {'peak':<32}{total / GB:9.1f} GiB{_fit(total, cap)}"]
+
+
+def _free(need: float, cap: float) -> str:
+    f = free_fraction(need, cap)
+    return f"{f:.0%} free" + ("" if f >= FREE else f", below the {FREE:.0%} margin")
+
+
+def _device_lines(cfg, p: Plan, cap: float) -> list[str]:
+    """GPU memory per device: each role's peak per process, and the sum on a device roles share."""
+    peaks = role_peaks(cfg, p)
+    pools = cfg.pools
+    on_gpu = [r for r in ("rollout", "reward", "learner") if getattr(pools, r).num_gpus > 0 and peaks[r] > 0]
+    lines = ["GPU memory per device (peak per process; pools.<role>.num_gpus below 1 shares a GPU):"]
+    for r in on_gpu:
+        share = getattr(pools, r).num_gpus
+        alone = f"{share:g} of a GPU, shared" if share < 1 else "a GPU of its own"
+        lines.append(f"  {r:<32}{peaks[r] / GB:9.1f} GiB  ({alone}; {_free(peaks[r], cap)})")
+    for i, dev in enumerate(shared_devices(cfg)):
+        total = device_total(peaks, dev)
+        parts = " + ".join(f"{r} {peaks[r] / GB:.1f}" for r in dev.roles)
+        lines.append(f"  {'GPU ' + str(i) + ': ' + ' + '.join(dev.roles):<32}{total / GB:9.1f} GiB{_fit(total, cap)}"
+                     f"  ({parts} + {len(dev.roles)} CUDA contexts x {CUDA_CONTEXT / GB:.1f} GiB; "
+                     f"{_free(total, cap)})")
+    return lines
 
 
 def render_checks(cfg, p: Plan, checks, pods_source: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.plan.steps import stored_steps_per_member
+from cluster.plan.steps import per_token_timesteps, stored_steps_per_member
 from cluster.plan.vae import latent_shape
 from common.families import FAMILIES
 
@@ -40,6 +40,8 @@ def condition_bytes(cfg, latent: tuple[int, int, int, int]) -> int:
     if fam.image_states is not None:  # image states (zeros for T2V), condition latents and their mask
         n, d = fam.image_states
         extra = (n * d + (ch + 1) * f * h * w) * c
+    elif m.task == "i2v" and per_token_timesteps(cfg):  # Wan 2.2 TI2V-5B: the first frame's latents alone
+        extra = ch * h * w * c
     elif m.task == "i2v":        # Wan: the mask (4 channels) and the first frame's latents
         extra = (4 + ch) * f * h * w * c
     image = m.height * m.width * 3 if m.task == "i2v" else 0  # the first frame, uint8

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.plan.steps import has_two_experts as _has_two_experts
-from cluster.plan.steps import stored_steps_per_member
-from cluster.plan.vae import latent_shape
+from cluster.plan.steps import per_token_timesteps, stored_steps_per_member
+from cluster.plan.vae import latent_shape, vae_params
 from common.families import FAMILIES, release_of
 from common.methods import kl_of, method_of
 
@@ -42,6 +42,11 @@ NVLINK_GBS = {"H100": 450.0, "H200": 450.0, "A100": 300.0}  # GB/s per direction
 # bf16 ≈ 70·d + 4·ffn (its norms keep fp32 copies). HunyuanVideo 1.5's double-stream blocks are
 # taken as Wan's with ffn = mlp_ratio·d.
 _ACT = {4: (90.0, 8.0), 2: (70.0, 4.0)}
+# Per-token timesteps (Wan 2.2 TI2V-5B) make each block's six modulation vectors per token, fp32:
+# counted the same way, +32·d bytes per token and block, and +24·d per token outside the blocks
+# (the [S, 6, d] fp32 timestep projection every block reads). A no-grad forward holds that
+# projection, one block's fp32 modulations and their products: 60·d per token.
+_TOKEN_T_BLOCK, _TOKEN_T_ROOT, _TOKEN_T_FORWARD = 32.0, 24.0, 60.0
 
 # Peak live feature maps of a VAE decode: (channels at full resolution) × output frames per chunk
 # (FamilySpec.vae_decode: Wan decodes causally 4 frames at a time with 96 channels; HunyuanVideo
@@ -65,6 +70,7 @@ class Arch:
     tokens: int            # S: video tokens of one sample
     text_tokens: int
     largest_params: int = 0  # the largest single weight (a block's FFN matrix)
+    token_timesteps: bool = False  # one timestep per video token (Wan 2.2 TI2V-5B)
 
 
 @dataclass
@@ -140,7 +146,8 @@ def arch(cfg, transformer=None) -> Arch:
     two = _has_two_experts(cfg)
     return Arch(m.family, spec.joint_text, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
                 experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
-                tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()))
+                tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()),
+                token_timesteps=per_token_timesteps(cfg))
 
 
 # --- memory --------------------------------------------------------------------------
@@ -157,8 +164,11 @@ def activation_bytes(a: Arch, rows: int, dtype_bytes: int, checkpointing: bool, 
     """Activations of one micro-batch's forward kept for backward (rows = micro_batch × CFG passes)."""
     ad, af = _ACT[dtype_bytes]
     local, seq = _seq(a, sp)
+    if a.token_timesteps:
+        ad += _TOKEN_T_BLOCK
     per_layer = rows * local * (ad * a.width + af * a.ffn)
     head = rows * seq * a.width * 4 * 4  # patch embedding, time/text embeddings, output head (fp32): whole
+    head += rows * seq * a.width * _TOKEN_T_ROOT if a.token_timesteps else 0
     if checkpointing:  # each block keeps only its input; one block at a time is recomputed
         return a.layers * rows * local * a.width * dtype_bytes + per_layer + head
     return a.layers * per_layer + head
@@ -205,7 +215,12 @@ def frozen_params(cfg) -> dict[str, float]:
     m = cfg.model
     root = Path(m.path) if m.path is not None else None
     if root is None or not (root / "model_index.json").is_file():
-        return dict(FAMILIES[m.family].frozen)
+        out = dict(FAMILIES[m.family].frozen)
+        release = release_of(m.family, m.path)
+        if release is not None and release.vae:  # a release with its own VAE (Wan 2.2's): counted on meta
+            key = "vae (fp32)" if FAMILIES[m.family].vae_fp32 else "vae"
+            out[key] = vae_params(cfg)
+        return out
     out = {}
     for sub in ("text_encoder", "text_encoder_2", "image_encoder", "vae"):
         if (root / sub).is_dir():
@@ -323,12 +338,13 @@ def rollout_memory(cfg, a: Arch) -> dict[str, float]:
     c = 4 if m.dtype == "float32" else 2
     rows = rollout_rows(cfg)  # activations scale with the rows of one forward, not with G
     seq, _ = _seq(a, cfg.pools.rollout.parallel.sp)
+    per_token = (8 * a.width + 2 * a.ffn) * c + (_TOKEN_T_FORWARD * a.width if a.token_timesteps else 0)
     frozen = {k: (4 if "fp32" in k else c) * v for k, v in frozen_params(cfg).items()}
     text = sum(v for k, v in frozen.items() if k.startswith("text_encoder"))
     out = {"weights": c * a.params * a.experts + (4 * a.lora_params if cfg.optim.finetune == "lora" else 0),
            "frozen modules": sum(frozen.values()) - (text if m.text_encoder_offload else 0.0),
            # no-grad forward: a few layer-sized tensors live at once (ffn hidden dominates)
-           "activations": rows * seq * (8 * a.width + 2 * a.ffn) * c,
+           "activations": rows * seq * per_token,
            "vae decode": vae_decode_bytes(cfg)}
     if m.text_encoder_offload:
         out["text encoders (while encoding)"] = text

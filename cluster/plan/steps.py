@@ -24,6 +24,18 @@ def has_two_experts(cfg) -> bool:
     return m.boundary_ratio is not None or (release is not None and release.two_experts)
 
 
+def per_token_timesteps(cfg) -> bool:
+    """Wan 2.2 TI2V-5B: one timestep per video token (model_index.json `expand_timesteps`, or the
+    release model.path names); its I2V holds the first latent frame instead of concatenating a
+    condition (rollout_worker/models/wan.py)."""
+    m = cfg.model
+    if m.path is not None and (Path(m.path) / "model_index.json").is_file():
+        index = json.loads((Path(m.path) / "model_index.json").read_text(encoding="utf-8"))
+        return bool(index.get("expand_timesteps", False))
+    release = release_of(m.family, m.path)
+    return release is not None and release.expand_timesteps
+
+
 class _ExpertRule:
     """The sampler's `model.trains_sigma` without the model: Wan 2.2 with train_experts=high_noise
     trains only the steps its high-noise expert serves."""

@@ -54,6 +54,16 @@ def latent_shape(cfg) -> tuple[int, int, int, int]:
     return c, (m.num_frames - 1) // st + 1, m.height // ss, m.width // ss
 
 
+def vae_params(cfg) -> float:
+    """Parameters of the config's VAE, counted on the meta device from `vae_config` (nothing is
+    built for real)."""
+    import torch  # lazy: torch (kept out of vgrpo --help)
+
+    with torch.device("meta"):
+        vae = _vae_class(cfg.model.family).from_config(vae_config(cfg))
+    return float(sum(p.numel() for p in vae.parameters()))
+
+
 @lru_cache(maxsize=16)
 def _flops_per_voxel(family: str, conf_json: str, op: str) -> float:
     # lazy: torch (kept out of vgrpo --help)

@@ -59,23 +59,44 @@ def tiny_wan_transformer(in_channels: int = 4, out_channels: int = 4, image_dim:
     ).eval()
 
 
-def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v",
-                        layers: int = 1) -> dict:
+WanVariant = Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b", "ti2v_5b"]
+
+
+def tiny_wan22_vae(z: int = 48):
+    """The Wan 2.2 VAE of TI2V-5B at a tiny width: residual stages over a 2x2 patchify (12 input
+    channels), `z` latent channels, 16x spatial and 4x temporal compression (its real config
+    keys, common/families.py, with base_dim 4 for 160)."""
+    from diffusers import AutoencoderKLWan  # heavy: diffusers
+
+    gen = torch.Generator().manual_seed(1)
+    mean = (torch.rand(z, generator=gen) - 0.5).tolist()
+    std = (0.5 + torch.rand(z, generator=gen)).tolist()
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=4, decoder_base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=mean, latents_std=std).eval()
+
+
+def tiny_wan_components(variant: WanVariant = "t2v", layers: int = 1) -> dict:
     """Components for WanPipeline / WanImageToVideoPipeline (z_dim 4, `layers` blocks, 2 heads × 8).
 
     `i2v` is Wan 2.1 I2V (CLIP image encoder, mask + condition channels); `t2v_a14b` is
     Wan 2.2 with two experts and a boundary; `i2v_a14b` is Wan 2.2 I2V-A14B: two experts that
-    take mask + condition channels and no CLIP image encoder (image_dim None).
+    take mask + condition channels and no CLIP image encoder (image_dim None); `ti2v_5b` is
+    Wan 2.2 TI2V-5B, for either pipeline: one transformer over the Wan 2.2 VAE's 48 latent
+    channels (16x spatial: heights and widths in multiples of 32) with per-token timesteps
+    (expand_timesteps), no CLIP.
     """
     # heavy: diffusers, transformers
     from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    z = 4
+    z = 48 if variant == "ti2v_5b" else 4
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(base_dim=4, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True],
-                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0]).eval()
+    vae = tiny_wan22_vae(z) if variant == "ti2v_5b" else AutoencoderKLWan(
+        base_dim=4, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.7, 1.2, 2.0]).eval()
     torch.manual_seed(0)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=TOKENIZER_VOCAB, d_model=16, d_kv=8, d_ff=16, num_layers=1, num_heads=2,
@@ -96,6 +117,9 @@ def tiny_wan_components(variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] =
         comps["transformer_2"] = tiny_wan_transformer(2 * z + 4, z, seed=1, layers=layers)
         comps["image_encoder"] = comps["image_processor"] = None
         comps["boundary_ratio"] = 0.6
+    elif variant == "ti2v_5b":  # the same transformer serves T2V and I2V: [x] in, 48 channels
+        comps["transformer"] = tiny_wan_transformer(z, z, layers=layers)
+        comps["expand_timesteps"] = True
     else:
         comps["transformer"] = tiny_wan_transformer(z, z, layers=layers)
     if variant == "t2v_a14b":
@@ -155,8 +179,7 @@ def tiny_hunyuan15_components(task: Literal["t2v", "i2v"] = "t2v", layers: int =
     return comps
 
 
-def tiny_wan_model(model: dict, variant: Literal["t2v", "i2v", "t2v_a14b", "i2v_a14b"] = "t2v",
-                   layers: int = 1):
+def tiny_wan_model(model: dict, variant: WanVariant = "t2v", layers: int = 1):
     """The Wan adapter over `tiny_wan_components(variant)` with ModelConfig fields `model`
     (a plain function of plain data, so it ships to Ray actors as a model factory)."""
     return WanVideoModel.from_components(tiny_wan_components(variant, layers), ModelConfig.model_validate(model))

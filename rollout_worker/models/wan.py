@@ -9,6 +9,16 @@ sampler owns the loop. Conventions follow `WanPipeline.__call__`:
 - CFG runs only when guidance_scale > 1; I2V concatenates [x, mask, condition latents];
 - latents are denormalised with the VAE's latents_mean/std before decoding.
 
+Wan 2.2 TI2V-5B (model_index.json `expand_timesteps`, the Wan 2.2 VAE: 48 channels, 16x spatial)
+gives the transformer one timestep per video token, [B, F·H·W / patch] (`token_timesteps`). Its
+I2V does not concatenate: the first latent frame of the input *is* the image's latents, at
+timestep 0, while every other token is at t. Here the first frame is held for the whole rollout:
+the transformer sees the image's latents there (as the pipeline), and `velocity` returns there
+(x - c) / σ, the velocity whose clean estimate x - σ·v is the image's latents c. It does not
+depend on the weights, so those elements add the same to every log-prob (log r is unchanged) and
+the first frame follows the noise path to c, ending at c at σ = 0 (the pipeline overwrites it
+with c at the end instead).
+
 Precision: the VAE loads in fp32 (as diffusers documents for Wan; a bf16 load would round its
 weights), the transformer(s) hold every weight in `model.dtype` (see `base.cast_params`).
 
@@ -115,8 +125,8 @@ class WanVideoModel(VideoModel):
         self.low_noise_left_out = low_noise_left_out
         self.components = "all" if pipe.vae is not None else "transformer"
         self.vae_dims = _vae_dims(pipe.vae.config if pipe.vae is not None else vae_config)
-        if pipe.config.get("expand_timesteps", False):
-            raise ModelLoadError("wan: Wan 2.2 TI2V-5B (expand_timesteps) is not supported by this adapter")
+        # Wan 2.2 TI2V-5B: per-token timesteps, and I2V holds the first frame (no concatenation)
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self.transformer, self.transformer_2 = pipe.transformer, pipe.transformer_2
         if self.transformer is None:
             raise ModelLoadError("wan: the checkpoint has no `transformer` (the high-noise expert); "
@@ -209,7 +219,7 @@ class WanVideoModel(VideoModel):
         mult = ss * self.transformer.config.patch_size[1]
         if c.height % mult or c.width % mult:
             raise ValueError(f"model.height/width = {c.height}x{c.width}: Wan needs multiples of {mult}")
-        want = z if c.task == "t2v" else 2 * z + st
+        want = z if c.task == "t2v" or self.expand_timesteps else 2 * z + st
         for name, t in (("transformer", self.transformer), ("transformer_2", self.transformer_2)):
             if t is not None and t.config.in_channels != want:
                 raise ModelLoadError(f"wan: {name} takes {t.config.in_channels} channels, but model.task = "
@@ -259,17 +269,19 @@ class WanVideoModel(VideoModel):
         for img in images:
             pil = first_frame_pil(img)
             pixels = self.pipe.video_processor.preprocess(pil, height=self.cfg.height, width=self.cfg.width)
-            _, condition = self.pipe.prepare_latents(
+            # the pipeline's own encode: the frame padded to the clip with its mask, or (per-token
+            # timesteps) the frame alone, normalised with the VAE's latents_mean/std
+            _, condition, *_ = self.pipe.prepare_latents(
                 pixels.to(self.device, torch.float32), 1, self.pipe.vae.config.z_dim, self.cfg.height,
                 self.cfg.width, self.cfg.num_frames, torch.float32, self.device, None,
                 latents=torch.zeros(1, *self.latent_shape, device=self.device))
-            conds.append(condition)  # [1, 4 + C, F, H, W]
+            conds.append(condition)  # [1, 4 + C, F, H, W]; per-token timesteps: [1, C, 1, H, W]
             if self.transformer.config.image_dim is not None:
                 if getattr(self.pipe, "image_encoder", None) is None:
                     raise ModelLoadError("wan: this I2V transformer takes CLIP features, but the checkpoint "
                                          "has no image_encoder")
                 feats.append(self.pipe.encode_image(pil, self.device))  # [1, N, D_img]
-        tensors["condition"] = torch.cat(conds).to(self.dtype)
+        tensors["first_frame" if self.expand_timesteps else "condition"] = torch.cat(conds).to(self.dtype)
         if feats:
             tensors["encoder_hidden_states_image"] = torch.cat(feats).to(self.dtype)
         return Cond(tensors, uncond)
@@ -296,19 +308,38 @@ class WanVideoModel(VideoModel):
     def _guided(self, model: nn.Module, scale: float, x: Tensor, t: Tensor, cond: Cond) -> Tensor:
         """One batched forward over [cond; uncond] and the CFG mix, in fp32. [B, C, F, H, W]"""
         x_in, cond = x.to(self.device, self.dtype), in_compute_dtype(cond, self.dtype)
+        first = cond.tensors.get("first_frame")  # [B, C, 1, H, W]: TI2V-5B's I2V holds it
         if "condition" in cond.tensors:
             x_in = torch.cat([x_in, cond.tensors["condition"]], dim=1)  # [B, 2C + 4, F, H, W]
-        kw = {k: v for k, v in cond.tensors.items() if k != "condition"}
+        if first is not None:
+            x_in = torch.cat([first, x_in[:, :, 1:]], dim=2)
+        kw = {k: v for k, v in cond.tensors.items() if k not in ("condition", "first_frame")}
+        ts = self.token_timesteps(model, t, x.shape, held=first is not None) if self.expand_timesteps else t
         do_cfg = self.guidance_scale > 1.0 and cond.uncond is not None
         if do_cfg:
             n = x.shape[0]
             kw = {k: torch.cat([v, cond.uncond.get(k, v)]) for k, v in kw.items()}
-            x_in, t = torch.cat([x_in, x_in]), torch.cat([t, t])
-        out = model(hidden_states=x_in, timestep=t, return_dict=False, **kw)[0].float()
-        if not do_cfg:
-            return out
-        v_cond, v_uncond = out[:n], out[n:]
-        return v_uncond + scale * (v_cond - v_uncond)
+            x_in, ts = torch.cat([x_in, x_in]), torch.cat([ts, ts])
+        out = model(hidden_states=x_in, timestep=ts, return_dict=False, **kw)[0].float()
+        if do_cfg:
+            v_cond, v_uncond = out[:n], out[n:]
+            out = v_uncond + scale * (v_cond - v_uncond)
+        if first is not None:  # the held frame's velocity points at the image's latents (module docstring)
+            sigma = (t / 1000.0).view(-1, 1, 1, 1, 1)
+            out[:, :, :1] = (x[:, :, :1].to(out.device, torch.float32) - first.float()) / sigma
+        return out
+
+    @staticmethod
+    def token_timesteps(model: nn.Module, t: Tensor, shape, held: bool) -> Tensor:
+        """Per-token timesteps [B, S] for x of `shape` [B, C, F, H, W]: t on every token of the
+        transformer's patch grid, 0 on the first latent frame's tokens when it is held (I2V), as
+        WanPipeline / WanImageToVideoPipeline build them with expand_timesteps."""
+        pt, ph, pw = model.config.patch_size  # Wan: (1, 2, 2), one latent frame per token frame
+        _, _, f, h, w = shape
+        grid = torch.ones(f // pt, h // ph, w // pw, dtype=torch.float32, device=t.device)
+        if held:
+            grid[0] = 0.0
+        return t.view(-1, 1) * grid.flatten().view(1, -1)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
