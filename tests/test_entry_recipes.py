@@ -71,7 +71,8 @@ def test_the_one_gpu_recipe_shares_one_device_and_the_plan_sums_the_three_roles(
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GPU 0:"))
     assert "rollout + reward + learner" in line and f"{total / GB:.1f} GiB  (fits)" in line, line
     # each role alone fits, the three together do not: the device line says so
-    big = ["model.gradient_checkpointing=false", "optim.micro_batch=2"]
+    # (and the text encoder kept on the GPU between encodes: model.text_encoder_offload=false)
+    big = ["model.gradient_checkpointing=false", "optim.micro_batch=2", "model.text_encoder_offload=false"]
     bad = load_config(ONE_GPU, big)
     p = plan(bad)
     peaks = role_peaks(bad, p)

@@ -183,16 +183,18 @@ def test_the_720p_sp_config_fits_h100s_and_would_not_without_sp(capsys):
     assert main(["plan", "-c", config, "--gpu", "H100"]) == 0
     out = capsys.readouterr().out
     assert "81x720x1280 -> 75600 video tokens" in out and "x sp 4 = 24 FSDP2 processes" in out
-    assert _fits(out, "peak, with checkpointing") and _fits(out, "  peak ")
+    assert _fits(out, "peak, with checkpointing") and _fits(out, "  peak while generating")
     assert "ok   sampler.timeout_s" in out and "all-to-all per rollout" in out
-    # at sp 1 the plan still prints the memory, then refuses the group's time in one line
+    # at sp 1 the plan still prints the memory and every check, then refuses in one line
     assert main(["plan", "-c", config, "--gpu", "H100", "pools.rollout.parallel.sp=1",
                  "pools.learner.parallel.sp=1"]) == 2
     res = capsys.readouterr()
     out, err = res.out, res.err.strip()
-    assert not _fits(out, "peak, with checkpointing") and not _fits(out, "  peak ")
+    assert not _fits(out, "peak, with checkpointing") and not _fits(out, "  peak while generating")
     assert "FAIL sampler.timeout_s" in out and "all-to-all" not in out
-    assert err.count("\n") == 0 and "sampler.timeout_s" in err
+    # the first failing check is refused: the learner's GPU memory (then the rollout's, the timeout)
+    assert "FAIL pools.learner GPU peak" in out and "FAIL pools.rollout GPU peak" in out
+    assert err.count("\n") == 0 and err.startswith("error: pools.learner: the plan's learner peak")
 
 
 def test_sp_divides_activations_and_attention_over_the_ranks():
