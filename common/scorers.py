@@ -22,6 +22,9 @@ class ScorerSpec:
     notes: str = ""           # what a user should know before choosing it
     caveat: str = ""          # said whenever a config uses it (`vgrpo config show`, the scorer's load log)
     path_at_load: str = ""    # when set, a config without rewards.models[].path is refused as it loads, with this
+    template_file: str = ""   # upstream's template file inside rewards.models[].template_path (a checkout or wheel)
+    template_wheel: str = ""  # the package that carries it when template_path is None ("": template_path is required)
+    template_how: str = ""    # how to get it
 
 
 SCORERS: dict[str, ScorerSpec] = {
@@ -30,9 +33,14 @@ SCORERS: dict[str, ScorerSpec] = {
     "toy_i2v": ScorerSpec("reward_worker.models.toy:ToyI2VReward", toyscore.I2V_HEADS, 0.0, False,
                           "the toy rewards plus first-frame agreement"),
     "videoalign": ScorerSpec("reward_worker.models.videoalign:VideoAlign", ("VQ", "MQ", "TA"), 2.21e9, True,
-                             "VideoAlign (VideoReward) on Qwen2-VL-2B; template_path: a KwaiVGI/VideoAlign checkout"),
+                             "VideoAlign (VideoReward) on Qwen2-VL-2B; template_path: a KwaiVGI/VideoAlign checkout",
+                             template_file="prompt_template.py",
+                             template_how="git clone https://github.com/KwaiVGI/VideoAlign and set "
+                                          "rewards.models[].template_path to that folder"),
     "hpsv3": ScorerSpec("reward_worker.models.hpsv3:HPSv3", ("HPS",), 8.29e9, True,
-                        "HPSv3 on Qwen2-VL-7B, per frame; its template is read from the hpsv3 wheel"),
+                        "HPSv3 on Qwen2-VL-7B, per frame; its template is read from the hpsv3 wheel",
+                        template_file="hpsv3/dataset/data_collator_qwen.py", template_wheel="hpsv3",
+                        template_how="pip install --no-deps hpsv3 (or set rewards.models[].template_path to its folder)"),
     "qsave": ScorerSpec("reward_worker.models.qsave:QSave", ("visual_quality", "dynamic_quality", "alignment"),
                         8.77e9, True, "Q-Save on Qwen3-VL-8B, for a checkpoint you supply",
                         caveat="Q-Save's rubric and answer format are this project's reconstruction; its "

@@ -2,7 +2,9 @@
 `bank.headroom_steps` steps of groups, a timeout below SAFETY times the work it waits for, a pod
 below the host RAM of the processes it holds, a Redis maxmemory below bank.max_bytes. Each
 check is one line of figures; a failing one also carries the one-line refusal (field, figure,
-fix). GPU memory per rank is printed by the plan, never refused here.
+fix). GPU memory: `gpu_checks` refuses a pool with GPUs whose process the plan puts above
+plan.gpu's memory (`vgrpo train`'s preflight; `vgrpo plan` prints the figures), and `role_peaks`
+gives the peaks the cluster preflight compares with each node's own GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from cluster.plan.host import (
     peak,
     redis_bytes,
 )
-from cluster.plan.sizing import GB, Plan
+from cluster.plan.sizing import (
+    GB,
+    GPUS,
+    Plan,
+    learner_memory,
+    learner_peak,
+    rollout_peaks,
+)
 from cluster.plan.timing import SAFETY, estimates
 from common.config import ConfigError, PodsConfig
 
@@ -82,6 +91,61 @@ def pod_checks(cfg, p: Plan, pods: PodsConfig) -> list[Check]:
                    f"plus {REDIS_OVERHEAD - 1:.0%} for Redis's own structures; set redis.maxmemory to at least "
                    f"{math.ceil(need / GB)}gb or lower bank.max_bytes")
         out.append(Check("redis.maxmemory", have >= need, line, refusal))
+    return out
+
+
+def role_peaks(cfg, p: Plan) -> dict[str, tuple[float, str]]:
+    """GPU bytes one process of each pool with GPUs peaks at by the plan, and at what: a learner
+    rank's train step (with model.gradient_checkpointing as configured) or its setup, when that
+    is on the GPU; a rollout rank's generating or receiving weights."""
+    out: dict[str, tuple[float, str]] = {}
+    if cfg.pools.learner.num_gpus > 0:
+        ck = cfg.model.gradient_checkpointing
+        parts = {f"train step, {'with' if ck else 'without'} gradient checkpointing": learner_peak(p.learner, ck)}
+        if not cfg.learner.cpu_offload:
+            parts["setup"] = sum(p.learner_setup.values())
+        what = max(parts, key=parts.get)
+        out["learner"] = (parts[what], what)
+    if cfg.pools.rollout.num_gpus > 0:
+        peaks = rollout_peaks(cfg, p)
+        what = max(peaks, key=peaks.get)
+        out["rollout"] = (peaks[what], what)
+    return out
+
+
+ROLE_FIX = {"learner": "raise pools.learner.num_actors (FSDP2 shards the weights, gradients and optimizer "
+                       "over the ranks) or set learner.cpu_offload=true",
+            "rollout": "lower sampler.forward_batch_size or raise pools.rollout.parallel.sp"}
+SKIP_GPU = "or set preflight.skip_gpu_memory_check=true if you know better"
+
+
+def _ranks_that_fit(cfg, p: Plan, cap: float) -> int | None:
+    """The fewest learner ranks (a power of two, at most 64) whose step peak fits `cap` bytes."""
+    n = 1
+    while n <= 64:
+        c = cfg.model_copy(update={"pools": cfg.pools.model_copy(update={
+            "learner": cfg.pools.learner.model_copy(update={"num_actors": n})})})
+        if learner_peak(learner_memory(c, p.arch), cfg.model.gradient_checkpointing) < cap:
+            return n
+        n *= 2
+    return None
+
+
+def gpu_checks(cfg, p: Plan) -> list[Check]:
+    """Each pool with GPUs: the plan's peak per process against plan.gpu's memory (the share of a
+    GPU a fractional num_gpus gives)."""
+    out = []
+    for role, (need, what) in role_peaks(cfg, p).items():
+        pool = getattr(cfg.pools, role)
+        cap = GPUS[p.gpu][1] * GB * min(1.0, pool.num_gpus)
+        line = f"{role} process peak {need / GB:.1f} GiB ({what}) vs {cap / GB:.1f} GiB of plan.gpu {p.gpu}"
+        fix = ROLE_FIX[role]
+        if role == "learner" and "train step" in what and (n := _ranks_that_fit(cfg, p, cap)) is not None \
+                and n > cfg.pools.learner.num_actors:
+            fix = f"set pools.learner.num_actors to at least {n} (FSDP2 shards over the ranks) or learner.cpu_offload=true"
+        refusal = (f"pools.{role}: the plan's peak per {role} process is {need / GB:.1f} GiB ({what}), above the "
+                   f"{cap / GB:.1f} GiB of one {p.gpu} (plan.gpu; `vgrpo plan` shows the parts); {fix}, {SKIP_GPU}")
+        out.append(Check(f"pools.{role}", need < cap, line, refusal))
     return out
 
 
