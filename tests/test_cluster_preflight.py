@@ -183,8 +183,8 @@ class Cluster:
     def train(self, tmp_path, *overrides: str, config: str = "configs/quickstart.yaml", flags=()) -> tuple:
         """`vgrpo train` joined to this cluster: (exit code, its output, seconds from the run
         directory's line (setup starts) to its exit)."""
-        cmd = [str(BIN / "vgrpo"), "train", "-c", config, f"run.root={tmp_path / 'runs'}", "run.name=r",
-               "--no-eval", *flags, *overrides]
+        cmd = [str(BIN / "vgrpo"), "train", "-c", config, "--no-eval", *flags, f"run.root={tmp_path / 'runs'}",
+               "run.name=r", *overrides]
         proc = subprocess.Popen(cmd, env={**self.env, "RAY_ADDRESS": self.address}, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines, started = [], None
@@ -233,14 +233,15 @@ def test_a_cluster_without_a_role_resource_is_refused_in_one_line(cluster, tmp_p
     err = _error_lines(out)
     assert code == 2 and len(err) == 1, out[-3000:]
     assert err[0].startswith("error: reward: no node declares the `reward` resource; pools.reward needs 1 "
-                             "process(es) of {reward: 1, CPU: 0.5}"), err
-    assert f"`ray start --address={cluster.address} --resources='{{\"reward\": 1}}'`" in err[0]
+                             "process(es) of {reward: 1"), err
+    assert f":{cluster.port} --resources='{{\"reward\": 1}}'` (one `reward` unit per process" in err[0], err
+    print(err[0])
     assert took < WITHIN_S, took
     assert not (tmp_path / "runs" / "r").exists()  # no checkpoint: the run directory is removed
     # the override: past the checks, the placement waits preflight.autoscale_wait_s, then one line
     code, out, took = cluster.train(tmp_path, "preflight.autoscale_wait_s=2", flags=["--skip-cluster-checks"])
     err = _error_lines(out)
-    assert code == 2 and len(err) == 1 and "did not place pools.reward: 1 x {reward: 1, CPU: 0.5} within 2 s" \
+    assert code == 2 and len(err) == 1 and "did not place pools.reward: 1 x {reward: 1} within 2 s" \
         in err[0], out[-3000:]
 
 
@@ -279,7 +280,15 @@ def test_a_reward_model_that_fails_to_load_stops_the_run_at_once_in_one_line(wit
     assert code == 2 and len(err) == 1, out[-3000:]
     assert err[0].startswith("error: reward actor videoalign failed while it loaded, on node "), err
     assert f"{folder}: no model.pth nor checkpoint-*/model.pth" in err[0]
-    assert took < WITHIN_S, took
+    ended = time.time()
+    # the run stopped within seconds of the actor's failure (its own load, importing transformers
+    # on this shared CPU machine, is what takes the time)
+    died = float(with_reward.python(
+        "import ray\nray.init()\n"
+        "t = [a['EndTime'] for a in ray._private.state.actors().values() if a['ActorClassName'] == 'RewardActor']\n"
+        "print(max(t) / 1000)\n").strip().splitlines()[-1])
+    assert 0 <= ended - died < 10, (ended - died, took)
+    assert took < 2 * WITHIN_S, took
 
 
 def test_an_autoscaler_that_could_add_the_role_is_waited_for_as_said_then_refused(with_reward, tmp_path):
@@ -321,6 +330,7 @@ def test_a_reward_actor_that_dies_while_loading_stops_the_run_at_once(ray_sessio
     from cluster.driver.errors import RoleFailed
     from cluster.runs.run_dir import RunDir
 
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     cfg = load_config(ROOT / "configs/quickstart.yaml", [f"run.root={tmp_path}", "run.name=r",
                                                           "pools.reward.max_restarts=3"])
     driver = Driver(cfg, RunDir.create(cfg), reward_factory=DiesWhileLoading())
