@@ -236,6 +236,7 @@ def test_a_cluster_without_a_role_resource_is_refused_in_one_line(cluster, tmp_p
                              "process(es) of {reward: 1"), err
     assert f":{cluster.port} --resources='{{\"reward\": 1}}'` (one `reward` unit per process" in err[0], err
     print(err[0])
+    print(f"refused {took:.1f} s after setup started")
     assert took < WITHIN_S, took
     assert not (tmp_path / "runs" / "r").exists()  # no checkpoint: the run directory is removed
     # the override: past the checks, the placement waits preflight.autoscale_wait_s, then one line
@@ -252,6 +253,7 @@ def test_a_gpu_role_where_cuda_is_not_visible_is_refused_naming_the_node(with_re
     assert err[0].startswith("error: learner on node "), err
     assert "Ray gave it 1 GPU (CUDA_VISIBLE_DEVICES=0) but torch sees no CUDA device (torch " in err[0]
     assert "or set pools.learner.num_gpus=0" in err[0]
+    print(f"refused {took:.1f} s after setup started")
     assert took < WITHIN_S, took
 
 
@@ -281,13 +283,14 @@ def test_a_reward_model_that_fails_to_load_stops_the_run_at_once_in_one_line(wit
     assert err[0].startswith("error: reward actor videoalign failed while it loaded, on node "), err
     assert f"{folder}: no model.pth nor checkpoint-*/model.pth" in err[0]
     ended = time.time()
-    # the run stopped within seconds of the actor's failure (its own load, importing transformers
-    # on this shared CPU machine, is what takes the time)
+    # the run stopped (teardown included) within 30 s of the actor's failure: its own load, which
+    # imports transformers on this shared CPU machine, is what takes the time before it
     died = float(with_reward.python(
         "import ray\nray.init()\n"
         "t = [a['EndTime'] for a in ray._private.state.actors().values() if a['ActorClassName'] == 'RewardActor']\n"
         "print(max(t) / 1000)\n").strip().splitlines()[-1])
-    assert 0 <= ended - died < 10, (ended - died, took)
+    print(f"stopped {ended - died:.1f} s after the reward actor died; {took:.1f} s from setup's start")
+    assert 0 <= ended - died < WITHIN_S, (ended - died, took)
     assert took < 2 * WITHIN_S, took
 
 
@@ -311,6 +314,7 @@ def test_an_autoscaler_that_could_add_the_role_is_waited_for_as_said_then_refuse
     err = _error_lines(out)
     assert code == 2 and len(err) == 1 and "did not place pools.learner: 3 x {learner: 1, CPU: 1} within 3 s" \
         in err[0], out[-3000:]
+    print(f"refused {took:.1f} s after setup started")
     assert took < WITHIN_S, took
 
 
