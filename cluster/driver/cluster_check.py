@@ -215,7 +215,7 @@ def probe_roles(cfg, placements: list[Placement], run_dir, note: Callable[[str],
         return
     specs = role_specs(cfg, run_dir, _peaks(cfg), ray.util.get_node_ip_address())
     ips = {n.id: n.ip for n in alive_nodes()}
-    remote = ray.remote(probe)
+    remote = ray.remote(max_calls=1)(probe)  # its worker exits after it: no CUDA context stays on a GPU
     tasks = {}
     for pl in placements:
         if pl.group is None:
