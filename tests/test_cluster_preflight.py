@@ -130,6 +130,30 @@ def _refusal_of(overrides, tmp_path):
     return None
 
 
+def test_asking_for_a_gpu_on_a_machine_without_one_is_refused_in_one_line(tmp_path):
+    """The issue's own try: `vgrpo train -c configs/quickstart.yaml pools.learner.num_gpus=1` on this
+    CPU machine, Ray started by the command itself (was: Ray's autoscaler line every 35 s and
+    nothing of vgrpo's own after 100 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen([str(BIN / "vgrpo"), "train", "-c", "configs/quickstart.yaml", "pools.learner.num_gpus=1",
+                             f"run.root={tmp_path / 'runs'}", "run.name=r"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if started is None and "run directory:" in line:
+            started = time.monotonic()
+    proc.wait(timeout=600)
+    took = time.monotonic() - started
+    err = _error_lines("".join(lines))
+    assert proc.returncode == 2 and len(err) == 1, "".join(lines)[-3000:]
+    assert err[0].startswith("error: learner: pools.learner needs 1 process(es) of {learner: 1, CPU: 1, GPU: 1}, "
+                             "but this machine offers Ray only node ") and "GPU 0 (short of GPU)" in err[0], err
+    print(f"refused {took:.1f} s after setup started (Ray's start included)")
+    assert took < WITHIN_S, took
+
+
 # --- a cluster of our own: a head with a declared GPU and no `reward`, then a reward node ------
 
 
