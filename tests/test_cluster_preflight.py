@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -245,9 +246,13 @@ def with_reward(cluster):
     return cluster
 
 
+RAY_STREAMED = re.compile(r"^(\x1b\[\d+m)?\((pid=|raylet|autoscaler|\w+ pid=)")  # a worker's log, Ray's own
+
+
 def _error_lines(out: str) -> list[str]:
-    """The refusal: the `error:` line and the lines it carries (one per failure)."""
-    lines = out.strip().splitlines()
+    """The refusal: the `error:` line and the lines it carries (one per failure); lines Ray streams
+    from its workers' logs (`(pid=…) …`, a killed worker's stack) are Ray's, not the refusal's."""
+    lines = [ln for ln in out.strip().splitlines() if not RAY_STREAMED.match(ln)]
     first = next(i for i, ln in enumerate(lines) if ln.startswith("error: "))
     return lines[first:]
 

@@ -45,9 +45,11 @@ class RayHandle:
         return self.joined or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
     def shutdown(self) -> None:
+        """End this process's Ray: the local cluster it started, or its connection to the one it
+        joined (the cluster goes on; the streaming of the ended actors' logs stops here)."""
         import ray  # lazy: ray (kept out of vgrpo --help)
 
-        if self.started_here and ray.is_initialized():
+        if (self.started_here or self.joined) and ray.is_initialized():
             ray.shutdown()
 
 
