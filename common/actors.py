@@ -39,3 +39,30 @@ def kill_and_wait(actors: Iterable, timeout_s: float = 30.0) -> list:
     if alive:
         log.warning("%d actor(s) still alive %.0fs after ray.kill", len(alive), timeout_s)
     return alive
+
+
+class ByName:
+    """A Ray actor passed by its name instead of its handle.
+
+    An actor's constructor arguments that hold a handle are kept in Ray's object store (a handle
+    carries a reference), and with max_restarts > 0 a restart fails once they are lost (Ray
+    issue 53727). A name is plain data, passed by value; the handle is looked up (once per
+    process) on first use, in the creating job's namespace. Attribute access is the handle's:
+    `ByName("x").method.remote(...)`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._handle = None
+
+    def __reduce__(self):
+        return ByName, (self.name,)
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") or attr in ("name", "_handle"):
+            raise AttributeError(attr)
+        if self._handle is None:
+            self._handle = ray.get_actor(self.name)
+        return getattr(self._handle, attr)
+
+    def __repr__(self) -> str:
+        return f"ByName({self.name!r})"

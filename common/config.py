@@ -552,6 +552,26 @@ class PlanConfig(Section):
     `vgrpo train` refuses a config whose plan leaves less."""
 
 
+class PreflightConfig(Section):
+    """What `vgrpo train` checks on the cluster itself after Ray is up and before any model loads
+    (cluster/driver/cluster_check.py): the role resources, then one small task per role and node,
+    placed in the role's own bundle, for the files it reads, CUDA, the GPU's memory against the
+    plan's peak and the storage it writes. Each failure is one line naming the node and the fix."""
+
+    skip_cluster_checks: bool = False
+    """Start without the on-cluster checks (for a user who knows better): the pools then wait for
+    their placement (up to autoscale_wait_s) as Ray schedules them."""
+    skip_gpu_memory_check: bool = False
+    """Start even where the plan's peak for a role is above the GPU's memory (plan.gpu's before Ray
+    starts, the node's own GPU on the cluster)."""
+    timeout_s: float = Field(30.0, gt=0.0, le=MAX_TIMEOUT_S)
+    """How long the role checks may take in all, from the placement of the pools."""
+    autoscale_wait_s: float = Field(600.0, ge=0.0, le=MAX_TIMEOUT_S)
+    """Where an autoscaler's node groups offer a role resource the cluster lacks (KubeRay worker
+    groups), how long the run waits for them, saying so in one line, before it refuses; also how
+    long the pools wait for resources another job holds."""
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=0, le=MAX_STEPS)
     mode: Literal["sync", "async"] = "sync"
@@ -742,6 +762,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     run: RunDirConfig = Field(default_factory=RunDirConfig)

@@ -41,6 +41,9 @@ class ScorerSpec:
     """Reads a prompt, raising ValueError (saying why) for one the scorer cannot score (it would
     score NaN); None: any text. `vgrpo sample` refuses such a prompt before sampling."""
     gpu: ScorerGPU | None = None  # its forward's sizes (the plan's reward rank); None: nothing on a GPU
+    template_file: str = ""   # upstream's template file inside rewards.models[].template_path (a checkout or wheel)
+    template_wheel: str = ""  # the package that carries it when template_path is None ("": template_path is required)
+    template_how: str = ""    # how to get it
 
 
 # Qwen2-VL-2B / -7B and Qwen3-VL-8B (their config.json): LM (hidden_size, intermediate_size), vision
@@ -60,10 +63,14 @@ SCORERS: dict[str, ScorerSpec] = {
                           "the toy rewards plus first-frame agreement", grammar=toyworld.parse_prompt),
     "videoalign": ScorerSpec("reward_worker.models.videoalign:VideoAlign", ("VQ", "MQ", "TA"), 2.21e9, True,
                              "VideoAlign (VideoReward) on Qwen2-VL-2B; template_path: a KwaiVGI/VideoAlign checkout",
-                             gpu=_QWEN2_VL_2B),
+                             gpu=_QWEN2_VL_2B, template_file="prompt_template.py",
+                             template_how="git clone https://github.com/KwaiVGI/VideoAlign and set "
+                                          "rewards.models[].template_path to that folder"),
     "hpsv3": ScorerSpec("reward_worker.models.hpsv3:HPSv3", ("HPS",), 8.29e9, True,
                         "HPSv3 on Qwen2-VL-7B, per frame; its template is read from the hpsv3 wheel",
-                        gpu=_QWEN2_VL_7B_FRAMES),
+                        gpu=_QWEN2_VL_7B_FRAMES,
+                        template_file="hpsv3/dataset/data_collator_qwen.py", template_wheel="hpsv3",
+                        template_how="pip install --no-deps hpsv3 (or set rewards.models[].template_path to its folder)"),
     "qsave": ScorerSpec("reward_worker.models.qsave:QSave", ("visual_quality", "dynamic_quality", "alignment"),
                         8.77e9, True, "Q-Save on Qwen3-VL-8B, for a checkpoint you supply",
                         caveat="Q-Save's rubric and answer format are this project's reconstruction; its "

@@ -380,7 +380,10 @@ class LearnerGroup:
 
     def __init__(self, cfg: RunConfig, model_factory: ModelFactory | None = None,
                  num_ranks: int | None = None, setup_timeout_s: float | None = None, bank: Any = None,
-                 placement: Callable[[int], dict] | None = None):
+                 placement: Callable[[int], dict] | None = None,
+                 wait: Callable[[list, float, list[str]], list] | None = None):
+        """`wait(refs, timeout_s, labels)`: how setup waits for the ranks (default ray.get); the
+        driver's ends at once when a rank, or another role's actor, fails while loading."""
         pool = cfg.pools.learner
         if setup_timeout_s is None:  # the ranks' own wait for the slowest load, plus forming the group
             setup_timeout_s = cfg.learner.load_timeout_s + SETUP_MARGIN_S
@@ -404,10 +407,12 @@ class LearnerGroup:
                       for r in range(n)]
         # every rank's process is up before the rendezvous starts: it is bounded by the
         # collective timeout, not by how long Ray takes to start a process
-        addr, port = ray.get([r.address.remote() for r in self.ranks], timeout=setup_timeout_s)[0]
+        if wait is None:
+            wait = lambda refs, timeout_s, labels: ray.get(refs, timeout=timeout_s)  # noqa: E731
+        labels = [f"learner rank {r}" for r in range(n)]
+        addr, port = wait([r.address.remote() for r in self.ranks], setup_timeout_s, labels)[0]
         try:
-            self._version = ray.get([r.setup.remote(addr, port) for r in self.ranks],
-                                    timeout=setup_timeout_s)[0]
+            self._version = wait([r.setup.remote(addr, port) for r in self.ranks], setup_timeout_s, labels)[0]
         except BaseException:
             self.kill()
             raise

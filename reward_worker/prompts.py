@@ -53,11 +53,10 @@ def read_str_constants(path: Path, names: tuple[str, ...]) -> dict[str, str]:
 
 # --- VideoAlign ------------------------------------------------------------------------
 
-VIDEOALIGN_FILE = "prompt_template.py"
+VIDEOALIGN_FILE = SCORERS["videoalign"].template_file  # declared with the scorer (common/scorers.py)
 VIDEOALIGN_CONSTANT = {"detailed_special": "DETAILED_PROMPT_WITH_SPECIAL_TOKEN"}
 """Upstream's template types that carry the three reward tokens (the released model's)."""
-VIDEOALIGN_HOW = ("git clone https://github.com/KwaiVGI/VideoAlign and set "
-                  "rewards.models[].template_path to that folder")
+VIDEOALIGN_HOW = SCORERS["videoalign"].template_how
 
 
 def videoalign_template(checkout: str | None, template_type: str = "detailed_special") -> str:
@@ -77,8 +76,8 @@ def videoalign_template(checkout: str | None, template_type: str = "detailed_spe
 
 # --- HPSv3 -----------------------------------------------------------------------------
 
-HPSV3_FILE = Path("hpsv3") / "dataset" / "data_collator_qwen.py"
-HPSV3_HOW = "pip install --no-deps hpsv3 (or set rewards.models[].template_path to its folder)"
+HPSV3_FILE = Path(SCORERS["hpsv3"].template_file)
+HPSV3_HOW = SCORERS["hpsv3"].template_how
 
 
 @dataclass(frozen=True)

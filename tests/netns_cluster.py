@@ -109,6 +109,9 @@ class NetnsCluster:
         self.hosts = base / "hosts"
         self.token = secrets.token_hex(16)  # this cluster's Ray token (token auth stays on)
         self.head: Node | None = None
+        # storage every node shares (a run.root, as a real cluster's NFS or PVC): bound at the same
+        # path into each node's own /tmp, like the checkout and its venv
+        self.shared = base / "shared"
 
     # --- namespaces, links, addresses ------------------------------------------------------
 
@@ -141,6 +144,7 @@ class NetnsCluster:
             node.tmp.mkdir(parents=True, exist_ok=True)
             os.chmod(node.tmp, 0o1777)
             lines.append(f"{node.ip} {node.name}")
+        self.shared.mkdir(parents=True, exist_ok=True)
         self.hosts.write_text("\n".join(lines) + "\n")
 
     def close(self) -> None:
@@ -202,7 +206,7 @@ class NetnsCluster:
         argv = ["ip", "netns", "exec", node.netns, "unshare", "--mount", "--uts", "--pid", "--fork",
                 "--mount-proc", "--propagation", "private", "sh", "-c", NODE_SH, "sh",
                 str(node.tmp), str(self.hosts), name,
-                "\n".join(under_tmp([ROOT, Path(sys.prefix)])), *ray]
+                "\n".join(under_tmp([ROOT, Path(sys.prefix), self.shared])), *ray]
         log = open(self.base / f"{name}.log", "w")
         node.proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         log.close()

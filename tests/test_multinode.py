@@ -60,7 +60,10 @@ def runs(cluster):
     """Both runs, in one driver process on the head (tests/multinode_run.py): object store, then
     collective, during which the node holding the rollout actor is killed once step 1 is done."""
     c = cluster
-    inside, outside = "/tmp/runs", c.nodes["head"].tmp / "runs"  # the head's /tmp, and as seen here
+    # on storage every node shares, at the same path inside the nodes and here: the learner (node c)
+    # writes checkpoints into the driver's run directory, which the cluster preflight checks it sees
+    outside = c.shared / "runs"
+    inside = str(outside)
     log = c.base / "driver.log"
     proc = c.on_head([sys.executable, "tests/multinode_run.py", inside, "object_store:2", "collective:3"], log)
     killed: dict = {}

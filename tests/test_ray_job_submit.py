@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,14 +31,28 @@ def _free_port() -> int:
 
 @pytest.fixture()
 def ray_head(tmp_path):
+    yield from _head(tmp_path, {}, {})
+
+
+@pytest.fixture()
+def ray_head_home(tmp_path):
+    """A head whose processes (the job's entrypoint among them) have HOME in the test's tmp_path."""
+    home = tmp_path / "home"
+    home.mkdir()
+    # the token is given, not read from ~/.ray: the head's HOME is not the client's
+    for address, env in _head(tmp_path, {"HOME": str(home)}, {"RAY_AUTH_TOKEN": secrets.token_hex(16)}):
+        yield address, env, home
+
+
+def _head(tmp_path, head_only: dict, both: dict):
     port, dash = _free_port(), _free_port()
     # the session's own Ray instance holds the default agent ports: give this head its own
     agent_ports = [f"--{name}={_free_port()}" for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
         "metrics-export-port", "ray-client-server-port")]
-    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", **both}
     # the head's own SIGTERM handler would first drain the node for Serve, 30 s by default
-    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **head_only}
     temp = tempfile.mkdtemp(prefix="vrj", dir="/tmp")  # short: Ray's socket paths have a length limit
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
@@ -80,3 +95,30 @@ def test_ray_job_submit_trains_two_steps(ray_head, tmp_path):
     rows = [json.loads(x) for x in (runs / "job" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert (runs / "job" / "summary.json").is_file()
+
+
+def test_the_readme_line_keeps_a_relative_run_root_where_its_first_line_says(ray_head_home):
+    """README's `ray job submit --working-dir . -- vgrpo train -c CONFIG`, as written (run.root is the
+    default, relative): the run directory does not land in Ray's per-job copy of the working
+    directory, which Ray deletes, but where the entrypoint's first line says; and the rollout
+    actors' constructor arguments are plain data (no handle Ray keeps in its object store)."""
+    address, env, home = ray_head_home
+    cmd = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT), "--",
+           "vgrpo", "train", "-c", "configs/quickstart.yaml", "train.steps=2", "train.eval_seeds=2", "run.name=job"]
+    for _ in range(20):  # the job agent may come up a little after the job server answers
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if "No available agent" not in res.stdout + res.stderr:
+            break
+        time.sleep(3)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Running entrypoint for job"))
+    first = next(ln for ln in lines[start + 1:] if ln.strip())  # the entrypoint's own first line
+    runs = home / "runs"
+    assert first.startswith("vgrpo: run.root = 'runs' is relative and this is a Ray job") and \
+        f"runs go to {runs} (under $HOME)" in first, first
+    rows = [json.loads(x) for x in (runs / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (runs / "job" / "summary.json").is_file()
+    assert "constructor arguments in the object store" not in out, out[-4000:]

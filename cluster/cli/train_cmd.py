@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cluster.cli.config_cmd import add_config_args
-from cluster.driver.preflight import check_model_path, health_warnings, preflight
+from cluster.driver.preflight import check_model_path, health_warnings, job_run_root, preflight
 from cluster.runs.run_dir import RunDir
 from common.config import ConfigError, load_config
 
@@ -21,6 +21,9 @@ def register(sub) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the before/after evaluation")
     p.add_argument("--clear-stale-bank", action="store_true",
                    help="delete data a dead run left in bank.namespace (same as bank.clear_stale=true)")
+    p.add_argument("--skip-cluster-checks", action="store_true",
+                   help="start without the checks on the cluster (role resources, each role's files, CUDA, GPU "
+                   "memory, writable storage); same as preflight.skip_cluster_checks=true")
     p.set_defaults(func=train)
 
     r = sub.add_parser(
@@ -35,7 +38,11 @@ def register(sub) -> None:
 
 
 def train(args) -> int:
-    cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else [])])
+    cfg = load_config(args.config, [*args.overrides, *(["bank.clear_stale=true"] if args.clear_stale_bank else []),
+                                    *(["preflight.skip_cluster_checks=true"] if args.skip_cluster_checks else [])])
+    cfg, moved = job_run_root(cfg)  # under `ray job submit`: never inside Ray's per-job copy of the project
+    if moved:
+        print(f"vgrpo: {moved}")
     preflight(cfg)  # before the run directory exists: a bad input leaves nothing behind
     check_model_path(cfg)
     for line in health_warnings(cfg):  # settings that fail silently: said before any GPU is spent

@@ -196,6 +196,26 @@ def read_folder(folder: Path, limits: DataConfig | None = None) -> list[Conditio
     return rows.done()
 
 
+def image_paths(spec: str) -> list[str]:
+    """The first-frame files a prompt set names, as the conditions carry them (absolute), without
+    decoding any: what the cluster preflight looks for on each rollout and reward node. [] for a
+    text prompt set; rows the manifest cannot parse are left to `read_manifest`."""
+    path = BUILTIN_MANIFESTS.get(spec, Path(spec))
+    if path.suffix.lower() == ".jsonl":
+        out = []
+        for _, line in iter_lines(path, "manifest", DataConfig()):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except (ValueError, RecursionError):  # read_manifest names the line
+                continue
+            if isinstance(row, dict) and isinstance(row.get("image"), str) and row["image"]:
+                out.append(str((path.parent / row["image"]).expanduser().resolve()))
+        return out
+    if path.is_dir():
+        return [str(p.resolve()) for p in sorted(path.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()]
+    return []
+
+
 # --- a dataset in a run --------------------------------------------------------------------
 
 

@@ -34,8 +34,9 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,16 @@ import reward_worker.actor
 from cluster.data.manifests import check_task
 from cluster.data.prompts import load_prompts
 from cluster.driver.checkpoint import try_write
+from cluster.driver.cluster_check import check_resources, probe_roles
 from cluster.driver.drops import Drops
 from cluster.driver.errors import ConfigStop, LeaseStop, StopRun, bank_call, is_lease_lost
 from cluster.driver.fleet import RolloutFleet
-from cluster.driver.pools import Placement, RayHandle, init_ray, reward_actor_count
+from cluster.driver.pools import Placement, RayHandle, init_ray, pool_processes, wait_placed
 from cluster.driver.preflight import check_model_path
 from cluster.driver.producer import Producer
 from cluster.driver.publish import Publisher
 from cluster.driver.resume import restore
+from cluster.driver.startup import Startup
 from cluster.driver.state import DriverState, cursor_of
 from cluster.driver.step_record import StepExporter, step_record
 from cluster.driver.stream import PromptStream
@@ -62,6 +65,7 @@ from cluster.driver.weight_registry import start_registry
 from cluster.evaluation.run_eval import evaluate_run, step_videos
 from cluster.health.hook import DriverHealth
 from cluster.runs.run_dir import RunDir
+from common.actors import ByName, kill_and_wait
 from common.config import RunConfig
 from common.methods import method_of
 from common.metrics import Metrics
@@ -71,7 +75,7 @@ from learner.finite_guard import GROUPS, SKIPPED
 from memory_bank.connect import connect_bank
 from memory_bank.errors import BankUnavailable
 from memory_bank.ownership import claim_namespace
-from memory_bank.ref import make_ref
+from memory_bank.ref import UrlServer, make_ref
 from reward_worker.actor import RewardClient, actor_names
 
 log = logging.getLogger("vgrpo.driver")
@@ -121,6 +125,8 @@ class Driver:
         self.eval_frames: dict[str, tuple[np.ndarray, int]] = {}  # label -> frames of before_after.png
         self.eval_prompts: list[str] = []                        # its row labels
         self.t_start, self.videos_at_start = time.monotonic(), 0
+        self.tag = uuid.uuid4().hex[:8]  # names this run's named actors (two runs in one process: compare)
+        self.startup = Startup()         # waits for the role actors to load; the first that fails stops the run
 
     # the state the loop and the tests read
     step = property(lambda self: self.state.step)
@@ -134,8 +140,6 @@ class Driver:
     # --- 1. set-up ---------------------------------------------------------------------------
 
     def setup(self, resume: Path | None = None) -> None:
-        import ray  # heavy: ray
-
         cfg, s = self.cfg, self.started
         check_model_path(cfg)
         self.stream.conditions = load_prompts(cfg.train.prompts, cfg.data)
@@ -145,14 +149,20 @@ class Driver:
         self.metrics = Metrics.auto(role="driver", pool="driver")
         self.exporter = StepExporter(self.metrics, {r: Metrics.auto(role=r, pool=r)
                                                     for r in ("rollout", "reward", "learner")})
-        # 2. the memory bank; actors get its URL by reference, never as an argument
+        # 2. the cluster preflight (cluster/driver/cluster_check.py): every pool has its resources,
+        #    then one task per role and node, in the role's own bundle, checks what it reads and writes
+        wait_s = check_resources(cfg, local=s.ray.started_here and not s.ray.joined, note=self.note)
+        placements = self._place_pools(wait_s)
+        probe_roles(cfg, placements, self.run_dir, self.note)
+        # 3. the memory bank; actors get its URL by reference, never as an argument
         self._connect_bank(resume is not None)
-        # 3. pools: the reward pool first (rollout actors score with it), the rollout pool, the learner
-        self._start_pools()
-        # 4. resume, or start from version 0 (every role built the same base weights)
+        # 4. the actors: every role loads at once; the first that fails stops the run (startup.py)
+        self._start_pools(placements)
+        # 5. resume, or start from version 0 (every role built the same base weights)
         if resume is not None:
             self._restore(resume)
-        ray.get([a.ping.remote() for a in self.rollouts], timeout=600)
+        self.startup.get([a.ping.remote() for a in self.rollouts], 600,
+                         [f"rollout actor {i}" for i in range(len(self.rollouts))])
 
     def _connect_bank(self, resume: bool) -> None:
         """A configured Redis, or an embedded redis-server for this run. The driver's own
@@ -163,10 +173,11 @@ class Driver:
         self.bank, s.redis = connect_bank(cfg.bank, data_dir=self.run_dir.path / "redis", host=host)
         self.redis = s.redis
         s.lease = claim_namespace(self.bank, str(self.run_dir.location.resolve()), resume=resume)
-        self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url(), other_nodes=spans)
+        self.bank_ref, s.secret_dir = make_ref(cfg.bank, self._bank_url())
         self._guard()
-        if self.bank_ref.server is not None:
-            s.actors.append(self.bank_ref.server)
+        if spans and self.bank_ref.file:  # readers on other nodes ask a UrlServer here for the file's URL
+            node, server = self._url_server(self.bank_ref.file)
+            self.bank_ref = replace(self.bank_ref, node=node, server=server)
         # actors get the config without the URL: Ray keeps actor arguments in its control store
         self.actor_cfg = cfg.model_copy(update={"bank": self.bank_ref.cfg})
         self.bank.expect_step(cfg.train.groups_per_step)  # the producers' banks check it at their first push
@@ -176,7 +187,34 @@ class Driver:
         s = self.started
         s.watchdog = guard(s.ray.own_session if s.ray is not None else None, s.redis, s.secret_dir)
 
-    def _start_pools(self) -> None:
+    def _place_pools(self, wait_s: float) -> list[Placement]:
+        """A placement group per pool (reward, rollout, learner), waited for together."""
+        cfg, s = self.cfg, self.started
+        placements = [Placement.request(pool, role, count // pool.parallel.sp)
+                      for role, (pool, count) in pool_processes(cfg).items()]
+        s.placements += placements
+        wait_placed(placements, wait_s)
+        return placements
+
+    def _url_server(self, path: str) -> tuple[str, ByName]:
+        """A UrlServer (memory_bank/ref.py) pinned to this node and named: actors get its name, by
+        value. Returns (this node's id, the server by name)."""
+        # heavy: ray
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node, name = ray.get_runtime_context().get_node_id(), f"vgrpo-bank-url-{self.tag}"
+        server = ray.remote(UrlServer).options(
+            name=name, num_cpus=0, max_restarts=-1, max_task_retries=-1,  # a crash is restarted on the same node
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(path)
+        self.started.actors.append(server)
+        return node, ByName(name)
+
+    def _start_pools(self, placements: list[Placement]) -> None:
+        """Every role's actors, loading at once; the driver waits for them with `self.startup`, which
+        stops the run in one line when one fails. Rollout actors get the reward actors, the weight
+        registry and the bank's URL server by name: their constructor arguments are plain data, so a
+        restart never depends on an object Ray may have lost."""
         # heavy: ray, peft
         from learner.actor import LearnerGroup
         from rollout_worker.actor import RolloutActor
@@ -184,22 +222,34 @@ class Driver:
         cfg, s = self.cfg, self.started
         pools = cfg.pools
         n_roll = max(1, pools.rollout.num_actors)
-        reward_pg, rollout_pg, learner_pg = (Placement.create(pools.reward, "reward", reward_actor_count(cfg)),
-                                             Placement.create(pools.rollout, "rollout", n_roll),
-                                             Placement.create(pools.learner, "learner", pools.learner.num_actors))
-        s.placements += [reward_pg, rollout_pg, learner_pg]
-        reward_actors = reward_worker.actor.create_reward_actors(cfg.rewards.models, pools.reward, self.reward_factory, reward_pg.options)
-        s.actors += [a for actors in reward_actors.values() for a in actors]
-        self.rewards = RewardClient(reward_actors, dict(zip(actor_names(cfg.rewards.models), cfg.rewards.models,
-                                                            strict=True)))
-        registry = start_registry(f"vgrpo-weights-{id(self):x}")
+        reward_pg, rollout_pg, learner_pg = placements
+        names = actor_names(cfg.rewards.models)
+        n_rep = max(1, pools.reward.num_actors)
+        reward_name = lambda k: f"vgrpo-reward-{self.tag}-{k}"  # noqa: E731 - model-major, as placed
+        reward_actors = reward_worker.actor.create_reward_actors(
+            cfg.rewards.models, pools.reward, self.reward_factory,
+            lambda k: {**reward_pg.options(k), "name": reward_name(k)})
+        for m, actors in reward_actors.items():
+            for j, a in enumerate(actors):
+                s.actors.append(a)
+                self.startup.watch(f"reward actor {m}" + (f"#{j}" if j else ""), a)
+        by_name = {m: [ByName(reward_name(names.index(m) * n_rep + j)) for j in range(n_rep)] for m in names}
+        registry_name = f"vgrpo-weights-{self.tag}"
+        registry = start_registry(registry_name)
         rollouts = [RolloutActor.options(**rollout_pg.options(i))
-                    .remote(self.actor_cfg, i, None, registry, reward_actors, self.bank_ref) for i in range(n_roll)]
+                    .remote(self.actor_cfg, i, None, registry_name, by_name, self.bank_ref) for i in range(n_roll)]
         s.actors += [*rollouts, registry]
+        for i, a in enumerate(rollouts):
+            self.startup.watch(f"rollout actor {i}", a)
         self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, versions=Versions(n_roll),
                                   on_sync_error=self._learner_check, timers=self.timers, metrics=self.metrics,
                                   note=self.note, serve_record=lambda: self.publisher.serve_record())
-        self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options)
+        self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options,
+                                    wait=self.startup.get)
+        firsts = [actors[0] for actors in reward_actors.values()]
+        self.startup.get([a.heads.remote() for a in firsts], 900.0,
+                         [f"reward actor {m}" for m in reward_actors])
+        self.rewards = RewardClient(reward_actors, dict(zip(names, cfg.rewards.models, strict=True)))
         self.publisher = Publisher(cfg, self.learner, self.fleet, registry, on_learner_error=self._learner_check,
                                    timers=self.timers, metrics=self.metrics)
 
@@ -532,8 +582,6 @@ class Driver:
             self._restore_signals()  # only now: a signal during the last checkpoint or this is ignored
 
     def _stop_started(self) -> None:
-        from common.actors import kill_and_wait  # heavy: ray
-
         s = self.started
         if self.learner is not None:
             try:

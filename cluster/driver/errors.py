@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from common.errors import UserError
 from common.retry import retry_outage
 
 
 class StopRun(Exception):
     """Raised inside the loop when the run cannot go on (the reason is in the message)."""
+
+
+class ClusterRefused(UserError):
+    """The cluster cannot run this config (cluster/driver/cluster_check.py): one line per failure,
+    each naming the role, the node and the fix."""
+
+
+class RoleFailed(UserError):
+    """A role's actor failed while it loaded (cluster/driver/startup.py): one line naming the actor,
+    its node and its error; the run stops at once instead of waiting out a timeout."""
 
 
 class LeaseStop(StopRun):

@@ -8,6 +8,7 @@ actors together (PACK), so a pool scales by adding bundles, not by scattering.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import PoolConfig, RunConfig
+from common.errors import UserError
 
 log = logging.getLogger("vgrpo.pools")
 
 ROLES = ("rollout", "reward", "learner")
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # what Ray's job supervisor sets for a submitted entrypoint
 
 
 @dataclass
@@ -42,9 +45,11 @@ class RayHandle:
         return self.joined or sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
     def shutdown(self) -> None:
+        """End this process's Ray: the local cluster it started, or its connection to the one it
+        joined (the cluster goes on; the streaming of the ended actors' logs stops here)."""
         import ray  # lazy: ray (kept out of vgrpo --help)
 
-        if self.started_here and ray.is_initialized():
+        if (self.started_here or self.joined) and ray.is_initialized():
             ray.shutdown()
 
 
@@ -85,16 +90,29 @@ def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> Ray
     env = cfg.env.variables()  # the allocator's and the collectives' settings (config section env)
     if address:
         log.info("joining Ray cluster at %s", address)
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
-        missing = [r for r in ROLES if ray.cluster_resources().get(r, 0) <= 0]
-        if missing:
-            log.warning("the cluster declares no %s resource yet; actors will wait for autoscaling",
-                        ", ".join(missing))
+        # under `ray job submit` the job's runtime env (its working_dir: the project, where every
+        # worker runs it) is merged with this one; a variable the job sets itself is left to it
+        job_env = (job_runtime_env() or {}).get("env_vars") or {}
+        ray.init(address=address, runtime_env={"env_vars": {k: v for k, v in env.items() if k not in job_env}},
+                 log_to_driver=True)
         return RayHandle(started_here=False, joined=True)
     resources = {k: v * copies for k, v in local_resources(cfg).items()}
     ctx = ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
                    runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
     return RayHandle(started_here=True, session_dir=ctx.address_info.get("session_dir"))
+
+
+def job_runtime_env() -> dict[str, Any] | None:
+    """The runtime env `ray job submit` gave this process's job (its `--working-dir` as a
+    `working_dir` URI, `--runtime-env-json`'s fields); None when this is not a submitted job."""
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        env = json.loads(raw).get("runtime_env")
+    except (ValueError, AttributeError):
+        return None
+    return env if isinstance(env, dict) else {}
 
 
 def actor_options(pool: PoolConfig, role: str, **extra: Any) -> dict[str, Any]:
@@ -110,6 +128,26 @@ def actor_options(pool: PoolConfig, role: str, **extra: Any) -> dict[str, Any]:
     return opts
 
 
+def bundle_of(pool: PoolConfig, role: str) -> dict[str, float]:
+    """The resources of one process of a pool: its role resource, CPUs and GPUs (none of zero)."""
+    bundle = {role: 1.0, "CPU": pool.num_cpus, "GPU": pool.num_gpus}
+    return {k: float(v) for k, v in bundle.items() if v > 0}
+
+
+def show_bundle(bundle: dict[str, float]) -> str:
+    """{rollout: 1, CPU: 8, GPU: 1}"""
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
+
+
+def pool_processes(cfg: RunConfig) -> dict[str, tuple[PoolConfig, int]]:
+    """Each role's pool and the processes (placement bundles) the driver asks for: at least one
+    rollout actor, one reward actor per model per replica, the learner's ranks, each × parallel.sp."""
+    p = cfg.pools
+    return {"reward": (p.reward, reward_actor_count(cfg)),
+            "rollout": (p.rollout, max(1, p.rollout.num_actors) * p.rollout.parallel.sp),
+            "learner": (p.learner, p.learner.num_actors * p.learner.parallel.sp)}
+
+
 def placement_group_for(pool: PoolConfig, role: str, count: int):
     """A PACK placement group with one bundle per process of the pool's `count` actors; None for
     an empty pool. Bundles 0..count-1 are the actors themselves; with parallel.sp > 1 the rest
@@ -119,10 +157,7 @@ def placement_group_for(pool: PoolConfig, role: str, count: int):
 
     if count <= 0:
         return None
-    bundle = {"CPU": pool.num_cpus, role: 1.0}
-    if pool.num_gpus:
-        bundle["GPU"] = pool.num_gpus
-    bundle = {k: v for k, v in bundle.items() if v > 0}
+    bundle = bundle_of(pool, role)
     # the name is unique per group: two runs in one process (`vgrpo compare --parallel`) each own one
     return placement_group([dict(bundle) for _ in range(count * pool.parallel.sp)], strategy="PACK",
                            name=f"vgrpo-{role}-{uuid.uuid4().hex[:8]}")
@@ -151,12 +186,23 @@ class Placement:
 
     @classmethod
     def create(cls, pool: PoolConfig, role: str, count: int, timeout_s: float = 300.0) -> Placement:
-        import ray  # lazy: ray (kept out of vgrpo --help)
+        placement = cls.request(pool, role, count)
+        wait_placed([placement], timeout_s)
+        return placement
 
-        pg = placement_group_for(pool, role, count)
-        if pg is not None:
-            ray.get(pg.ready(), timeout=timeout_s)
-        return cls(pool, role, pg)
+    @classmethod
+    def request(cls, pool: PoolConfig, role: str, count: int) -> Placement:
+        """Ask for the placement group without waiting for it (`wait_placed`)."""
+        return cls(pool, role, placement_group_for(pool, role, count))
+
+    def bundle_nodes(self) -> dict[int, str]:
+        """Bundle index -> the id of the node it was placed on (a ready group)."""
+        if self.group is None:
+            return {}
+        # lazy: ray (kept out of vgrpo --help)
+        from ray.util.placement_group import placement_group_table
+
+        return {int(i): n for i, n in placement_group_table(self.group).get("bundles_to_node_id", {}).items()}
 
     def options(self, index: int, **extra: Any) -> dict[str, Any]:
         return actor_options(self.pool, self.role, **in_group(self.group, index), **extra)
@@ -168,3 +214,22 @@ class Placement:
 
             remove_placement_group(self.group)
             self.group = None
+
+
+class NotPlaced(UserError):
+    """Pools whose placement groups were not ready in time (one line)."""
+
+
+def wait_placed(placements: list[Placement], timeout_s: float) -> None:
+    """Wait until every pool's placement group is ready; else one line naming the pools that are
+    not, what each asks per process, and for how long it waited."""
+    import ray  # lazy: ray (kept out of vgrpo --help)
+
+    refs = {p.group.ready(): p for p in placements if p.group is not None}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    late = [p for r, p in refs.items() if r not in ready]
+    if late:
+        what = "; ".join(f"pools.{p.role}: {len(p.group.bundle_specs)} x {show_bundle(bundle_of(p.pool, p.role))}"
+                         for p in late)
+        raise NotPlaced(f"the cluster did not place {what} within {timeout_s:.0f} s: another job holds those "
+                        "resources, or no node offers them (raise preflight.autoscale_wait_s to wait longer)")

@@ -5,13 +5,16 @@ line naming the field and the fix."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
 
+from cluster.driver.pools import job_runtime_env
 from cluster.plan.checks import refuse, run_checks
 from cluster.plan.sizing import plan
 from cluster.runs.tracking import check_installed
+from common import storage
 from common.config import ConfigError, RunConfig
 from common.families import FAMILIES
 from common.scorers import scorer_spec
@@ -37,7 +40,9 @@ def check_prompts(cfg: RunConfig) -> None:
 
 def check_rewards(cfg: RunConfig) -> None:
     """Every reward model has a scorer, no two report the same head name (common/rewards.py),
-    and reward checkpoints named as local paths exist; hub ids are left to the loader."""
+    a scorer whose upstream template ships with no wheel names its template_path, and reward
+    checkpoints named as local paths exist; hub ids are left to the loader. Each reward node's own
+    files are checked on the cluster (cluster/driver/cluster_check.py)."""
     # lazy: torch (kept out of vgrpo --help)
     from reward_worker.registry import config_heads
     from rollout_worker.models.base import is_local
@@ -58,6 +63,9 @@ def check_rewards(cfg: RunConfig) -> None:
             if value and is_local(value) and not Path(value).expanduser().exists():
                 raise ConfigError(f"{field}.{key} = {value!r} does not exist; download the checkpoint "
                                   "there or fix the path")
+        if spec.template_file and not spec.template_wheel and m.template_path is None:
+            raise ConfigError(f"{field}.template_path is required for name = {m.name!r} (upstream's "
+                              f"{spec.template_file}, never shipped here): {spec.template_how}")
     config_heads(cfg.rewards.models)
 
 
@@ -97,7 +105,8 @@ def check_experts(cfg: RunConfig) -> None:
 def check_plan(cfg: RunConfig) -> None:
     """`vgrpo plan`'s checks on the config's own GPU (plan.gpu): a bank that holds
     bank.headroom_steps steps, timeouts that fit their work, pods (plan.pods, which the Helm
-    chart writes) that hold their processes. Families without a plan (toy) are not sized."""
+    chart writes) that hold their processes, and every pool with GPUs within plan.gpu's memory
+    (unless preflight.skip_gpu_memory_check). Families without a plan (toy) are not sized."""
     if not FAMILIES[cfg.model.family].planned:
         return
 
@@ -105,7 +114,21 @@ def check_plan(cfg: RunConfig) -> None:
         p = plan(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    refuse(run_checks(cfg, p, cfg.plan.pods))
+    refuse(run_checks(cfg, p, cfg.plan.pods))  # GPU memory first (unless preflight.skip_gpu_memory_check)
+
+
+def job_run_root(cfg: RunConfig) -> tuple[RunConfig, str | None]:
+    """Under `ray job submit` the entrypoint runs in Ray's per-job copy of the working directory
+    (session_*/runtime_resources/working_dir_files/...), which Ray deletes: a relative run.root is
+    resolved under $HOME instead. Returns the config and, when it moved, the line that says where."""
+    root = cfg.run.root
+    if storage.is_uri(root) or Path(root).expanduser().is_absolute() or job_runtime_env() is None:
+        return cfg, None
+    target = Path.home() / root
+    line = (f"run.root = {root!r} is relative and this is a Ray job, whose working directory ({os.getcwd()}) "
+            f"Ray deletes: runs go to {target} (under $HOME); set run.root to an absolute path on storage the "
+            "head and every learner machine share to choose the place")
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"root": str(target)})}), line
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -3,7 +3,10 @@
 `bank.headroom_steps` steps of groups, a timeout below SAFETY times the work it waits for, a pod
 below the host RAM of the processes it holds, a Redis maxmemory below bank.max_bytes. Each
 check is one line of figures; a failing one also carries the one-line refusal (field, figure,
-fix).
+fix). GPU memory: `gpu_checks` refuses a pool with GPUs whose process peak (plus
+plan.gpu_reserved_gib) leaves less than plan.min_free of plan.gpu (unless
+preflight.skip_gpu_memory_check), and `role_peaks` gives the peaks the cluster preflight compares
+with each node's own GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from cluster.plan.host import (
     peak,
     redis_bytes,
 )
-from cluster.plan.sizing import GB, GPUS, Plan, learner_peak, rollout_peaks
+from cluster.plan.sizing import (
+    GB,
+    GPUS,
+    Plan,
+    learner_memory,
+    learner_peak,
+    rollout_peaks,
+)
 from cluster.plan.timing import SAFETY, estimates
 from common.config import ConfigError, PodsConfig
 
@@ -86,43 +96,75 @@ def pod_checks(cfg, p: Plan, pods: PodsConfig) -> list[Check]:
     return out
 
 
-_FIXES = {"learner": "set model.gradient_checkpointing true, add pools.learner.num_actors (FSDP2 shards over "
-                       "them), learner.cpu_offload true, or optim.finetune lora",
-          "rollout": "lower sampler.forward_batch_size, set model.vae_tiling true and model.text_encoder_offload "
-                     "true, or raise pools.rollout.parallel.sp"}
+ROLE_FIX = {"learner": "set model.gradient_checkpointing true, raise pools.learner.num_actors (FSDP2 shards the "
+                       "weights, gradients and optimizer over the ranks), set learner.cpu_offload=true, or "
+                       "optim.finetune lora",
+            "rollout": "lower sampler.forward_batch_size, set model.vae_tiling and model.text_encoder_offload true, "
+                       "or raise pools.rollout.parallel.sp"}
+SKIP_GPU = "or set preflight.skip_gpu_memory_check=true if you know better"
 
 
-def role_peaks(cfg, p: Plan) -> dict[str, tuple[str, float]]:
-    """Role -> (its peak phase, GPU bytes at it) of one process, as the plan prints them."""
-    learner = {"train step": learner_peak(p.learner, cfg.model.gradient_checkpointing)}
-    if not cfg.learner.cpu_offload:
-        learner["setup"] = sum(p.learner_setup.values())
-    rollout = {f"while {k}": v for k, v in rollout_peaks(cfg, p).items()}
-    return {role: max(phases.items(), key=lambda kv: kv[1]) for role, phases in
-            (("learner", learner), ("rollout", rollout))}
+def role_peaks(cfg, p: Plan) -> dict[str, tuple[float, str]]:
+    """GPU bytes one process of each pool with GPUs peaks at by the plan, and at what: a learner
+    rank's train step (with model.gradient_checkpointing as configured) or its setup, when that
+    is on the GPU; a rollout rank's encoding, generating or receiving weights."""
+    out: dict[str, tuple[float, str]] = {}
+    if cfg.pools.learner.num_gpus > 0:
+        ck = cfg.model.gradient_checkpointing
+        parts = {f"train step, {'with' if ck else 'without'} gradient checkpointing": learner_peak(p.learner, ck)}
+        if not cfg.learner.cpu_offload:
+            parts["setup"] = sum(p.learner_setup.values())
+        what = max(parts, key=parts.get)
+        out["learner"] = (parts[what], what)
+    if cfg.pools.rollout.num_gpus > 0:
+        peaks = {f"while {k}": v for k, v in rollout_peaks(cfg, p).items()}
+        what = max(peaks, key=peaks.get)
+        out["rollout"] = (peaks[what], what)
+    return out
+
+
+def _ranks_that_fit(cfg, p: Plan, cap: float) -> int | None:
+    """The fewest learner ranks (a power of two, at most 64) whose step peak fits `cap` bytes."""
+    n = 1
+    while n <= 64:
+        c = cfg.model_copy(update={"pools": cfg.pools.model_copy(update={
+            "learner": cfg.pools.learner.model_copy(update={"num_actors": n})})})
+        if learner_peak(learner_memory(c, p.arch), cfg.model.gradient_checkpointing) < cap:
+            return n
+        n *= 2
+    return None
 
 
 def gpu_checks(cfg, p: Plan) -> list[Check]:
-    """Each role's planned peak plus plan.gpu_reserved_gib leaves plan.min_free of the GPU free."""
+    """Each pool with GPUs: its process's planned peak plus plan.gpu_reserved_gib (the CUDA
+    context, NCCL, fragmentation) leaves plan.min_free of plan.gpu free. A pool that shares a GPU
+    (fractional num_gpus) is checked against the whole GPU here; the plan's per-device lines sum
+    the processes that share one."""
     cap = GPUS[p.gpu][1] * GB
     reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
     out = []
-    for role, (phase, peak_b) in role_peaks(cfg, p).items():
+    for role, (peak_b, what) in role_peaks(cfg, p).items():
         free = 1.0 - (peak_b + reserved) / cap
-        line = (f"pools.{role} GPU peak ({phase}) {peak_b / GB:.1f} + {reserved / GB:.1f} GiB reserved of "
+        line = (f"pools.{role} GPU peak ({what}) {peak_b / GB:.1f} + {reserved / GB:.1f} GiB reserved of "
                 f"{cap / GB:.0f} GiB on {p.gpu}: {free:.0%} free (plan.min_free {want:.0%})")
         short = (f"leaves {free:.0%} of the {p.gpu}'s {cap / GB:.0f} GiB free" if free >= 0 else
                  f"exceeds the {p.gpu}'s {cap / GB:.0f} GiB by {(peak_b + reserved - cap) / GB:.1f} GiB")
-        refusal = (f"pools.{role}: the plan's {role} peak ({phase}) of {peak_b / GB:.1f} GiB plus "
+        fix = ROLE_FIX[role]
+        room = (1.0 - want) * cap - reserved
+        if role == "learner" and "train step" in what and (n := _ranks_that_fit(cfg, p, room)) is not None \
+                and n > cfg.pools.learner.num_actors:
+            fix = f"set pools.learner.num_actors to at least {n} (FSDP2 shards over the ranks); or {fix}"
+        refusal = (f"pools.{role}: the plan's {role} peak ({what}) of {peak_b / GB:.1f} GiB plus "
                    f"plan.gpu_reserved_gib = {cfg.plan.gpu_reserved_gib:g} {short}, and plan.min_free = {want:g} "
-                   f"asks {want:.0%} free; {_FIXES[role]} (vgrpo plan shows the parts)")
+                   f"asks {want:.0%} free; {fix} (vgrpo plan shows the parts), {SKIP_GPU}")
         out.append(Check(f"pools.{role}", free >= want, line, refusal))
     return out
 
 
 def run_checks(cfg, p: Plan, pods: PodsConfig | None) -> list[Check]:
     """Every check, in the order they are reported."""
-    out = [*gpu_checks(cfg, p), bank_check(cfg, bank_size(cfg)), *timeout_checks(cfg, p)]
+    gpu = [] if cfg.preflight.skip_gpu_memory_check else gpu_checks(cfg, p)
+    out = [*gpu, bank_check(cfg, bank_size(cfg)), *timeout_checks(cfg, p)]
     return out + (pod_checks(cfg, p, pods) if pods is not None else [])
 
 
