@@ -122,7 +122,7 @@ REFUSED = {  # config, overrides, the refusal's start
     "checkpoint": (WAN, ["learner.checkpoint_timeout_s=60"], "learner.checkpoint_timeout_s = 60 is below 3x"),
     # one learner rank holds the whole 14B expert, its fp32 masters and AdamW: 283 GiB a step
     "single learner rank": (WAN, ["pools.learner.num_actors=1"],
-                            "pools.learner: the plan's learner peak (train step) of 283.1 GiB"),
+                            "pools.learner: the plan's learner peak (train step, with gradient checkpointing) of 283.1 GiB"),
     # on an 80 GB GPU, the whole group in one forward and UMT5 kept on the GPU leave under 10% free
     "rollout margin": (WAN, ["plan.gpu=H100", "sampler.forward_batch_size=null", "model.text_encoder_offload=false"],
                        "pools.rollout: the plan's rollout peak (while generating) of 85.6 GiB"),
@@ -191,7 +191,7 @@ def test_train_preflight_refuses_what_the_plan_refuses(tmp_path, capsys):
                  f"run.root={runs}", "pools.learner.num_actors=1", "optim.finetune=full"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
-    assert err.startswith("error: pools.learner: the plan's learner peak (train step) of "), err
+    assert err.startswith("error: pools.learner: the plan's learner peak (train step, "), err
     assert not runs.exists()
 
 
