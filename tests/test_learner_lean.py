@@ -149,3 +149,39 @@ def test_a_batch_without_its_encoded_conditions_is_refused_in_one_line():
     group.members[0].cond = build_model(cfg).encode(["a red square moving left"])
     with pytest.raises(ValueError, match="mixes trajectories with and without"):
         trainer.train_step(TrainBatch([group]))
+
+
+def test_a_learner_rank_trains_a_banked_ti2v_5b_i2v_group_with_per_token_timesteps(bank, tmp_path):
+    """Wan 2.2 TI2V-5B from a checkpoint saved as the hub's (WanPipeline, expand_timesteps): the
+    rollout loads it for I2V, the bank stores its held first frame's latents, and a learner rank
+    (transformer only, loaded from the same folder) replays the banked steps with log r = 0 and
+    trains on them."""
+    WanPipeline(scheduler=FlowMatchEulerDiscreteScheduler(),
+                **tiny_wan_components("ti2v_5b")).save_pretrained(tmp_path / "ckpt")
+    cfg = _cfg("wan", "i2v", tmp_path / "ckpt", schedule={"steps": 3, "shift": 1.0},
+               sampler={"group_size": 2, "train_steps": "all"},
+               optim={"finetune": "lora", "lora_rank": 4, "micro_batch": 4},
+               pools={"learner": {"num_cpus": 0.5, "torch_threads": 1}})
+    cfg = RunConfig.model_validate({**cfg.model_dump(mode="json"),
+                                    "model": {**cfg.model.model_dump(mode="json"), "num_frames": 9,
+                                              "height": 32, "width": 64}})
+    rollout = build_model(cfg, "cpu")
+    assert rollout.expand_timesteps and rollout.latent_shape == (48, 3, 2, 4)
+    group = sample_group(rollout, Condition("c0", "a red cat", image=IMAGE), cfg, seed=1, policy_version=0)
+    assert set(group.members[0].cond.tensors) == {"encoder_hidden_states", "first_frame"}
+    group.scores = Scores(["R"], torch.tensor([[0.2], [0.9]]))
+    group.composite = torch.tensor([0.2, 0.9])
+    for m in group.members:
+        m.frames = None
+    bank.push_group(group)
+    rank = LearnerRank(cfg.model_dump(mode="json"), 0, 1)
+    rank.setup("127.0.0.1", 0)
+    model = rank.trainer.model
+    assert model.components == "transformer" and model.expand_timesteps and model.pipe.vae is None
+    batch = bank.pull(1, 0)
+    assert torch.equal(batch.fresh[0].cond.tensors["first_frame"], group.members[0].cond.tensors["first_frame"])
+    before = {n: p.detach().clone() for n, p in rank.trainer.policy.params.items()}
+    stats = rank.train_step(TrainBatch(batch.fresh, batch.bank, 0))
+    assert stats["version"] == 1.0 and stats["num_rows"] == 2 * 3
+    assert any(not torch.equal(p, before[n]) for n, p in rank.trainer.policy.params.items())
+    assert stats["logratio_first_absmax"] < 1e-5
