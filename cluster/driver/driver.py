@@ -195,7 +195,7 @@ class Driver:
         s.actors += [*rollouts, registry]
         self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, versions=Versions(n_roll),
                                   on_sync_error=self._learner_check, timers=self.timers, metrics=self.metrics,
-                                  note=self.note, serve_record=lambda: self.publisher.serve_record())
+                                  note=self.note, serve_record=lambda: self.publisher.serve_record(now=True))
         self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options)
         self.publisher = Publisher(cfg, self.learner, self.fleet, registry, on_learner_error=self._learner_check,
                                    timers=self.timers, metrics=self.metrics)
