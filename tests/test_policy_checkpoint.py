@@ -140,6 +140,13 @@ def test_vgrpo_reads_it_shard_by_shard_and_names_a_damaged_shard(saved, tmp_path
     copy = tmp_path / "step_00000001"
     shutil.copytree(policy.parent, copy)
     shard = sorted((copy / "policy" / "transformer").glob("*.safetensors"))[-1]
-    shard.write_bytes(shard.read_bytes()[:-100])
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-100])
     with pytest.raises(CheckpointError, match=f"^{shard}: truncated or damaged safetensors file"):
         PolicyFiles(copy)
+    # bytes that make a weight NaN (safetensors has no checksum): named with the tensor as it is read
+    start = 8 + int.from_bytes(whole[:8], "little")
+    shard.write_bytes(whole[:start] + b"\xff\xff" + whole[start + 2:])
+    files = PolicyFiles(copy)
+    with pytest.raises(CheckpointError, match=f"^{shard}: tensor '.*' holds NaN/inf"):
+        files.read_all()

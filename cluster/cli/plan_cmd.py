@@ -83,8 +83,8 @@ def render(cfg, p: Plan, source: str) -> str:
                  + ", ".join(f"{k} {v / GB:.1f}" for k, v in p.learner_setup.items()) + " GiB)")
     ck = checkpoint_host(cfg, p)
     lines.append(f"  {'checkpoint save (host, per rank)':<32}{max(ck.values()) / GB:9.1f} GiB  (the policy one "
-                 f"tensor at a time, {ck[POLICY_WRITE] / 2**20:.0f} MiB, each rank writing its own shard files; "
-                 f"then the trainer state one storage at a time, {ck[STATE_WRITE] / 2**20:.0f} MiB; no rank "
+                 f"tensor at a time, {ck[POLICY_WRITE] / 2**20:.1f} MiB, each rank writing its own shard files; "
+                 f"then the trainer state one storage at a time, {ck[STATE_WRITE] / 2**20:.1f} MiB; no rank "
                  "holds a shard or the model)")
     fbs, sp_r = cfg.sampler.forward_batch_size, cfg.pools.rollout.parallel.sp
     rows = f"{rollout_rows(cfg)} rows per forward: " + ("the whole group, sampler.forward_batch_size null"

@@ -80,7 +80,7 @@ def learner_host(cfg, p: Plan) -> dict[str, float]:
     return out
 
 
-POLICY_WRITE, STATE_WRITE = "checkpoint: policy (one tensor)", "checkpoint: trainer state (one storage)"
+POLICY_WRITE, STATE_WRITE = "checkpoint policy (one tensor)", "checkpoint save (one storage)"
 
 
 def checkpoint_host(cfg, p: Plan) -> dict[str, float]:
