@@ -294,16 +294,33 @@ OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 @_explained()
 def write(uri: str, data: bytes | Writer) -> None:
     """One object: bytes, or a writer called with the open file."""
-    fs, path = filesystem(uri)
-    parent = posixpath.dirname(path)
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    if parent and not protocols & OBJECT_STORES:
-        fs.makedirs(parent, exist_ok=True)
-    with fs.open(path, "wb") as f:
+    with open_write(uri) as f:
         if callable(data):
             data(f)
         else:
             f.write(data)
+
+
+def open_write(where: str | os.PathLike) -> IO[bytes]:
+    """A file opened for writing: a local path (its folders made), or one object of a URI
+    (written as the bytes come, in the driver's parts; complete when closed)."""
+    if not is_uri(where):
+        Path(where).parent.mkdir(parents=True, exist_ok=True)
+        return open(where, "wb")  # noqa: SIM115 (the caller closes it)
+    fs, path = filesystem(str(where))
+    parent = posixpath.dirname(path)
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if parent and not protocols & OBJECT_STORES:
+        fs.makedirs(parent, exist_ok=True)
+    return fs.open(path, "wb")
+
+
+def open_read(where: str | os.PathLike) -> IO[bytes]:
+    """A file opened for reading, local or one object of a URI."""
+    if not is_uri(where):
+        return open(where, "rb")  # noqa: SIM115 (the caller closes it)
+    fs, path = filesystem(str(where))
+    return fs.open(path, "rb")
 
 
 def step_name(prefix: str, step: int) -> str:

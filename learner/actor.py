@@ -41,6 +41,7 @@ from common.weights_record import WeightsRecord
 from learner import checkpoint, dist_checkpoint, fsdp
 from learner.admit import Admission, admit
 from learner.advantages import group_spread
+from learner.policy_writer import expert_configs
 from learner.shard_load import lean_sharder
 from learner.trainer import Trainer
 from learner.weight_sync import PublishReport, WeightPublisher, put_stream, stream_tensors
@@ -312,12 +313,24 @@ class LearnerRank:
                 stream.drain()
 
     def save_policy(self, path: str) -> None:
-        """Write the exported policy as safetensors: the live weights, or their moving average when
-        the run keeps one (rank 0; every rank joins the gather)."""
-        payload = self.weights_payload(ema=True)
-        if payload is not None:
-            checkpoint.write_policy(path, payload, ema=self.trainer.exports_ema,
-                                    version=self.trainer.version, decay=self.cfg.optim.ema_decay)
+        """Write the exported policy (the live weights, or their moving average when the run keeps
+        one) under `path` in diffusers' sharded layout: every rank gathers one tensor at a time
+        and writes those of its own shard files (learner/policy_writer.py); rank 0 adds the
+        configs and the index. Collective."""
+        t = self.trainer
+        policy = t.policy
+        with t.exported(ema=True):
+            tensors = policy.payload_tensors()
+            wire = {k: policy.wire_dtype(k, v) for k, v in tensors.items()}
+            configs = {} if self.cfg.optim.finetune == "lora" else \
+                expert_configs(policy.module, FAMILIES[self.cfg.model.family].transformer)
+            checkpoint.write_policy(path, tensors, ema=t.exports_ema, version=t.version,
+                                    decay=self.cfg.optim.ema_decay, wire=wire, configs=configs,
+                                    rank=self.rank, world=self.world_size, wait=self._wait_for_writers)
+
+    def _wait_for_writers(self) -> None:
+        fsdp.barrier(self.cfg.learner.checkpoint_timeout_s, "learner.checkpoint_timeout_s",
+                     "wrote its policy shards")
 
     @exports_publish
     def publish(self, actors: list | None, names: list[str] | None = None,

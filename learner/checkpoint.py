@@ -6,7 +6,7 @@ driver adds (data cursor, bank watermark) as JSON. Only the newest `keep` surviv
 after the new one is in place.
 
 A checkpoint as a whole (cluster/driver/checkpoint.py): the driver first writes the bank's dump and
-policy.safetensors into `stage(root, step)` (a hidden `.stage-step_N` dir locally, the unlisted
+has the learner ranks write the policy (`policy/`, `write_policy`) into `stage(root, step)` (a hidden `.stage-step_N` dir locally, the unlisted
 step dir on an object store); the learner's `save` then adds the trainer state last, fsyncs, and
 renames it into place (or writes the marker last), so a step dir is visible only when every file
 of it is written. A full disk is `DiskFull`: one line, and the older checkpoints stay.
@@ -32,14 +32,15 @@ import tempfile
 import uuid
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as save_safetensors
 
 from common import storage
 from common.errors import UserError
+from common.policy_layout import POLICY_DIR
+from learner import policy_writer
 from learner.finite_guard import check_weights
 
 PREFIX = "step_"
@@ -133,6 +134,7 @@ def stage(root: str | os.PathLike, step: int) -> Path:
         for marker in (STATE_FILE, META_FILE):
             if (d / marker).exists():
                 storage.remove(d / marker)
+        storage.remove(d / POLICY_DIR)   # an earlier save's shards (maybe of another rank count)
         return d
     d = Path(root) / f"{STAGE}{PREFIX}{step:08d}"
     shutil.rmtree(d, ignore_errors=True)   # what a killed run left half-written
@@ -263,19 +265,16 @@ def load(path: str | os.PathLike, map_location="cpu") -> tuple[dict, dict, Path]
     return state, read_extra(d / EXTRA_FILE), d
 
 
-def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int, decay: float) -> None:
-    """The exported policy, `policy.safetensors` (what `vgrpo eval` and `vgrpo export` read): the
-    weights or, with optim.ema_decay, their moving average; its metadata says which."""
-    check_weights(payload, str(path))
-    meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(version),
-            "vgrpo.ema_decay": repr(float(decay)) if ema else "0.0"}
-    data = save_safetensors({k: v.detach().cpu().contiguous() for k, v in payload.items()}, metadata=meta)
-    if storage.is_uri(path):
-        storage.write(str(path), data)   # one PUT: whole or absent
-        return
-    tmp = Path(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+def write_policy(path: str | os.PathLike, payload: dict, ema: bool, version: int, decay: float, *,
+                 wire: dict | None = None, configs: dict[str, str] | None = None, rank: int = 0, world: int = 1,
+                 wait: Callable[[], None] | None = None) -> None:
+    """The exported policy, `policy/` (what `vgrpo eval` and `vgrpo export` read): the weights or,
+    with optim.ema_decay, their moving average, in diffusers' sharded safetensors layout
+    (common/policy_layout.py), its metadata saying which. A learner group calls it on every rank
+    with its own shards (learner/policy_writer.py: no rank holds the whole model); one process
+    with its whole payload writes it alone."""
+    policy_writer.write(path, payload, policy_writer.policy_meta(ema, version, decay), wire=wire,
+                        configs=configs, rank=rank, world=world, wait=wait)
 
 
 # --- verification: one line per damaged file ----------------------------------------------------

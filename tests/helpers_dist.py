@@ -163,3 +163,32 @@ def resume_across_writers(rank: int, port: int, cfg_json: str, batch_path: str, 
     fsdp.shutdown_process_group("barrier_only")
 
 
+
+
+def save_policy_on_ranks(rank: int, world: int, port: int, cfg_json: str, path: str, out: str) -> None:
+    """Rank `rank` of `world` (gloo) sets up a learner rank as LearnerGroup does (learner/actor.py,
+    the lean sharded path), moves every weight (w := 1.5 w + 0.01 on its shard, so the policy is
+    not the base), and writes the policy as a checkpoint does (`LearnerRank.save_policy`),
+    measuring what the save allocates on this host: torch storages (common/tensor_bytes.py) and
+    Python objects (tracemalloc: bytes, numpy buffers). Writes both peaks to out.RANK."""
+    import json
+    import tracemalloc
+
+    import torch
+
+    from common.tensor_bytes import LiveTensorBytes
+    from learner.actor import LearnerRank
+
+    lr = LearnerRank(json.loads(cfg_json), rank, world)
+    lr.setup("127.0.0.1", port)
+    with torch.no_grad():
+        for p in lr.trainer.policy.params.values():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.mul_(1.5).add_(0.01)
+    tracemalloc.start()
+    with LiveTensorBytes() as probe:
+        lr.save_policy(path)
+    _, py_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    torch.save({"tensor_peak": probe.peak, "python_peak": py_peak}, f"{out}.{rank}")
+    lr.close()

@@ -4,7 +4,8 @@ A short run with `weight_sync.transport: collective` and two real rollout actors
 One actor is killed while it generates (the fleet sees the failure), the other right after a
 step is trained, before it is published (in sync mode it is idle then: nobody sees it until the
 publish asks). Both come back as new processes: the weight group is formed again around them,
-each restarted actor gets the current version before it generates, and the run finishes with
+each restarted actor gets the current version before it generates (broadcast to it bucket by
+bucket, as to a running one: no whole version goes into the object store), and the run finishes with
 every group made by weights at least as new as those published when it was dispatched (sync:
 the version it trained against), none by the base weights after the first publish.
 """
@@ -74,6 +75,13 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
         driver.setup()
         a0, a1 = driver.rollouts
         seen["pids"] = [_pid(ray, a0), _pid(ray, a1)]
+        made, seen["records"] = driver.learner.weights_record, []
+
+        def noting_records(*a, **kw):  # a whole version put into the object store
+            seen["records"].append(a)
+            return made(*a, **kw)
+
+        driver.learner.weights_record = noting_records
 
         def kill_mid_group():
             # step 1 trained and published: kill actor 0 as soon as it is generating its next group
@@ -132,6 +140,7 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
         bank = driver.bank
         seen["done"] = [g.decode() for g in bank.r.lrange(bank.keys.done, 0, -1)]
         seen["entry_versions"] = [json.loads(v)["v"] for v in bank.r.hvals(bank.keys.einfo)]
+        seen["registry"] = ray.get(driver.publisher.registry.latest.remote(), timeout=60)
     finally:
         driver.teardown()
     rows = [json.loads(x) for x in run_dir.metrics_file.read_text().splitlines()]
@@ -159,6 +168,9 @@ def test_restarted_rollout_actors_rejoin_the_weight_group_and_never_generate_wit
     members = dict(driver.publisher.group.members)
     assert members and all(seen["incarnations"][i] == inc for i, inc in members.items()), members
     assert seen["versions"] == [STEPS, STEPS]
+    # 4. the restarted actors got their versions as the running ones do, broadcast bucket by bucket:
+    #    no whole version was ever put into the object store, and the registry holds none
+    assert seen["records"] == [] and seen["registry"] is None
 
 
 def _exact_versions(receipts, seen, rows) -> None:

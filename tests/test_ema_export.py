@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
+from cluster.runs.policy_file import read_policy
 from common.config import load_config
 
 STEPS = 3
@@ -67,7 +67,7 @@ def test_a_run_with_ema_evaluates_and_exports_the_moving_average(ray_session, tm
     assert driver.step == STEPS and versions == [STEPS + 1] * len(versions)  # the average goes out as N + 1
     moved = [k for k in ema if not torch.equal(ema[k], live[k])]
     assert moved, "after 3 steps the average must differ from the live weights"
-    exported = load_file(str(path / "policy.safetensors"))
+    exported = read_policy(path)   # policy/: diffusers' sharded layout, written by the learner ranks
     assert set(exported) == set(ema) and all(torch.equal(exported[k], ema[k]) for k in ema)
 
     pairs = [(c.prompt, s) for c in load_prompts(cfg.train.eval_prompts) for s in eval_seeds(cfg.train.eval_seeds)]

@@ -22,14 +22,17 @@ from diffusers import (
 )
 from diffusers.guiders import ClassifierFreeGuidance
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from cluster.cli import main
 from cluster.evaluation.policy import load_policy
 from cluster.runs.export import EXPORT_JSON, LORA_FILE, export_run
 from cluster.runs.run_dir import RunDir
 from common.config import RunConfig, load_config
+from common.policy_layout import LEGACY_FILE, POLICY_DIR
 from common.sde import Schedule
 from learner.checkpoint import write_policy
+from learner.policy_writer import expert_configs
 from rollout_worker.models.hunyuan15 import Hunyuan15VideoModel
 from rollout_worker.models.lora import inject_lora, is_lora_key
 from rollout_worker.models.tiny import tiny_hunyuan15_components, tiny_wan_components
@@ -59,7 +62,7 @@ def latents(model, prompts, seeds, schedule, images=None) -> torch.Tensor:
 
 
 def trained_adapter(module, family: str, cfg: RunConfig, seed: int = 1) -> dict[str, torch.Tensor]:
-    """What a LoRA run's policy.safetensors holds, with every adapter weight moved off its init."""
+    """What a LoRA run's policy holds, with every adapter weight moved off its init."""
     inject_lora(module, family, cfg.optim)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -69,13 +72,19 @@ def trained_adapter(module, family: str, cfg: RunConfig, seed: int = 1) -> dict[
     return {k: v.clone() for k, v in module.state_dict().items() if is_lora_key(k)}
 
 
-def make_run(tmp_path, cfg: RunConfig, payload, ema: bool = False, summary: dict | None = None) -> RunDir:
-    """A run dir as `vgrpo train` leaves it: config.yaml, checkpoints/step_N/policy.safetensors
-    (the learner's own writer), summary.json."""
+def make_run(tmp_path, cfg: RunConfig, payload, ema: bool = False, summary: dict | None = None,
+             legacy: bool = False) -> RunDir:
+    """A run dir as `vgrpo train` leaves it: config.yaml, checkpoints/step_N/policy/ (the
+    learner's own writer; `legacy`: the single policy.safetensors of older checkpoints),
+    summary.json."""
     run = RunDir.create(cfg)
     ckpt = run.checkpoints / f"step_{STEP:08d}"
     ckpt.mkdir(parents=True)
-    write_policy(ckpt / "policy.safetensors", payload, ema=ema, version=STEP, decay=cfg.optim.ema_decay)
+    if legacy:
+        meta = {"vgrpo.weights": "ema" if ema else "live", "vgrpo.version": str(STEP), "vgrpo.ema_decay": "0.0"}
+        save_file({k: v.contiguous() for k, v in payload.items()}, str(ckpt / LEGACY_FILE), metadata=meta)
+    else:
+        write_policy(ckpt / POLICY_DIR, payload, ema=ema, version=STEP, decay=cfg.optim.ema_decay)
     if summary is not None:
         run.summary_file.write_text(json.dumps(summary))
     return run
@@ -159,7 +168,9 @@ def test_hunyuan15_lora_loads_with_the_transformers_load_lora_adapter(tmp_path):
     assert "pipe.transformer.load_lora_adapter" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_wan_full_fine_tune_exports_a_transformer_folder_and_a_pipeline(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True])
+def test_wan_full_fine_tune_exports_a_transformer_folder_and_a_pipeline(tmp_path, legacy):
+    """legacy: a checkpoint written before policy/ (one policy.safetensors) exports alike."""
     base, _ = wan_base(tmp_path, "t2v")
     cfg = wan_cfg(tmp_path, base, finetune="full")
     model = load_policy(cfg, None)
@@ -167,7 +178,7 @@ def test_wan_full_fine_tune_exports_a_transformer_folder_and_a_pipeline(tmp_path
     with torch.no_grad():  # a "trained" transformer: every weight moved
         for p in model.trainable_module().parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    run = make_run(tmp_path, cfg, model.trainable_module().state_dict())
+    run = make_run(tmp_path, cfg, model.trainable_module().state_dict(), legacy=legacy)
     ours = latents(load_policy(cfg, run.checkpoints / f"step_{STEP:08d}"), ["a red cat"], [SEED], Schedule(SIGMAS))
 
     export_run(str(run.path), str(tmp_path / "tr"))
@@ -196,7 +207,7 @@ def _toy_cfg(tmp_path, *extra):
 
 def _toy_run(tmp_path, cfg, steps: int = 2):
     """`steps` learner updates on groups the toy base sampled, then the checkpoint and its
-    policy.safetensors as the driver writes them; summary.json from real before/after evaluations."""
+    policy/ as the driver writes them; summary.json from real before/after evaluations."""
     from helpers_tiny import sample_group
 
     from cluster.evaluation.evaluate import paired
@@ -215,8 +226,9 @@ def _toy_run(tmp_path, cfg, steps: int = 2):
             g.composite = torch.stack([-t.final_latents[0, 0].mean() for t in g.members])
         trainer.train_step(TrainBatch(groups))
     d = trainer.save_checkpoint(run.checkpoints, {"step": trainer.version, "cursor": 0})
-    write_policy(d / "policy.safetensors", trainer.weights_payload(ema=True), ema=trainer.exports_ema,
-                 version=trainer.version, decay=cfg.optim.ema_decay)
+    configs = expert_configs(trainer.policy.module, "WanTransformer3DModel") if cfg.optim.finetune == "full" else {}
+    write_policy(d / POLICY_DIR, trainer.weights_payload(ema=True), ema=trainer.exports_ema,
+                 version=trainer.version, decay=cfg.optim.ema_decay, configs=configs)
     before, after = evaluate_policy(cfg, None)[0], evaluate_policy(cfg, d)[0]
     run.summary_file.write_text(json.dumps({"steps": trainer.version, "before": before.to_dict(),
                                             "after": after.to_dict(),

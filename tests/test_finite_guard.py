@@ -92,9 +92,9 @@ def test_non_finite_weights_are_never_saved(tmp_path):
         tr.save_checkpoint(tmp_path / "ckpt")
     assert checkpoint.list_checkpoints(tmp_path / "ckpt") == []
     with pytest.raises(NonFiniteWeights, match="holds NaN/inf"):
-        checkpoint.write_policy(tmp_path / "policy.safetensors", tr.weights_payload(), ema=False, version=1,
+        checkpoint.write_policy(tmp_path / "policy", tr.weights_payload(), ema=False, version=1,
                                 decay=0.0)
-    assert not (tmp_path / "policy.safetensors").exists()
+    assert not (tmp_path / "policy").exists()   # refused before any shard file is made
 
 
 def _row(step: int, skipped: bool) -> dict:

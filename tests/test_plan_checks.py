@@ -159,7 +159,7 @@ def test_plan_refuses_pods_below_the_plan(tmp_path, capsys):
     assert err.startswith("error: workerGroups.rollout.memory = 64Gi is below the plan's 84.3 GiB "
                           "(1 rollout x 68.3 GiB + /dev/shm 16Gi); set it to at least 85Gi"), err
     assert main(["plan", "-c", str(WAN), "--values", str(_values(tmp_path, learner="16Gi"))]) == 2
-    assert "workerGroups.learner.memory = 16Gi is below the plan's 20.1 GiB" in capsys.readouterr().err
+    assert "workerGroups.learner.memory = 16Gi is below the plan's 20.3 GiB (1 learner x 4.3 GiB + /dev/shm 16Gi)" in capsys.readouterr().err
     assert main(["plan", "-c", str(WAN), "--values", str(_values(tmp_path, redis="8gb"))]) == 2
     assert capsys.readouterr().err.startswith("error: redis.maxmemory = 8gb is below bank.max_bytes = 8589934592")
 

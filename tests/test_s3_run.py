@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cluster.cli import main
+from cluster.runs.policy_file import has_policy
 from cluster.runs.run_dir import RunDir
 from common import storage
 from common.config import load_config
@@ -70,7 +71,7 @@ def _steps(run: storage.Uri) -> list[int]:
 
 def _past_a_checkpoint(run: storage.Uri) -> bool:
     """A whole checkpoint (its policy written last) is on S3 and the run is training past it."""
-    done = [d for d in checkpoint.list_checkpoints(run / "checkpoints") if (d / "policy.safetensors").is_file()]
+    done = [d for d in checkpoint.list_checkpoints(run / "checkpoints") if has_policy(d)]
     return bool(done) and (run / "metrics.jsonl").is_file() and _steps(run)[-1] > int(done[-1].name[5:])
 
 
@@ -113,7 +114,7 @@ def test_a_run_on_s3_killed_mid_way_resumes_from_the_object_store(s3_root, tmp_p
     assert status["state"] == "finished" and len(status["sessions"]) == 2
     newest = checkpoint.list_checkpoints(run / "checkpoints")[-1]
     assert newest.name == f"step_{STEPS:08d}"
-    assert (newest / "bank" / "index.json").is_file() and (newest / "policy.safetensors").is_file()
+    assert (newest / "bank" / "index.json").is_file() and has_policy(newest)
     assert dist_checkpoint.verify_newest(run / "checkpoints", 1) == newest
 
     assert main(["runs", s3_root, "--json"]) == 0

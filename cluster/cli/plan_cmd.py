@@ -15,7 +15,7 @@ from cluster.plan.devices import (
     role_peaks,
     shared_devices,
 )
-from cluster.plan.host import host_ram, peak, pods_for
+from cluster.plan.host import POLICY_WRITE, STATE_WRITE, checkpoint_host, host_ram, peak, pods_for
 from cluster.plan.sizing import (
     GB,
     GPUS,
@@ -90,8 +90,11 @@ def render(cfg, p: Plan, source: str) -> str:
     lines.append(f"  {'setup peak (' + where + ')':<32}{setup / GB:9.1f} GiB"
                  f"{'' if where == 'host' else ('  (fits)' if setup < cap * GB else '  (does NOT fit)')}  ({how}: "
                  + ", ".join(f"{k} {v / GB:.1f}" for k, v in p.learner_setup.items()) + " GiB)")
-    lines.append(f"  {'checkpoint save':<32}{0.0:9.1f} GiB  (no copy of the shards; torch.save moves one "
-                 "storage at a time to the host, see host RAM)")
+    ck = checkpoint_host(cfg, p)
+    lines.append(f"  {'checkpoint save (host, per rank)':<32}{max(ck.values()) / GB:9.1f} GiB  (the policy one "
+                 f"tensor at a time, {ck[POLICY_WRITE] / 2**20:.1f} MiB, each rank writing its own shard files; "
+                 f"then the trainer state one storage at a time, {ck[STATE_WRITE] / 2**20:.1f} MiB; no rank "
+                 "holds a shard or the model)")
     fbs, sp_r = cfg.sampler.forward_batch_size, cfg.pools.rollout.parallel.sp
     rows = f"{rollout_rows(cfg)} rows per forward: " + ("the whole group, sampler.forward_batch_size null"
                                                        if fbs is None else f"sampler.forward_batch_size {fbs}")

@@ -1,9 +1,11 @@
 """A checkpoint of the run: the learner's state, the driver's state, the bank's data, the policy.
 
 The learner's ranks write their own state; the driver adds its `DriverState` and the bank's
-watermark to extra.json; the bank's entries are dumped beside it; and rank 0 writes
-policy.safetensors, so `vgrpo eval/sample` can load the policy without the learner (the
-weights never pass through the driver).
+watermark to extra.json; the bank's entries are dumped beside it; and the learner ranks write
+the policy, `policy/` in diffusers' sharded safetensors layout, each rank the shard files of its
+own run of tensors (learner/policy_writer.py: no host ever holds the whole model), so
+`vgrpo eval/sample/export` can load the policy without the learner (the weights never pass
+through the driver).
 
 A checkpoint is visible only when whole: the bank dump and the policy go first, into the
 learner's stage for the step (learner/checkpoint.py `stage`); the trainer state goes last and
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from cluster.driver.state import DriverState
 from common import storage
+from common.policy_layout import POLICY_DIR
 from learner import checkpoint as ckpt
 from learner.checkpoint import DiskFull
 from memory_bank.dump import dump_bank
@@ -56,7 +59,7 @@ def write_checkpoint(learner, bank, state: DriverState, root: Path, note: Callab
             note("checkpoint without the bank's data: Redis was unreachable")
         elif (lost := dump_bank(bank, staged)) is not None:  # the bank's data rides along
             note(lost)
-        learner.save_policy(staged / "policy.safetensors")
+        learner.save_policy(staged / POLICY_DIR)
         path = learner.save_checkpoint(root, extra)   # the trainer state last: now it is visible
     except Exception as e:
         # whatever layer reported it (ENOSPC, torch's `unexpected pos`, a Ray task's error): a

@@ -243,7 +243,7 @@ class Driver:
             self.startup.watch(f"rollout actor {i}", a)
         self.fleet = RolloutFleet(cfg, rollouts, self.state, self.stream, versions=Versions(n_roll),
                                   on_sync_error=self._learner_check, timers=self.timers, metrics=self.metrics,
-                                  note=self.note, serve_record=lambda: self.publisher.serve_record())
+                                  note=self.note, serve_record=lambda: self.publisher.serve_record(now=True))
         self.learner = LearnerGroup(self.actor_cfg, bank=self.bank_ref, placement=learner_pg.options,
                                     wait=self.startup.get)
         firsts = [actors[0] for actors in reward_actors.values()]

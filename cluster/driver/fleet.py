@@ -8,9 +8,9 @@ from the same cursor; `MAX_FAILED_IN_ROW` failures one after another stop the ru
 its deadline is killed and restarted by Ray; it reloads the newest weights before its next group.
 
 An actor behind the newest version (cluster/driver/versions.py) is given its record before its next group. With
-the collective transport the driver keeps no record between restarts, so an actor that is
-behind and finds none is not dispatched: it sets `wants_record`, and the training thread (the
-only one that calls the learner) makes one (`serve_record`, cluster/driver/publish.py).
+the collective transport the driver keeps no record, so an actor that is behind is not
+dispatched: it sets `wants_record`, and the training thread (the only one that calls the
+learner) broadcasts the version to it bucket by bucket (`serve_record`, cluster/driver/publish.py).
 """
 
 from __future__ import annotations
@@ -289,8 +289,13 @@ class RolloutFleet:
             return
         latest = self.versions.record
         if not self.versions.has_newest_record():
-            latest = self.serve_record()  # collective: made now (this is the training thread)
-        if latest is None:
+            # collective: no record; broadcast now (this is the training thread) to every actor
+            # behind, once each is back (one not back in RESTART_TIMEOUT_S stops the run)
+            while not all([self.back(i) for i in behind]):
+                time.sleep(PROBE_S)
+            latest = self.serve_record()
+        behind = [i for i in behind if self.behind(i)]
+        if latest is None or not behind:
             return
         calls = {i: self.actors[i].set_weights.remote(latest.weights, latest.version, latest.checksum)
                  for i in behind}

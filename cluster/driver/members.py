@@ -32,6 +32,7 @@ class GroupMembers:
         self.generation = 0
         self.members: tuple[tuple[int, str], ...] = ()  # (actor index, incarnation) of the group
         self.known: dict[int, str] = {}                 # the last incarnation each actor answered with
+        self.elsewhere = False                          # the learner's group is one formed `apart`
 
     def form(self) -> tuple[list[int], int]:
         """The actors of the group for this publish, and its generation (new when they changed)."""
@@ -42,13 +43,20 @@ class GroupMembers:
                 fleet.on_failure(i, ActorRestarted(f"rollout actor {i} is a new process"))
         self.known.update(answers)
         members = tuple(sorted(answers.items()))
-        if members != self.members:
+        if members != self.members or self.elsewhere:
             self.generation += 1
-            self.members = members
+            self.members, self.elsewhere = members, False
             log.info("weight group generation %d: rollout actors %s", self.generation,
                      [i for i, _ in members])
         fleet.failed_since_group -= set(answers)  # those that did not answer are still to be seen
         return [i for i, _ in members], self.generation
+
+    def apart(self) -> int:
+        """A generation for a group formed apart from this one (the actors left behind, served by
+        the publisher); the next `form` makes a new one again, so the whole group forms afresh."""
+        self.generation += 1
+        self.elsewhere = True
+        return self.generation
 
     def invalidate(self) -> None:
         """The group broke during a publish: the next `form` builds a new one, whoever answers."""

@@ -7,12 +7,12 @@ in the weight group at once, so a publish waits until no member is mid-group.
 
 Collective and restarts. The group is formed again whenever its members change
 (cluster/driver/members.py). An actor that is not in it (restarted, or late to answer) stays
-behind the new version; before it generates it gets the version's record, as in the object
-store transport. The driver keeps such a record only while somebody needs one: a publish that
-leaves an actor out makes it at once; an actor that restarts after the publish asks for it
-(`RolloutFleet.wants_record`), and the training thread makes it (`serve_record`). Either way it
-goes to the weight registry too, where a restarted actor's constructor finds it. A publish that
-every actor took drops the record (its bytes leave the object store).
+behind the new version, and gets it as a running actor does: broadcast to it bucket by bucket,
+in a group of the actors that are behind (`serve_record`, on the training thread, when the
+fleet found one that is back and idle and asked: `Versions.wants_record`; the next publish
+forms the whole group again). No record is made and the registry holds none: a whole version
+in the object store would be the whole payload at once (28.6 GB for Wan 2.2 full fine-tuning,
+against a 16 GiB /dev/shm), and a restarted actor's constructor would map it.
 """
 
 from __future__ import annotations
@@ -50,15 +50,54 @@ class Publisher:
         self.timers["publish"] += seconds
         self.metrics.observe("vgrpo_weight_sync_seconds", seconds)
 
-    def serve_record(self) -> WeightsRecord | None:
-        """Collective: the newest version's record, made now if an actor asked for one and none is
-        kept. Call only from the training thread: the learner's ranks must see their calls in one
-        order."""
+    def serve_record(self, now: bool = False) -> WeightsRecord | None:
+        """The newest version for actors that are behind it, when one asked (`now`: whether or not):
+        collective, broadcast to those back and idle; object store, the kept record. Call only
+        from the training thread: the learner's ranks must see their calls in one order."""
         v = self.versions
-        if v.wants_record and not v.has_newest_record():
-            self._keep(self.learner.weights_record(v.current, self.cfg.weight_sync.checksum, self.ema))
+        if v.wants_record or now:
+            if self.cfg.weight_sync.transport == "collective":
+                self._serve_behind()
+            elif not v.has_newest_record():
+                self._keep(self.learner.weights_record(v.current, self.cfg.weight_sync.checksum, self.ema))
         v.served()
         return v.record
+
+    def _serve_behind(self) -> None:
+        """Broadcast the newest version, bucket by bucket, to the actors behind it that are back
+        and idle, in a group of their own (a new generation; the next publish forms the whole
+        group again). One that fails meanwhile restarts and is served when it is back."""
+        import ray  # heavy: ray
+
+        fleet, v = self.fleet, self.versions
+        who = [i for i in range(len(fleet.actors))
+               if v.behind(i) and i not in fleet.busy and i not in fleet.restarting]
+        if not who:
+            return
+        try:
+            self.learner.publish([fleet.actors[i] for i in who], [f"rollout actor {i}" for i in who],
+                                 ema=self.ema, generation=self.group.apart())
+        except ray.exceptions.RayError as e:
+            self.on_learner_error()
+            if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member
+                raise StopRun(f"weight sync of version {v.current} failed: the learner died ({_why_lost(e)})") from None
+            self._lost(who, e)
+            return
+        for i in who:
+            v.took(i, v.current)
+
+    def _lost(self, who: list[int], err: Exception) -> None:
+        """After a broadcast that failed: the actors that do not answer now failed (they restart
+        and are served when back); the others stay behind and are served again when they ask."""
+        import ray  # heavy: ray
+
+        refs = {i: self.fleet.actors[i].ping.remote() for i in who}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:
+                self.fleet.on_failure(i, err)
 
     @property
     def version(self) -> int:
@@ -71,10 +110,9 @@ class Publisher:
 
     def _broadcast(self, version: int, ema: bool) -> None:
         """One broadcast to the weight group, formed again first when its members changed; once
-        more with a new group when a member failed during it. Actors left out get the record."""
+        more with a new group when a member failed during it. Actors left out are served later
+        (`serve_record`), by broadcast too."""
         import ray  # heavy: ray
-
-        from common.dispatch import why_lost  # heavy: ray
 
         fleet = self.fleet
         for attempt in range(2):
@@ -89,7 +127,7 @@ class Publisher:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self.on_learner_error()
                 if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member: no retry
-                    raise StopRun(f"weight sync of version {version} failed: the learner died ({why_lost(e)})") from None
+                    raise StopRun(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
                 if attempt == 0:  # a member died mid-broadcast: once more, with whoever answers
                     self.group.invalidate()
                     continue
@@ -98,7 +136,9 @@ class Publisher:
         for i in members:
             self.versions.took(i, version)
         self.versions.published(version)
-        left_out = [i for i in range(len(fleet.actors)) if fleet.behind(i)]
-        self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
-                   if left_out else None)
 
+
+def _why_lost(e: BaseException) -> str:
+    from common.dispatch import why_lost  # heavy: ray
+
+    return why_lost(e)

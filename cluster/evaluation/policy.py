@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.runs.policy_file import POLICY_FILE, read_policy
+from cluster.runs.policy_file import PolicyFiles
 
 
 def load_policy(cfg, ckpt: Path | None):
-    """The rollout model with the checkpoint's published weights loaded (adapter or full)."""
+    """The rollout model with the checkpoint's published weights loaded (adapter or full), one
+    shard at a time (the host holds the model and one shard, never a second copy of the model)."""
     import torch  # lazy: torch (kept out of vgrpo --help)
 
     # lazy: torch, peft (kept out of vgrpo --help)
@@ -18,16 +19,18 @@ def load_policy(cfg, ckpt: Path | None):
     from rollout_worker.models import build_model
     from rollout_worker.models.lora import inject_lora
 
-    payload = read_policy(ckpt / POLICY_FILE) if ckpt is not None else None  # before the slow model build
+    files = PolicyFiles(ckpt) if ckpt is not None else None  # every index and header, before the slow build
     torch.set_num_threads(cfg.pools.rollout.torch_threads)
     model = build_model(cfg)
-    if payload is not None:
+    if files is not None:
         if cfg.optim.finetune == "lora":
             inject_lora(model.trainable_module(), cfg.model.family, cfg.optim)
         try:
-            model.load_weights(payload)
-        except (KeyError, RuntimeError) as e:  # names or shapes that are not this model's
-            raise CheckpointError(f"{ckpt / POLICY_FILE}: does not fit the run's model "
+            model.weight_targets(files.names())   # a name the model lacks: refused before any load
+            for part in files.parts():
+                model.load_weights(part)
+        except (KeyError, RuntimeError, ValueError) as e:  # names or shapes that are not this model's
+            raise CheckpointError(f"{files.path}: does not fit the run's model "
                                   f"({str(e).splitlines()[0]}); was the config edited after training?") from None
     return model
 

@@ -4,8 +4,11 @@ A rollout process loads its pipeline on the host in the dtypes it loads in, then
 the GPU (diffusers' from_pretrained, then .to(cuda)): its host peak is the whole pipeline. A
 sharded learner rank reads its own rows one weight at a time (learner/shard_load.py), so its
 host holds one weight's rows at once; a single learner rank loads its trained transformer(s)
-whole first. A checkpoint save moves one local storage at a time to the host (torch.save; no
-copy of the shards). At a publish, learner rank 0 gathers the payload one bucket at a time in
+whole first. A checkpoint writes the policy one tensor at a time (learner/policy_writer.py:
+each rank gathers every tensor in turn and writes those of its own shard files; no rank holds a
+shard or the model): a rank's host holds the one tensor it copies out of the GPU, or, with the
+weights on the host, the gathered tensor and its cast shard of it; then the trainer state, one
+local storage at a time (torch.save; no copy of the shards). At a publish, learner rank 0 gathers the payload one bucket at a time in
 the rollout's dtype (learner/weight_sync.stream_tensors): with the object store it copies each
 bucket to the host for `ray.put` and drops it before the next; with the collective transport
 it broadcasts from the GPU. Under
@@ -29,7 +32,7 @@ from cluster.plan.sizing import (
     lean_setup,
     learner_offloaded,
 )
-from cluster.plan.timing import load_bytes, publish_bucket_bytes
+from cluster.plan.timing import load_bytes, publish_bucket_bytes, wire_bytes
 from common.config import ConfigError, PodsConfig
 from common.scorers import scorer_spec
 
@@ -71,12 +74,37 @@ def learner_host(cfg, p: Plan) -> dict[str, float]:
         out = {"shard read (one weight's rows)": file_dtype_bytes(cfg) * a.largest_params / n}
     else:
         out = {"transformer load": load_bytes(cfg, p)}
-    # torch.save copies one storage at a time to the host: the largest, a weight's fp32 shard
-    out["checkpoint save (one storage)"] = 0.0 if cfg.learner.cpu_offload else 4 * a.largest_params / n
+    out.update(checkpoint_host(cfg, p))
     offloaded = learner_offloaded(cfg, a)
     if offloaded:
         out[RESIDENT] = offloaded
     return out
+
+
+POLICY_WRITE, STATE_WRITE = "checkpoint policy (one tensor)", "checkpoint save (one storage)"
+
+
+def checkpoint_host(cfg, p: Plan) -> dict[str, float]:
+    """A learner rank's host bytes while a checkpoint is written, per part (they run one after the
+    other, so the peak is the larger). The policy (learner/policy_writer.py) goes one tensor at a
+    time in the rollout's dtype: the largest weight (a LoRA run: adapter) copied out of the GPU to
+    be written; with the weights on the host (learner.cpu_offload, or a learner without GPUs) the
+    gather is on the host: the gathered tensor and this rank's cast shard of it (sharded fp32
+    masters cast to model.dtype), or nothing for one rank, which writes its tensors as they are.
+    The trainer state: torch.save moves one storage at a time to the host, a weight's fp32
+    shard, none when it is already there."""
+    a, n = p.arch, max(1, cfg.pools.learner.processes)  # FSDP2 shards over num_actors × sp
+    full = cfg.optim.finetune == "full"
+    on_host = cfg.learner.cpu_offload or cfg.pools.learner.num_gpus == 0
+    wire = wire_bytes(cfg) if full else 4                 # LoRA adapters travel in fp32
+    largest = wire * (a.largest_params if full else a.largest_lora)
+    if on_host:
+        cast = largest / n if full and wire < 4 else 0.0
+        policy = largest + cast if lean_setup(cfg) else 0.0
+    else:
+        policy = largest
+    state = 0.0 if on_host else 4 * a.largest_params / n
+    return {POLICY_WRITE: policy, STATE_WRITE: state}
 
 
 RESIDENT = "resident: cpu offload"

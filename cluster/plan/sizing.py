@@ -71,6 +71,7 @@ class Arch:
     text_tokens: int
     largest_params: int = 0  # the largest single weight (a block's FFN matrix)
     token_timesteps: bool = False  # one timestep per video token (Wan 2.2 TI2V-5B)
+    largest_lora: int = 0    # the largest single LoRA adapter matrix (rank × the wider side)
 
 
 @dataclass
@@ -132,9 +133,10 @@ def arch(cfg, transformer=None) -> Arch:
     width = c.num_attention_heads * c.attention_head_dim
     ffn = getattr(c, "ffn_dim", None) or int(c.mlp_ratio * width)  # Wan names its FFN width; HunyuanVideo a ratio
     targets = lora_targets(m.family, cfg.optim)
-    lora = sum(cfg.optim.lora_rank * (mod.in_features + mod.out_features)
-               for name, mod in transformer.named_modules()
-               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    adapted = [mod for name, mod in transformer.named_modules()
+               if isinstance(mod, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)]
+    lora = sum(cfg.optim.lora_rank * (mod.in_features + mod.out_features) for mod in adapted)
+    largest_lora = max((cfg.optim.lora_rank * max(mod.in_features, mod.out_features) for mod in adapted), default=0)
     # video tokens per sample: latent frames × latent H × latent W (the VAE's), divided by the patch
     patch = c.patch_size
     pt, ph, pw = tuple(patch) if isinstance(patch, (list, tuple)) else (c.patch_size_t, patch, patch)
@@ -147,7 +149,7 @@ def arch(cfg, transformer=None) -> Arch:
     return Arch(m.family, spec.joint_text, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
                 experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
                 tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()),
-                token_timesteps=per_token_timesteps(cfg))
+                token_timesteps=per_token_timesteps(cfg), largest_lora=largest_lora)
 
 
 # --- memory --------------------------------------------------------------------------

@@ -9,8 +9,11 @@
   other components are linked (or copied) beside it, a folder `from_pretrained` loads whole.
 - The toy world's transformer is diffusers' WanTransformer3DModel: it exports the same way, and
   its `--pipeline` folder (transformer/ + toy.json) is what ToyVideoModel.from_pretrained reads.
-- The weights are the checkpoint's policy.safetensors: the moving average with optim.ema_decay,
-  else the trained weights; the model card (README.md) and vgrpo_export.json say which.
+- The weights are the checkpoint's policy (`policy/`, diffusers' sharded layout; or a legacy
+  `policy.safetensors`): the moving average with optim.ema_decay, else the trained weights; the
+  model card (README.md) and vgrpo_export.json say which. A full fine-tune's shards are checked
+  against the base's transformer (names, shapes, every value finite) and linked (or copied, one
+  shard at a time) into the folder: no host holds the whole model.
 
 The folder is written whole into a temp folder beside `out`, then renamed into place.
 """
@@ -28,10 +31,11 @@ from typing import Any
 import torch
 
 from cluster.runs.model_card import load_snippet, model_card
-from cluster.runs.policy_file import POLICY_FILE, read_policy_file, resolve_target
+from cluster.runs.policy_file import POLICY_FILE, PolicyFiles, check_finite, resolve_target
 from common import storage
 from common.config import ConfigError, RunConfig
 from common.families import FAMILIES
+from common.policy_layout import CONFIG_FILE, WEIGHTS_INDEX
 from learner.checkpoint import PREFIX, CheckpointError
 from rollout_worker.models.base import is_local
 from rollout_worker.models.toy import DIR_META, ToyVideoModel
@@ -47,7 +51,8 @@ def export_run(run: str, out: str, step: int | None = None, pipeline: bool = Fal
                command: str | None = None) -> dict[str, Any]:
     """Export RUN's checkpoint (the newest, or `step`'s) into `out`; returns vgrpo_export.json."""
     cfg, ckpt = resolve_target(run, None, step)
-    payload, meta = read_policy_file(ckpt / POLICY_FILE)
+    files = PolicyFiles(ckpt)
+    meta = files.meta
     if pipeline and cfg.optim.finetune == "lora":
         raise ConfigError("--pipeline: this is a LoRA run; its export is the adapter file, loaded onto "
                           "the base pipeline with load_lora_weights (drop --pipeline)")
@@ -56,15 +61,16 @@ def export_run(run: str, out: str, step: int | None = None, pipeline: bool = Fal
         run_loc = ckpt.parent.parent    # RUN was a checkpoint dir
     info = _describe(cfg, ckpt, meta, run_loc, command or f"vgrpo export {run} --out {out}")
     with _FreshFolder(out) as tmp:
-        experts = split_experts(payload)
-        if cfg.optim.finetune == "lora":
+        if cfg.optim.finetune == "lora":   # the adapter: a few MB, read whole
+            experts = split_experts(files.read_all())
             info["files"] = write_lora(experts, cfg, tmp)
             info["lora"] = {"rank": cfg.optim.lora_rank, "alpha": cfg.optim.lora_alpha,
                             "experts": sorted(experts)}
         else:
-            info["files"] = write_full(experts, cfg, tmp, ckpt)
+            info["files"] = (write_full(split_experts(files.read_all()), cfg, tmp, files.path) if files.legacy
+                             else copy_full(files, cfg, tmp))
             if pipeline:
-                info["files"] += link_base(cfg, tmp, experts)
+                info["files"] += link_base(cfg, tmp, info["files"])
         info["pipeline"] = pipeline
         info["load"] = load_snippet(info, str(out))
         (tmp / EXPORT_JSON).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -207,9 +213,10 @@ def transformer_config(cfg: RunConfig, expert: str) -> dict[str, Any]:
     return dict(cls.load_config(cfg.model.path, subfolder=expert))
 
 
-def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out: Path, ckpt) -> list[str]:
-    """Each trained expert as a diffusers model folder, via the transformer class's save_pretrained
-    (built on the meta device: no copy of the weights is made, the policy's tensors are saved)."""
+def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out: Path, source) -> list[str]:
+    """Each trained expert of a legacy policy.safetensors (`source`) as a diffusers model folder,
+    via the transformer class's save_pretrained (built on the meta device: no copy of the
+    weights is made, the policy's tensors are saved)."""
     import diffusers  # heavy: diffusers
 
     cls = getattr(diffusers, FAMILIES[cfg.model.family].transformer)
@@ -219,15 +226,63 @@ def write_full(experts: dict[str, dict[str, torch.Tensor]], cfg: RunConfig, out:
         try:
             module.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as e:
-            raise CheckpointError(f"{ckpt / POLICY_FILE}: does not fit the base's {expert} "
+            raise CheckpointError(f"{source}: does not fit the base's {expert} "
                                   f"({str(e).splitlines()[0]}); was the config edited after training?") from None
         module.save_pretrained(out / expert)
-    if not FAMILIES[cfg.model.family].needs_path:   # the toy's pipeline: its text encoder and world beside the transformer
+    return list(experts) + _toy_sidecar(cfg, out)
 
-        side = ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))
-        (out / DIR_META).write_text(json.dumps(side, indent=2) + "\n", encoding="utf-8")
-        return [*experts, DIR_META]
-    return list(experts)
+
+def copy_full(files: PolicyFiles, cfg: RunConfig, out: Path) -> list[str]:
+    """Each trained expert of a checkpoint's policy/ as a diffusers model folder: its names and
+    shapes checked against the base's transformer built on the meta device, then its index and
+    shards linked (or copied, one shard at a time) and each shard's values checked finite, one
+    tensor's worth of memory at a time. config.json: the checkpoint's own, else the base's."""
+    import diffusers  # heavy: diffusers
+
+    cls = getattr(diffusers, FAMILIES[cfg.model.family].transformer)
+    for expert in files.experts:
+        conf = files.config(expert) or transformer_config(cfg, expert)
+        with torch.device("meta"):
+            module = cls.from_config({k: v for k, v in conf.items() if not k.startswith("_")})
+        want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        have = files.expert_shapes(expert)
+        wrong = sorted(set(want) ^ set(have)) or sorted(k for k in want if want[k] != have[k])
+        if wrong:
+            k = wrong[0]
+            why = (f"{k!r} is {have.get(k)} in the checkpoint, {want.get(k)} in the base's {expert}"
+                   if k in want and k in have else
+                   f"{k!r} is {'missing' if k in want else 'not a weight of the base'}")
+            raise CheckpointError(f"{files.path / expert}: does not fit the base's {expert} ({why}); "
+                                  "was the config edited after training?")
+        folder = out / expert
+        folder.mkdir()
+        conf["_class_name"] = FAMILIES[cfg.model.family].transformer
+        (folder / CONFIG_FILE).write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _fetch(files.path / expert / WEIGHTS_INDEX, folder / WEIGHTS_INDEX)
+        for shard_expert, f, _ in files.shards:
+            if shard_expert == expert:
+                _fetch(f, folder / f.name)
+                check_finite(folder / f.name, f)   # every value, one tensor at a time
+    return list(files.experts) + _toy_sidecar(cfg, out)
+
+
+def _fetch(src, dst: Path) -> None:
+    """A file into the export: a hard link where the filesystem allows, else a copy in chunks
+    (an object-store source streamed down)."""
+    if not storage.is_uri(str(src)):
+        _link_or_copy(src, dst)
+        return
+    with storage.open_read(str(src)) as r, open(dst, "wb") as w:
+        shutil.copyfileobj(r, w, 16 * 2**20)
+
+
+def _toy_sidecar(cfg: RunConfig, out: Path) -> list[str]:
+    """The toy's pipeline: its text encoder and world beside the transformer (toy.json)."""
+    if FAMILIES[cfg.model.family].needs_path:
+        return []
+    side = ToyVideoModel.sidecar(ToyVideoModel.checkpoint_path(cfg))
+    (out / DIR_META).write_text(json.dumps(side, indent=2) + "\n", encoding="utf-8")
+    return [DIR_META]
 
 
 def link_base(cfg: RunConfig, out: Path, trained: dict) -> list[str]:

@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from common.policy_layout import WEIGHTS_INDEX
 from rollout_worker.models.base import Components, Cond, ModelLoadError, VideoModel
 from rollout_worker.models.kernels import configure_kernels
 
@@ -82,20 +83,27 @@ def _build_transformer(cfg: dict[str, Any]) -> nn.Module:
     return WanTransformer3DModel(**kw)
 
 
-def _resolve(path: str | Path | None) -> tuple[Path, Path]:
-    """(weights file, sidecar) for a file path, a directory or None (the committed checkpoint).
+def _resolve(path: str | Path | None) -> tuple[list[Path], Path]:
+    """(weights files, sidecar) for a file path, a directory or None (the committed checkpoint).
     A directory holds toy.safetensors + toy.json, or (as `vgrpo export --pipeline` writes it) a
-    diffusers `transformer/` folder + toy.json."""
+    diffusers `transformer/` folder (one safetensors file, or an index and its shards) + toy.json."""
     p = BASE_CHECKPOINT if path is None else Path(path).expanduser()
     if p.is_dir() and (p / DIFFUSERS_DIR / "config.json").is_file():
-        weights, meta = p / DIFFUSERS_DIR / "diffusion_pytorch_model.safetensors", p / DIR_META
+        weights, meta = [p / DIFFUSERS_DIR / "diffusion_pytorch_model.safetensors"], p / DIR_META
+        index = p / DIFFUSERS_DIR / WEIGHTS_INDEX
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"toy model: {str(index)!r} is malformed ({e})") from None
+            weights = [p / DIFFUSERS_DIR / n for n in names]
     elif p.is_dir():
-        weights, meta = p / DIR_WEIGHTS, p / DIR_META
+        weights, meta = [p / DIR_WEIGHTS], p / DIR_META
     else:
-        weights, meta = p, p.with_suffix(".json")
-    if not weights.exists() and not p.exists():
+        weights, meta = [p], p.with_suffix(".json")
+    if not any(w.exists() for w in weights) and not p.exists():
         raise ModelLoadError(f"toy model: checkpoint path {str(p)!r} does not exist")
-    lacking = [str(f) for f in (weights, meta) if not f.is_file()]
+    lacking = [str(f) for f in (*weights, meta) if not f.is_file()]
     if lacking:
         raise ModelLoadError(f"toy model: checkpoint {str(p)!r} is incomplete; missing {', '.join(lacking)}")
     return weights, meta
@@ -139,19 +147,23 @@ class ToyVideoModel(VideoModel):
                         meta.get("i2v_layout", "broadcast"), components)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"toy model: sidecar {str(meta_path)!r} is malformed ({e})") from None
-        try:
-            state = load_file(str(weights))
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"toy model: weights {str(weights)!r} are unreadable, truncated or damaged "
-                                 f"({e}); restore the file or point model.path elsewhere") from None
-        # safetensors has no checksum: flipped bytes in the data show up, if at all, as NaN/inf
-        bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
-        if bad is not None:
-            raise ModelLoadError(f"toy model: weights {str(weights)!r} hold NaN/inf in {bad!r} (a damaged "
-                                 "file); restore it or point model.path elsewhere")
+        state = {}
+        for w in weights:
+            try:
+                part = load_file(str(w))
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(f"toy model: weights {str(w)!r} are unreadable, truncated or damaged "
+                                     f"({e}); restore the file or point model.path elsewhere") from None
+            # safetensors has no checksum: flipped bytes in the data show up, if at all, as NaN/inf
+            bad = next((k for k, v in part.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+            if bad is not None:
+                raise ModelLoadError(f"toy model: weights {str(w)!r} hold NaN/inf in {bad!r} (a damaged "
+                                     "file); restore it or point model.path elsewhere")
+            state.update(part)
+        where = str(weights[0] if len(weights) == 1 else weights[0].parent)
         missing, unexpected = model.transformer.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ModelLoadError(f"toy model: weights {str(weights)!r} do not fit the sidecar's config "
+            raise ModelLoadError(f"toy model: weights {where!r} do not fit the sidecar's config "
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         model.meta = meta
         return model

@@ -21,9 +21,10 @@ from helpers_tiny import TinyVideoModel
 
 from cluster.driver.checkpoint import write_checkpoint
 from cluster.driver.state import DriverState
-from cluster.runs.policy_file import policy_checkpoints
+from cluster.runs.policy_file import has_policy, policy_checkpoints
 from common import storage
 from common.config import RunConfig
+from common.policy_layout import POLICY_DIR
 from learner import checkpoint, dist_checkpoint
 from learner.checkpoint import DiskFull, write_policy
 from learner.trainer import Trainer
@@ -99,8 +100,8 @@ def test_a_full_disk_is_one_line_and_the_last_complete_checkpoint_stands(small_d
     rank = OneRank(_trainer())
     # the parts' sizes, from one checkpoint written where there is room
     probe, _ = _save(rank, bank, tmp_path / "probe", 1)
-    sizes = {"bank dump": _du(probe / "bank"), "policy": (probe / "policy.safetensors").stat().st_size,
-             "trainer state": _du(probe) - _du(probe / "bank") - (probe / "policy.safetensors").stat().st_size}
+    sizes = {"bank dump": _du(probe / "bank"), "policy": _du(probe / POLICY_DIR),
+             "trainer state": _du(probe) - _du(probe / "bank") - _du(probe / POLICY_DIR)}
     assert min(sizes.values()) > 8 * 4096, sizes  # each part is many pages: the fill below is exact enough
     order = ["bank dump", "policy", "trainer state"]  # the order the parts are written in
     before = sum(sizes[p] for p in order[:order.index(fails_in)])
@@ -122,7 +123,7 @@ def test_a_full_disk_is_one_line_and_the_last_complete_checkpoint_stands(small_d
     assert checkpoint.list_checkpoints(root) == [first]
     assert dist_checkpoint.verify_newest(root, 1) == first
     assert [p.name for p in policy_checkpoints(disk)] == ["step_00000001"]
-    assert (first / "bank" / "index.json").is_file() and (first / "policy.safetensors").is_file()
+    assert (first / "bank" / "index.json").is_file() and has_policy(first)
     bank.clear()
     assert "restored" in restore_bank(bank, first)
 
@@ -147,11 +148,11 @@ def test_a_kill_part_way_through_a_checkpoint_leaves_it_invisible_and_the_older_
     assert [p.name for p in policy_checkpoints(ckpt_root.parent)] == ["step_00000001"]
     state, extra, d = checkpoint.load(ckpt_root)
     assert d.name == "step_00000001" and extra["step"] == 1 and state["version"] == 1
-    assert (first / "bank" / "index.json").is_file() and (first / "policy.safetensors").is_file()
+    assert (first / "bank" / "index.json").is_file() and has_policy(first)
     # the next checkpoint is whole, and then the only one (train.keep_checkpoints = 1)
     third, _ = _save(OneRank(trainer), bank, ckpt_root, 3)
     assert [p.name for p in checkpoint.list_checkpoints(ckpt_root)] == ["step_00000003"]
-    assert (third / "bank" / "index.json").is_file() and (third / "policy.safetensors").is_file()
+    assert (third / "bank" / "index.json").is_file() and has_policy(third)
     if not storage.is_uri(ckpt_root):
         assert sorted(p.name for p in ckpt_root.iterdir()) == ["step_00000003"]  # no stage left over
 
@@ -172,19 +173,19 @@ def test_a_checkpoint_saved_again_at_the_same_step_is_never_seen_half_new(bank, 
         assert listed == []  # unlisted before any of its files changed
     else:
         assert [p.name for p in listed] == ["step_00000001"]
-        assert (listed[0] / "policy.safetensors").is_file() and (listed[0] / "bank" / "index.json").is_file()
+        assert has_policy(listed[0]) and (listed[0] / "bank" / "index.json").is_file()
 
 
 def _fill_up(disk: Path) -> Path:
     """Take every free byte of the mount (the kernel's own ENOSPC from then on)."""
     filler = disk / "filler"
-    with open(filler, "wb") as f:
-        try:
+    try:  # closing raises too when a short write left bytes in the file's buffer
+        with open(filler, "wb") as f:
             while True:
                 f.write(b"\0" * 65536)
                 f.flush()
-        except OSError:
-            pass
+    except OSError:
+        pass
     try:  # the last partial chunk: single bytes
         with open(filler, "ab", buffering=0) as f:
             while f.write(b"\0"):
