@@ -4,13 +4,16 @@ pure data.
 
 The learner's side of a method (its rows, micro-batches, loss and what it does after a step) is
 its entry in `learner/methods/`, named here by a lazy path as Flow-Factory names its trainers.
-Adding a method is its learner entry, this declaration, the config name and tests.
+Adding a method is its learner entry, this declaration, the config name and tests: a method's own
+hyperparameters are declared here (`params`, set with `grpo.params.<name>`), the settings its loss
+needs (`requires`) and its rollouts' stochastic band (`sde_band`) too, so no other module changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,17 @@ KL_STRATEGIES: dict[str, KLStrategy] = {  # kl.strategy -> its terms (docs/algor
 
 
 @dataclass(frozen=True)
+class MethodParam:
+    """One of a method's own hyperparameters (`grpo.params.<name>`), with its upstream default."""
+
+    default: float
+    doc: str                  # what it is, and which upstream config sets the default
+    low: float = 0.0          # the allowed range, inclusive
+    high: float = math.inf
+    integer: bool = False
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     impl: str             # the learner's entry, "module:Class" (learner/methods/), imported when built
     records_steps: bool   # rollouts record SDE steps (x_k, x_k+1, logp_old) that the loss replays;
@@ -39,6 +53,11 @@ class MethodSpec:
     rollout_anchor: str | None = None  # the policy anchor the rollouts sample instead of θ (None: θ); with one, an
                                        # evaluation loads the exported policy for itself (section 6b)
     notes: str = ""
+    params: dict[str, MethodParam] = field(default_factory=dict)  # its own hyperparameters (grpo.params)
+    requires: tuple[str, ...] = ()   # "key.path=value" settings its loss needs; a config that differs is refused
+    records_mu_old: bool = False     # its loss reads the sampling policy's mean μ_old at each recorded step
+    sde_band: tuple[float, float] | None = None  # ODE rollouts (records_steps False) that take the configured
+                                     # SDE scheme's step where the step ends at σ in [lo, hi], unrecorded
 
 
 METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
@@ -92,6 +111,27 @@ def _steps(cfg) -> int:
 def method_of(cfg) -> MethodSpec:
     """The declaration of a run's method (cfg: a RunConfig)."""
     return METHODS[cfg.grpo.loss]
+
+
+def method_params(cfg) -> dict[str, float]:
+    """grpo.loss's own hyperparameters: the declared upstream defaults, with grpo.params over them."""
+    given = cfg.grpo.params
+    return {name: float(given.get(name, p.default)) for name, p in method_of(cfg).params.items()}
+
+
+def params_problem(loss: str, given: dict[str, float]) -> str | None:
+    """One line naming the first grpo.params entry that grpo.loss=`loss` does not declare or that is
+    out of its range; None when every one fits."""
+    declared = METHODS[loss].params
+    for name, value in given.items():
+        p = declared.get(name)
+        if p is None:
+            have = ", ".join(declared) or "none"
+            return f"grpo.params.{name}: grpo.loss={loss} has no parameter {name!r} (its parameters: {have})"
+        if not p.low <= value <= p.high or (p.integer and value != int(value)):
+            kind = "an integer" if p.integer else "a number"
+            return f"grpo.params.{name} = {value}: must be {kind} in [{p.low}, {p.high}] ({p.doc})"
+    return None
 
 
 def kl_of(cfg) -> KLStrategy:
