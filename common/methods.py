@@ -72,6 +72,17 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
                       rollout_anchor="old",  # the rollouts sample v_old; evaluations, θ
                       notes="DiffusionNFT: a flow-matching loss on fresh ODE rollouts' final latents "
                             "(docs/algorithm.md section 6b; its KL to π_0 is nft.kl)"),
+    "grpo_guard": MethodSpec(
+        "learner.methods.grpo_guard:GRPOGuard", records_steps=True, uses_kl_strategy=False,
+        anchors=lambda cfg: frozenset({"pi0"} if method_params(cfg)["kl"] > 0 else set()),
+        records_mu_old=True, requires=("align.enabled=false", "kl.strategy=none"),
+        params={"clip": MethodParam(2e-6, "ε of the clipped RatioNorm ratio: flow_grpo config/grpo_guard.py "
+                                          "general_ocr_sd3_rationorm train.clip_range (4e-6 for pickscore); "
+                                          "verl-omni's example clip_ratio", high=1.0),
+                "kl": MethodParam(0.0, "β of FlowGRPO's KL to π_0, mean((μ_θ − μ_π0)²)/(2·std_dev_t²): "
+                                       "train.beta, 0 in every recipe of flow_grpo config/grpo_guard.py")},
+        notes="GRPO-Guard: FlowGRPO's clipped surrogate with the ratio normalised (RatioNorm) and each step's "
+              "loss over |dt| (docs/algorithm.md section 6c)"),
 }
 
 
