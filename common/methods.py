@@ -58,6 +58,8 @@ class MethodSpec:
     records_mu_old: bool = False     # its loss reads the sampling policy's mean μ_old at each recorded step
     sde_band: tuple[float, float] | None = None  # ODE rollouts (records_steps False) that take the configured
                                      # SDE scheme's step where the step ends at σ in [lo, hi], unrecorded
+    micro_batch_rows: Callable[..., int] | None = None  # cfg -> rows in one micro-batch (its batching, e.g.
+                                     # whole groups); None: optim.micro_batch
 
 
 METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
@@ -122,6 +124,13 @@ def _steps(cfg) -> int:
 def method_of(cfg) -> MethodSpec:
     """The declaration of a run's method (cfg: a RunConfig)."""
     return METHODS[cfg.grpo.loss]
+
+
+def micro_batch_rows(cfg) -> int:
+    """Rows in one of the learner's micro-batches: optim.micro_batch, or what the method's batching
+    makes of it (MethodSpec.micro_batch_rows)."""
+    rows = method_of(cfg).micro_batch_rows
+    return rows(cfg) if rows is not None else cfg.optim.micro_batch
 
 
 def method_params(cfg) -> dict[str, float]:
