@@ -85,6 +85,26 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
                                        "train.beta, 0 in every recipe of flow_grpo config/grpo_guard.py")},
         notes="GRPO-Guard: FlowGRPO's clipped surrogate with the ratio normalised (RatioNorm) and each step's "
               "loss over |dt| (docs/algorithm.md section 6c)"),
+    "dgpo": MethodSpec(
+        "learner.methods.dgpo:DGPO", records_steps=False, uses_kl_strategy=False,
+        anchors=lambda cfg: frozenset({"old", "pi0"}),  # its EMA reference for the clip, π_0 for d_ref and KL
+        rows_per_video=lambda cfg: int(min(method_params(cfg)["timesteps"], method_params(cfg)["trunc_steps"] + 1,
+                                           _steps(cfg))),
+        # its group weight sums over a (group, timestep) unit: a micro-batch holds whole units
+        micro_batch_rows=lambda cfg: cfg.sampler.group_size * max(1, cfg.optim.micro_batch // cfg.sampler.group_size),
+        params={"beta_dpo": MethodParam(100.0, "β_dpo in the group weight σ(Σ A·β_dpo·Δd / G): Luo-Yihong/DGPO "
+                                               "config/dgpo.py general_ocr/geneval train.beta_dpo (10 for pickscore)"),
+                "kl": MethodParam(0.02, "β of mean((v_θ − v_π0)²): config/dgpo.py general_ocr/geneval train.beta "
+                                        "(0.001 for pickscore)"),
+                "clip": MethodParam(1e-2, "c of its PPO-style cut on exp(d_old − d): config/dgpo.py clip_range"),
+                "timesteps": MethodParam(4, "M schedule indices trained per step: num_train_timesteps", low=1,
+                                         integer=True),
+                "trunc_steps": MethodParam(6, "indices drawn from 0 … trunc_steps: config/dgpo.py trunc_steps "
+                                                 "(4 for geneval)", integer=True),
+                "ref_decay_rate": MethodParam(1e-3, "its EMA reference's decay min(max, rate·t): 0.001"),
+                "ref_decay_max": MethodParam(0.3, "that decay's cap: 0.3", high=1.0)},
+        notes="DGPO: a group-level preference loss on ODE rollouts' final latents, micro-batches of whole "
+              "groups (docs/algorithm.md section 6c)"),
 }
 
 
