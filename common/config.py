@@ -231,11 +231,12 @@ class GRPOConfig(Section):
     (common/methods.py ADV_NORMS): population, the population std + 1e-8 (vgrpo's own); flow_grpo,
     np.std + 1e-4 (FlowGRPO, DiffusionNFT, Flash-GRPO); dance_grpo, torch's unbiased std + 1e-8
     (DanceGRPO, MixGRPO)."""
-    loss: Literal["grpo", "nft", "grpo_guard", "dgpo"] = "grpo"
+    loss: Literal["grpo", "nft", "grpo_guard", "dgpo", "awm"] = "grpo"
     """grpo: the clipped surrogate on recorded SDE steps (every scheme's method); nft: DiffusionNFT's
     flow-matching loss on the clean final latents (section 6b, the `nft` section): ODE rollouts
     that record no step; grpo_guard: GRPO-Guard's normalised ratio on recorded SDE steps; dgpo: DGPO's
-    group preference loss on ODE rollouts (section 6c)."""
+    group preference loss on ODE rollouts; awm: Advantage Weighted Matching's advantage-weighted
+    flow-matching loss on rollouts stochastic only in a middle band of σ (section 6c)."""
     params: dict[str, float] = Field(default_factory=dict)
     """The method's own hyperparameters, by name (grpo.params.beta_dpo=100): grpo.loss's declaration
     (common/methods.py MethodSpec.params) lists them with its upstream's defaults; a name it does not

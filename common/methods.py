@@ -105,6 +105,27 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
                 "ref_decay_max": MethodParam(0.3, "that decay's cap: 0.3", high=1.0)},
         notes="DGPO: a group-level preference loss on ODE rollouts' final latents, micro-batches of whole "
               "groups (docs/algorithm.md section 6c)"),
+    "awm": MethodSpec(
+        "learner.methods.awm:AWM", records_steps=False, uses_kl_strategy=False,
+        anchors=lambda cfg: frozenset(({"pi0"} if method_params(cfg)["kl"] > 0 else set())
+                                      | ({"old"} if method_params(cfg)["ema_kl"] > 0 else set())),
+        rows_per_video=lambda cfg: int(method_params(cfg)["timesteps"]),
+        sde_band=(0.3, 0.9),  # its stochasticity_control_function: noise where 0.3 ≤ t ≤ 0.9, ODE elsewhere
+        params={"kl": MethodParam(0.003, "β of mean((v_θ − v_π0)²): scxue/advantage_weighted_matching "
+                                         "config/dgx_awm.py ocr_sd3_no_cfg train.beta (geneval 0.001, pickscore 1e-4)"),
+                "ema_kl": MethodParam(1.0, "β_ema of mean((v_θ − v_ema)²): its train.ema_beta"),
+                "clip": MethodParam(1.0, "ε of its clipped ratio: its train.clip_range"),
+                "timesteps": MethodParam(6, "M schedule indices per sample: train.train_timesteps", low=1, integer=True),
+                "timestep_fraction": MethodParam(0.9, "indices up to int(T·fraction): train.timestep_fraction",
+                                                 high=1.0),
+                "first_index": MethodParam(1, "the first index drawn: 1 for its time_type discrete_wo_init "
+                                                 "(ocr, geneval), 0 for discrete (pickscore)", high=1, integer=True),
+                "advantage_max": MethodParam(1.0, "Â = clip(A)/adv_clip·advantage_max: train.advantage_max"),
+                "ghuber_power": MethodParam(0.25, "p of its ghuber weighting: train.ghuber_power", low=1e-3),
+                "ema_decay_rate": MethodParam(1e-3, "the EMA's decay min(max, rate·t): kl_ema_decay_type linear"),
+                "ema_decay_max": MethodParam(0.3, "that decay's cap: train.kl_ema_decay", high=1.0)},
+        notes="AWM: the flow-matching loss weighted by advantage on the final latents of rollouts stochastic "
+              "only where σ is in [0.3, 0.9] (docs/algorithm.md section 6c)"),
 }
 
 
