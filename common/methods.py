@@ -77,7 +77,8 @@ METHODS: dict[str, MethodSpec] = {  # grpo.loss -> its declaration
     "grpo_guard": MethodSpec(
         "learner.methods.grpo_guard:GRPOGuard", records_steps=True, uses_kl_strategy=False,
         anchors=lambda cfg: frozenset({"pi0"} if method_params(cfg)["kl"] > 0 else set()),
-        records_mu_old=True, requires=("align.enabled=false", "kl.strategy=none"),
+        records_mu_old=True,  # its own KL and step weight (1/|dt|) replace kl.strategy's and the equalizer's
+        requires=("align.enabled=false", "kl.strategy=none", "grpo.equalizer=false", "grpo.rectify=false"),
         params={"clip": MethodParam(2e-6, "ε of the clipped RatioNorm ratio: flow_grpo config/grpo_guard.py "
                                           "general_ocr_sd3_rationorm train.clip_range (4e-6 for pickscore); "
                                           "verl-omni's example clip_ratio", high=1.0),

@@ -162,10 +162,11 @@ def test_grpo_guard_declares_sde_rollouts_with_mu_old_and_upstreams_defaults():
 
 @pytest.mark.parametrize("override, named", [
     ("align.enabled=true", "align.enabled=false"), ("kl.strategy=fixed", "kl.strategy=none"),
+    ("grpo.equalizer=true", "grpo.equalizer=false"),
     ("grpo.params.beta_dpo=100", "grpo.params.beta_dpo"), ("grpo.params.clip=2", "grpo.params.clip"),
 ])
 def test_grpo_guard_config_errors_are_one_line_naming_the_field(override, named):
-    base = ["grpo.loss=grpo_guard", "align.enabled=false", "kl.strategy=none"]
+    base = ["grpo.loss=grpo_guard", "align.enabled=false", "kl.strategy=none", "grpo.equalizer=false"]
     load_config(None, base)
     with pytest.raises(ConfigError) as e:
         load_config(None, [*base, override])
