@@ -28,7 +28,7 @@ from pydantic import (
 from common import storage
 from common.errors import UserError
 from common.families import FAMILIES
-from common.methods import method_of
+from common.methods import method_of, params_problem
 from common.scorers import SCORERS
 
 SchemeName = Literal["ode", "dance", "flow", "cps", "sage", "flash"]
@@ -232,10 +232,16 @@ class GRPOConfig(Section):
     (common/methods.py ADV_NORMS): population, the population std + 1e-8 (vgrpo's own); flow_grpo,
     np.std + 1e-4 (FlowGRPO, DiffusionNFT, Flash-GRPO); dance_grpo, torch's unbiased std + 1e-8
     (DanceGRPO, MixGRPO)."""
-    loss: Literal["grpo", "nft"] = "grpo"
-    """grpo: the clipped surrogate on recorded SDE steps (every method but one); nft: DiffusionNFT's
+    loss: Literal["grpo", "nft", "grpo_guard", "dgpo", "awm"] = "grpo"
+    """grpo: the clipped surrogate on recorded SDE steps (every scheme's method); nft: DiffusionNFT's
     flow-matching loss on the clean final latents (section 6b, the `nft` section): ODE rollouts
-    that record no step."""
+    that record no step; grpo_guard: GRPO-Guard's normalised ratio on recorded SDE steps; dgpo: DGPO's
+    group preference loss on ODE rollouts; awm: Advantage Weighted Matching's advantage-weighted
+    flow-matching loss on rollouts stochastic only in a middle band of σ (section 6c)."""
+    params: dict[str, float] = Field(default_factory=dict)
+    """The method's own hyperparameters, by name (grpo.params.beta_dpo=100): grpo.loss's declaration
+    (common/methods.py MethodSpec.params) lists them with its upstream's defaults; a name it does not
+    declare is refused."""
 
 
 class NFTConfig(Section):
@@ -773,9 +779,10 @@ class RunConfig(Section):
     @property
     def records_mu_old(self) -> bool:
         """Rollouts keep the sampling policy's mean μ_old per recorded step (exact D_step, bounded J_align)."""
-        if not method_of(self).records_steps:  # ODE rollouts record no step
+        spec = method_of(self)
+        if not spec.records_steps:  # ODE rollouts record no step
             return False
-        return self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
+        return spec.records_mu_old or self.kl.d_step == "exact" or (self.align.enabled and self.align.form == "clipped")
 
     @model_validator(mode="after")
     def _reward_pool_has_no_sp(self) -> RunConfig:
@@ -797,14 +804,31 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _methods_fit_together(self) -> RunConfig:
-        problem = _nft_conflict(self) or _sampler_conflict(self)
+        problem = (params_problem(self.grpo.loss, self.grpo.params) or _requires_conflict(self)
+                   or _nft_conflict(self) or _sampler_conflict(self))
         if problem:
             raise ValueError(problem)
         return self
 
 
+def _requires_conflict(cfg: RunConfig) -> str | None:
+    """The settings grpo.loss's declaration says its loss needs (MethodSpec.requires), named at once."""
+    fixes = []
+    for item in method_of(cfg).requires:
+        key, want = item.split("=", 1)
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        if node != yaml.safe_load(want):
+            fixes.append(item)
+    if fixes:
+        return (f"grpo.loss={cfg.grpo.loss} needs {', '.join(fixes)}: its loss does not read what the other "
+                "values turn on (docs/algorithm.md section 6c)")
+    return None
+
+
 def _nft_conflict(cfg: RunConfig) -> str | None:
-    """DiffusionNFT's rollouts record no SDE step, so nothing that reads one can be on."""
+    """ODE-rollout methods (DiffusionNFT's) record no SDE step, so nothing that reads one can be on."""
     if method_of(cfg).records_steps:
         return None
     fixes = [fix for fix, on in (("align.enabled=false", cfg.align.enabled), ("bank.enabled=false", cfg.bank.enabled),
@@ -815,7 +839,7 @@ def _nft_conflict(cfg: RunConfig) -> str | None:
                                  ("sampler.initial_noise=group", cfg.sampler.initial_noise != "group")) if on]
     if fixes:
         return (f"grpo.loss={cfg.grpo.loss} trains on the clean final latents of fresh ODE rollouts, which "
-                f"record no SDE step: set {', '.join(fixes)} (its KL to π_0 is nft.kl)")
+                f"record no SDE step: set {', '.join(fixes)} (its KL is its own: nft.kl, or grpo.params)")
     return None
 
 

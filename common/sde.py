@@ -387,11 +387,13 @@ def scheme_from_config(cfg, schedule: Schedule) -> Scheme:
 
 def rollout_spec(cfg, schedule: Schedule | None = None, scheme: Scheme | None = None) -> SchemeSpec:
     """The spec a run's rollouts are stamped with (rollout_worker.sampler.sample_group): its
-    configured scheme on its configured schedule; DiffusionNFT's (grpo.loss=nft) are ODE throughout.
+    configured scheme on its configured schedule; DiffusionNFT's (grpo.loss=nft) are ODE throughout,
+    and a method with a stochastic band (MethodSpec.sde_band) names the scheme its band ran with.
     The learner admits only trajectories of this spec (learner/admit.py). `schedule`, `scheme`:
     the config's, when the caller built them already."""
     schedule = schedule or Schedule.from_config(cfg.schedule)
-    ran = scheme or scheme_from_config(cfg, schedule) if method_of(cfg).records_steps else ODE()
+    spec = method_of(cfg)
+    ran = scheme or scheme_from_config(cfg, schedule) if spec.records_steps or spec.sde_band else ODE()
     return ran.spec(schedule)
 
 

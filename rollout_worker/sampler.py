@@ -186,10 +186,12 @@ def plan_steps(schedule: Schedule, scheme: Scheme, recorded: list[int], cfg: Run
     """The steps a group runs (section 2b): a recorded step with the scheme; an untrained one with
     the scheme or as ODE (`untrained_steps`, `ode_last_steps`); after the last recorded step (every
     step with grpo.loss=nft) the post-window rule: `post_solver` on the configured σ, or on a
-    compressed tail (`post_compress`)."""
+    compressed tail (`post_compress`). A method that records no step but declares a stochastic band
+    (MethodSpec.sde_band, AWM's) takes the scheme's step, unrecorded, where the step ends in the band."""
     scfg, rec = cfg.sampler, set(recorded)
     ode_from = schedule.steps - scfg.ode_last_steps
-    records = method_of(cfg).records_steps
+    spec = method_of(cfg)
+    records = spec.records_steps
     post = not records or scfg.post_solver != "euler" or scfg.post_compress < 1.0
     a = max(recorded) + 1 if post and recorded else (0 if post else schedule.steps)
     out = []
@@ -201,7 +203,10 @@ def plan_steps(schedule: Schedule, scheme: Scheme, recorded: list[int], cfg: Run
     rule = "dpm2" if scfg.post_solver == "dpm2" else ODE()
     tail = tail_sigmas(schedule, a, scfg.post_compress, cfg.schedule.shift)
     same = len(tail) == schedule.steps - a + 1
-    return out + [PlannedStep(a + j if same else None, tail[j], tail[j + 1], rule) for j in range(len(tail) - 1)]
+    band = spec.sde_band if not records else None  # a method's stochastic band: the scheme there, unrecorded
+    return out + [PlannedStep(a + j if same else None, tail[j], tail[j + 1],
+                              scheme if band and band[0] <= tail[j + 1] <= band[1] else rule)
+                  for j in range(len(tail) - 1)]
 
 
 def tail_sigmas(schedule: Schedule, a: int, ratio: float, shift: float) -> list[float]:

@@ -28,7 +28,7 @@ from cluster.plan.steps import has_two_experts as _has_two_experts
 from cluster.plan.steps import per_token_timesteps, stored_steps_per_member
 from cluster.plan.vae import latent_shape, vae_params
 from common.families import FAMILIES, release_of
-from common.methods import kl_of, method_of
+from common.methods import kl_of, method_of, micro_batch_rows
 
 GB = 1024**3
 
@@ -269,7 +269,7 @@ def learner_memory(cfg, a: Arch, frozen: dict[str, float] | None = None) -> dict
     if cfg.learner.cpu_offload:  # all of it in host memory (learner_offloaded), none on the GPU
         weights = c * p_train / n if o.finetune == "lora" else 0.0
         grads, optimizer, anchors = 0.0, 0.0, 0.0
-    rows = o.micro_batch * (2 if m.guidance_scale > 1.0 else 1)
+    rows = micro_batch_rows(cfg) * (2 if m.guidance_scale > 1.0 else 1)  # the method's batching (whole groups)
     frozen_b = sum((4 if "fp32" in k else c) * v for k, v in (frozen or {}).items())
     return {"weights": weights + gathered, "grads": grads + block_grad, "optimizer": optimizer,
             "anchors": anchors, "frozen modules": frozen_b,

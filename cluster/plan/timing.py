@@ -17,6 +17,7 @@ from cluster.plan.sizing import (
 )
 from cluster.plan.vae import vae_flops
 from common.families import FAMILIES
+from common.methods import micro_batch_rows
 
 SAFETY = 3.0
 """Each timeout must be at least this multiple of the work's estimate."""
@@ -99,7 +100,7 @@ def micro_batch_seconds(cfg, p: Plan) -> float:
     """One micro-batch's forward and backward: the most a rank computes between two collectives
     of the learner's group (every rank runs the same micro-batches, learner/rows.py)."""
     k = max(p.flops["trained steps per video"], 1.0)
-    return p.seconds["train per video"] / k * cfg.optim.micro_batch
+    return p.seconds["train per video"] / k * micro_batch_rows(cfg)
 
 
 def estimates(cfg, p: Plan) -> dict[str, tuple[float, dict[str, float]]]:
