@@ -278,7 +278,7 @@ class OptimConfig(Section):
     """(sample, trained step) pairs per micro-batch; gradients accumulate over the batch."""
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
     """An exponential moving average of the trained weights is the run's exported policy: the final
-    evaluation, before_after.png and every checkpoint's policy.safetensors use it, while rollouts
+    evaluation, before_after.png and every checkpoint's policy/ use it, while rollouts
     sample with the live weights. 0 turns it off. After optimizer step t the average moves by
     1 - min(ema_decay, (1+t)/(10+t)), a warm-up so the first steps are not held at the base.
     FlowGRPO evaluates such an average (its train.ema)."""

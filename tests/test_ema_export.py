@@ -4,7 +4,7 @@ The learner keeps the average (its math is checked against torch's AveragedModel
 test_learner_trainer.py). Here, the driver's final evaluation must sample that average and not the
 live weights: its scores are recomputed in this process from the learner's two payloads, each loaded
 into a fresh toy model and ODE-sampled by the sampler's own function. The checkpoint's
-policy.safetensors (what `vgrpo eval` loads) is the average too.
+policy/ (what `vgrpo eval` loads) is the average too.
 """
 
 from __future__ import annotations

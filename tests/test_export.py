@@ -192,6 +192,18 @@ def test_wan_full_fine_tune_exports_a_transformer_folder_and_a_pipeline(tmp_path
         assert (tmp_path / "pipe" / part).exists(), part
     card = (tmp_path / "pipe" / "README.md").read_text()
     assert "vgrpo export" in card and "--pipeline" in card and 'WanPipeline.from_pretrained("' in card
+    if not legacy:   # the same run on an object store (fsspec's in-process one): the shards streamed down
+        import uuid
+
+        from common import storage
+
+        remote = f"memory://vgrpo-run-{uuid.uuid4().hex[:8]}/run"
+        (run.checkpoints / f"step_{STEP:08d}" / "trainer.pt").write_bytes(b"")   # listed by its marker
+        storage.push_tree(run.path, remote)
+        export_run(remote, str(tmp_path / "from_remote"))
+        again = WanTransformer3DModel.from_pretrained(tmp_path / "from_remote", subfolder="transformer")
+        assert all(torch.equal(v, again.state_dict()[k]) for k, v in transformer.state_dict().items())
+        storage.remove(remote)
 
 
 # --- the toy world, trained by the real learner ------------------------------------------------------
