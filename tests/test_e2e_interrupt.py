@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.runs.policy_file import has_policy
 from memory_bank.embedded import find_redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +146,7 @@ def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_wri
     ckpts = checkpoint.list_checkpoints(tmp_path / "int2" / "checkpoints")
     assert ckpts and ckpts[-1].name == f"step_{steps[-1]:08d}", out[-3000:]  # the stop's checkpoint, whole
     assert dist_checkpoint.verify_newest(tmp_path / "int2" / "checkpoints", 1) == ckpts[-1]
-    assert (ckpts[-1] / "policy.safetensors").is_file() and (ckpts[-1] / "bank" / "index.json").is_file()
+    assert has_policy(ckpts[-1]) and (ckpts[-1] / "bank" / "index.json").is_file()
     status = json.loads((tmp_path / "int2" / "status.json").read_text())
     assert (status["state"], status["reason"]) == ("stopped", f"interrupted (SIGTERM) at step {steps[-1]}")
     alive = _wait_gone(started, timeout_s=30)       # teardown ran: the redis-server is gone
