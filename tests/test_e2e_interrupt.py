@@ -129,7 +129,8 @@ def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_wri
         time.sleep(0.5)
     assert metrics.exists(), "no step finished in 300 s"
     started = _children(proc.pid)
-    assert any("redis-server" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
+    server = os.path.realpath(find_redis_server()[0])  # the embedded server's binary (valkey-server)
+    assert any(server in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
                for p in started if Path(f"/proc/{p}/cmdline").exists())
     sent.write_text("")
     proc.send_signal(signal.SIGTERM)
