@@ -134,6 +134,12 @@ def _payload(m: Metrics, rank, payload, seconds: float, args, kwargs) -> None:
         m.set("vgrpo_weight_sync_bytes", _payload_bytes(payload))
 
 
+def _recorded(m: Metrics, rank, record, seconds: float, args, kwargs) -> None:
+    if record is not None:  # rank 0's object-store push: the bytes the actors will load
+        m.observe("vgrpo_stage_seconds", seconds, stage="publish")
+        m.set("vgrpo_weight_sync_bytes", record.weights.nbytes())
+
+
 def _published(m: Metrics, rank, report, seconds: float, args, kwargs) -> None:
     if report is not None:
         m.observe("vgrpo_stage_seconds", seconds, stage="publish")
@@ -144,6 +150,7 @@ def _published(m: Metrics, rank, report, seconds: float, args, kwargs) -> None:
 exports_train_step = _exports("learner", _trained)
 exports_weights_payload = _exports("learner", _payload)
 exports_publish = _exports("learner", _published)
+exports_weights_record = _exports("learner", _recorded)
 
 
 # -- memory bank (in whichever process commits: the driver)

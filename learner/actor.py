@@ -29,7 +29,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from common import storage
-from common.actor_metrics import exports_publish, exports_train_step, exports_weights_payload
+from common.actor_metrics import (
+    exports_publish,
+    exports_train_step,
+    exports_weights_payload,
+    exports_weights_record,
+)
 from common.actors import kill_and_wait
 from common.config import ConfigError, RunConfig
 from common.dispatch import verb
@@ -296,6 +301,7 @@ class LearnerRank:
                 return None
             return {e.name: t.cpu() for e, t in zip(stream.manifest.entries, stream.tensors, strict=True)}
 
+    @exports_weights_record
     def weights_record(self, version: int, checksum: str | bool | None = None,
                        ema: bool = False) -> WeightsRecord | None:
         """Rank 0: the payload put into the object store bucket by bucket (learner.weight_sync.

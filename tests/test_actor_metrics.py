@@ -132,3 +132,26 @@ def test_every_banked_entry_is_kept_or_counted_as_evicted(bank, recorded):
     banked = bank.stats()["banked"]
     evicted = recorded["bank"].value("vgrpo_bank_evictions_total")
     assert evicted > 0 and evicted == 4 * rounds - banked
+
+
+def test_an_object_store_publish_records_the_bytes_the_actors_load(recorded, ray_session):
+    """weight_sync.transport=object_store publishes through weights_record (no PublishReport):
+    rank 0 records the record's bytes and the publish's seconds; other ranks record nothing."""
+    from learner.weight_sync import put_stream, stream_state
+
+    class Rank:
+        def __init__(self, rank):
+            self.rank = rank
+
+        @actor_metrics.exports_weights_record
+        def weights_record(self, version):
+            if self.rank != 0:
+                return None
+            return put_stream(stream_state({"w": torch.zeros(4, 8), "b": torch.zeros(3)}, 1 << 20, version), None)
+
+    Rank(1).weights_record(1)
+    assert "learner" not in recorded or not recorded["learner"]._values
+    Rank(0).weights_record(1)
+    m = recorded["learner"]
+    assert m.value("vgrpo_weight_sync_bytes") == (32 + 3) * 4
+    assert m.value("vgrpo_stage_seconds", stage="publish")["count"] == 1
