@@ -32,10 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.methods import method_of, method_params
+from common.methods import method_params
 from common.types import Cond, TrainBatch
 from learner.advantages import is_zero_std
 from learner.losses import VelocityFn
+from learner.methods.base import Declared
 from learner.rows import batch_std, member_advantages, rank_rows
 
 KEYS = ["loss", "loss/policy", "loss/kl", "loss/ema_kl", "awm/mse", "awm/adv_abs"]
@@ -154,16 +155,8 @@ def awm_loss(mb: AWMMicroBatch, cond: Cond, velocity_fn: VelocityFn, ref_v: Tens
     return loss, sums
 
 
-class AWM:
+class AWM(Declared):
     keys = KEYS
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.rollout_anchor = method_of(cfg).rollout_anchor
-        self.p = method_params(cfg)
-
-    def anchors(self) -> set[str]:
-        return set(method_of(self.cfg).anchors(self.cfg))
 
     def rows(self, batch, version: int):
         return build_awm_rows(batch, self.cfg)
@@ -179,9 +172,6 @@ class AWM:
         ref_v = policy.anchor_velocity("pi0", mb.xt, mb.sigma, cond) if p["kl"] > 0 else None
         old_v = policy.anchor_velocity("old", mb.xt, mb.sigma, cond) if p["ema_kl"] > 0 else None
         return awm_loss(mb, cond, policy.velocity, ref_v, old_v, p, rows.n)
-
-    def step_stats(self, trainer, stats, onpolicy_absmax: float) -> None:
-        pass  # its ratio is 1 by construction (on-policy), no on-policy rows to check
 
     def after_step(self, trainer, stats) -> None:
         p = self.p

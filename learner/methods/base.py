@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from common.methods import method_of, method_params
 from common.types import Cond, TrainBatch
 
 
@@ -34,3 +35,21 @@ class Method(Protocol):
 
     def measures_pi0(self, trainer, version: int) -> bool:
         """Whether the step at `version` measures the KL to π_0 for the health checks."""
+
+
+class Declared:
+    """What every method reads from its declaration (common/methods.py), once: the weights its
+    rollouts sample (`rollout_anchor`), the anchors its loss evaluates, its own hyperparameters
+    (`p`: the upstream defaults with grpo.params over them). A method without a log-prob ratio
+    has no step stats to finish."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rollout_anchor = method_of(cfg).rollout_anchor  # None: the rollouts sample the live weights
+        self.p = method_params(cfg)
+
+    def anchors(self) -> set[str]:
+        return set(method_of(self.cfg).anchors(self.cfg))
+
+    def step_stats(self, trainer, stats: dict[str, float], onpolicy_absmax: float) -> None:
+        pass

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.methods import method_of, method_params
+from common.methods import method_params
 from common.types import Cond, TrainBatch
 from learner.advantages import is_zero_std
 from learner.losses import VelocityFn
+from learner.methods.base import Declared
 from learner.rows import batch_std, member_advantages
 
 KEYS = ["loss", "loss/policy", "loss/kl", "dgpo/weight_mean", "dgpo/clipfrac", "dgpo/dsm", "dgpo/dsm_ref"]
@@ -157,16 +158,8 @@ def dgpo_loss(mb: DGPOMicroBatch, cond: Cond, velocity_fn: VelocityFn, old_v: Te
     return loss, sums
 
 
-class DGPO:
+class DGPO(Declared):
     keys = KEYS
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.rollout_anchor = method_of(cfg).rollout_anchor
-        self.p = method_params(cfg)
-
-    def anchors(self) -> set[str]:
-        return set(method_of(self.cfg).anchors(self.cfg))
 
     def rows(self, batch, version: int):
         return build_dgpo_rows(batch, self.cfg)
@@ -183,9 +176,6 @@ class DGPO:
         ref_v = policy.anchor_velocity("pi0", mb.xt, mb.sigma, cond)
         return dgpo_loss(mb, cond, policy.velocity, old_v, ref_v, rows.unit, p["beta_dpo"], p["clip"], p["kl"],
                          rows.n)
-
-    def step_stats(self, trainer, stats, onpolicy_absmax: float) -> None:
-        pass  # no log-prob ratio, no on-policy rows
 
     def after_step(self, trainer, stats) -> None:
         p = self.p

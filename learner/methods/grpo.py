@@ -3,24 +3,20 @@ trajectory alignment (docs/algorithm.md sections 3-6; the math is learner/losses
 
 from __future__ import annotations
 
-from common.methods import method_of
 from learner.losses import LossConfig, compute_loss
+from learner.methods.base import Declared
 from learner.rows import build_rows, micro_batches
 
 KEYS = ["loss", "loss/policy", "loss/kl", "loss/align", "ratio_mean", "approx_kl", "clipfrac",
         "kl/d_anchor", "kl/d_step", "onpolicy/rows", "onpolicy/clip", "onpolicy/approx_kl", "kl/d_pi0"]
 
 
-class GRPO:
+class GRPO(Declared):
     keys = KEYS
 
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.rollout_anchor = method_of(cfg).rollout_anchor  # None: the rollouts sample the live weights
+        super().__init__(cfg)
         self.loss_cfg = LossConfig.from_run(cfg)
-
-    def anchors(self) -> set[str]:
-        return set(method_of(self.cfg).anchors(self.cfg))
 
     def rows(self, batch, version: int):
         rows = build_rows(batch, self.cfg)

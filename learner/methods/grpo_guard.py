@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.methods import method_of, method_params
 from common.sde import Scheme, gaussian_kl
 from learner.losses import PolicyStep, policy_step
+from learner.methods.base import Declared
 from learner.methods.grpo import _onpolicy_stats
 from learner.rows import MicroBatch, build_rows, micro_batches
 
@@ -74,17 +74,12 @@ def guard_loss(mb: MicroBatch, step: PolicyStep, clip: float, beta: float, n_row
     return loss, sums
 
 
-class GRPOGuard:
+class GRPOGuard(Declared):
     keys = KEYS
 
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.rollout_anchor = method_of(cfg).rollout_anchor
-        p = method_params(cfg)
-        self.clip, self.beta = p["clip"], p["kl"]
-
-    def anchors(self) -> set[str]:
-        return set(method_of(self.cfg).anchors(self.cfg))
+        super().__init__(cfg)
+        self.clip, self.beta = self.p["clip"], self.p["kl"]
 
     def rows(self, batch, version: int):
         rows = build_rows(batch, self.cfg)  # with μ_old: the declaration records it

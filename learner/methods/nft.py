@@ -3,19 +3,12 @@ final latents; the sampling policy v_old follows θ with decay nft.old_decay(t).
 
 from __future__ import annotations
 
-from common.methods import method_of
+from learner.methods.base import Declared
 from learner.nft import NFT_KEYS, build_nft_rows, nft_loss, nft_micro_batches
 
 
-class NFT:
+class NFT(Declared):
     keys = NFT_KEYS
-
-    def __init__(self, cfg):
-        self.cfg = cfg
-        self.rollout_anchor = method_of(cfg).rollout_anchor  # "old": the rollouts sample v_old, not θ
-
-    def anchors(self) -> set[str]:
-        return set(method_of(self.cfg).anchors(self.cfg))
 
     def rows(self, batch, version: int):
         return build_nft_rows(batch, self.cfg)
@@ -31,9 +24,6 @@ class NFT:
         old_v = policy.anchor_velocity("old", mb.xt, mb.sigma, cond)
         ref_v = policy.anchor_velocity("pi0", mb.xt, mb.sigma, cond) if nc.kl > 0 else None
         return nft_loss(mb, cond, policy.velocity, old_v, nc, self.cfg.grpo.adv_clip, rows.n, ref_v)
-
-    def step_stats(self, trainer, stats, onpolicy_absmax: float) -> None:
-        pass  # no ratio, no on-policy rows, no D_anchor
 
     def after_step(self, trainer, stats) -> None:
         trainer.policy.update_ema(self.cfg.nft.old_decay(trainer.version), "old")
