@@ -8,17 +8,17 @@ import math
 
 import pytest
 import torch
+from helpers_methods import assert_refused_in_one_line, linear_velocity, method_cfg, ode_batch
 from helpers_tiny import TinyVideoModel
 
-from common.config import ConfigError, RunConfig, load_config
+from common.config import RunConfig
 from common.methods import METHODS, method_params, micro_batch_rows
-from common.sde import ODE, Schedule
-from common.types import Condition, Group, Scores, TrainBatch, Trajectory
+from common.sde import Schedule
+from common.types import Condition, Scores, TrainBatch
 from learner.methods.dgpo import build_dgpo_rows, dgpo_loss, dgpo_micro_batches
 from learner.trainer import Trainer
 from rollout_worker.sampler import sample_group
 
-SHAPE = (3, 2, 4, 4)
 DGPO = {"grpo": {"loss": "dgpo", "per_head_advantages": False}, "align": {"enabled": False},
         "bank": {"enabled": False}, "kl": {"strategy": "none"},
         "sampler": {"shared_noise": False, "initial_noise": "group", "group_size": 3, "post_solver": "dpm2"},
@@ -26,31 +26,11 @@ DGPO = {"grpo": {"loss": "dgpo", "per_head_advantages": False}, "align": {"enabl
 
 
 def dgpo_cfg(**sections) -> RunConfig:
-    base = {k: dict(v) for k, v in DGPO.items()}
-    for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
-    return RunConfig.model_validate(base)
-
-
-def _velocity(W: torch.Tensor, b: torch.Tensor):
-    """A parametric velocity v(x, σ) = W·x·(1 + σ) + b over the channel axis."""
-    def v(x, sigma, cond=None):
-        return torch.einsum("ij,bj...->bi...", W, x) * (1 + sigma.view(-1, 1, 1, 1, 1)) + b.view(1, -1, 1, 1, 1)
-    return v
+    return method_cfg(DGPO, **sections)
 
 
 def _batch(rewards: list[list[float]], steps: int = 10, seed: int = 0) -> TrainBatch:
-    sched = Schedule.linear(steps, 3.0)
-    g = torch.Generator().manual_seed(seed)
-    groups = []
-    for gi, rs in enumerate(rewards):
-        cond = Condition(f"c{gi}", f"prompt {gi}")
-        members = [Trajectory(condition=cond, group_id=f"g{gi}", member=i, seed=0, spec=ODE().spec(sched),
-                              guidance_scale=1.0, policy_version=0, step_indices=[], x=None, x_next=None,
-                              logp_old=None, final_latents=torch.randn(SHAPE, generator=g)) for i in range(len(rs))]
-        r = torch.tensor(rs)
-        groups.append(Group(cond, f"g{gi}", 0, members, Scores(["h"], r.view(-1, 1)), r))
-    return TrainBatch(groups, version=2)
+    return ode_batch(rewards, 2, steps, seed)
 
 
 # --- the upstream formula, transcribed ----------------------------------------------------------
@@ -106,7 +86,7 @@ def test_dgpo_loss_and_gradient_match_the_upstream_formula():
     b = (0.1 * torch.randn(3, generator=g)).requires_grad_(True)
     W_old, b_old = W.detach() + 0.03 * torch.randn(3, 3, generator=g), b.detach() + 0.01
     W_ref, b_ref = W.detach() - 0.05 * torch.randn(3, 3, generator=g), b.detach() - 0.02
-    v_theta, v_old, v_ref = _velocity(W, b), _velocity(W_old, b_old), _velocity(W_ref, b_ref)
+    v_theta, v_old, v_ref = linear_velocity(W, b), linear_velocity(W_old, b_old), linear_velocity(W_ref, b_ref)
 
     # upstream: per timestep j, one micro-batch of both groups' members; their losses averaged
     noise = (rows.xt - (1 - rows.sigma.view(-1, 1, 1, 1, 1)) * rows.x0) / rows.sigma.view(-1, 1, 1, 1, 1)
@@ -192,10 +172,7 @@ def test_dgpo_declares_ode_rollouts_and_upstreams_defaults():
 def test_dgpo_config_errors_are_one_line_naming_the_field(override, named):
     base = ["grpo.loss=dgpo", "align.enabled=false", "bank.enabled=false", "kl.strategy=none",
             "sampler.shared_noise=false", "sampler.initial_noise=group"]
-    load_config(None, base)
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [*base, override])
-    assert named in str(e.value) and "\n" not in str(e.value)
+    assert_refused_in_one_line(base, override, named)
 
 
 # --- a few training steps ------------------------------------------------------------------------

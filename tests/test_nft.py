@@ -8,6 +8,11 @@ import math
 
 import pytest
 import torch
+from helpers_methods import (
+    SHAPE,
+    linear_velocity,
+    method_cfg,
+)
 from helpers_tiny import TinyVideoModel
 
 from common.config import ConfigError, RunConfig, load_config
@@ -26,27 +31,16 @@ from memory_bank.tensorfile import dumps, loads
 from rollout_worker.dpm import DPMSolver2M
 from rollout_worker.sampler import sample_group
 
-SHAPE = (3, 2, 4, 4)
 NFT = {"grpo": {"loss": "nft", "adv_std": "batch"}, "align": {"enabled": False}, "bank": {"enabled": False},
        "kl": {"strategy": "none"}, "sampler": {"shared_noise": False, "initial_noise": "group", "group_size": 4},
        "schedule": {"steps": 5, "shift": 3.0}}
 
 
 def nft_cfg(**sections) -> RunConfig:
-    base = {k: dict(v) for k, v in NFT.items()}
-    for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
-    return RunConfig.model_validate(base)
+    return method_cfg(NFT, **sections)
 
 
 # --- the loss against the paper's equations ----------------------------------------------------
-
-
-def _velocity(W: torch.Tensor, b: torch.Tensor):
-    """A parametric velocity v(x, σ) = W·x·(1 + σ) + b over the channel axis."""
-    def v(x, sigma, cond=None):
-        return torch.einsum("ij,bj...->bi...", W, x) * (1 + sigma.view(-1, 1, 1, 1, 1)) + b.view(1, -1, 1, 1, 1)
-    return v
 
 
 def reference_nft_loss(x0, xt, sigma, r, v_theta, v_old, v_ref, beta, kl_w, adv_clip):
@@ -83,18 +77,18 @@ def test_nft_loss_and_gradient_match_the_papers_equations():
     W_old, b_old = W.detach() + 0.05 * torch.randn(3, 3, generator=g), b.detach()
     W_ref, b_ref = W.detach() - 0.05 * torch.randn(3, 3, generator=g), b.detach() + 0.02
     nc = RunConfig.model_validate({"nft": {"beta": 0.3, "kl": 0.05}}).nft
-    v_theta = _velocity(W, b)
+    v_theta = linear_velocity(W, b)
 
-    ref = reference_nft_loss(x0, xt, sigma, r, v_theta(xt, sigma), _velocity(W_old, b_old)(xt, sigma),
-                             _velocity(W_ref, b_ref)(xt, sigma), 0.3, 0.05, 5.0)
+    ref = reference_nft_loss(x0, xt, sigma, r, v_theta(xt, sigma), linear_velocity(W_old, b_old)(xt, sigma),
+                             linear_velocity(W_ref, b_ref)(xt, sigma), 0.3, 0.05, 5.0)
     gW_ref, gb_ref = torch.autograd.grad(ref, [W, b])
 
     got = 0.0
     for part in (slice(0, 4), slice(4, 6)):  # two micro-batches, summed: the full-batch loss
         mb = NFTMicroBatch(x0=x0[part], xt=xt[part], sigma=sigma[part], r=r[part],
                            mask=torch.ones(len(r[part])), cond_idx=torch.zeros(len(r[part]), dtype=torch.long))
-        loss, _ = nft_loss(mb, None, v_theta, _velocity(W_old, b_old)(mb.xt, mb.sigma), nc, 5.0, n,
-                           _velocity(W_ref, b_ref)(mb.xt, mb.sigma))
+        loss, _ = nft_loss(mb, None, v_theta, linear_velocity(W_old, b_old)(mb.xt, mb.sigma), nc, 5.0, n,
+                           linear_velocity(W_ref, b_ref)(mb.xt, mb.sigma))
         got = got + loss
     gW, gb = torch.autograd.grad(got, [W, b])
     assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
@@ -113,16 +107,16 @@ def test_nft_gradient_vanishes_without_signal_and_points_toward_the_positive():
     nc = RunConfig().nft.model_copy(update={"kl": 0.0})
     for rv, zero in ((0.5, True), (1.0, False)):
         mb = NFTMicroBatch(x0, xt, sigma, torch.full((2,), rv), torch.ones(2), torch.zeros(2, dtype=torch.long))
-        loss, _ = nft_loss(mb, None, _velocity(W, b), _velocity(W, b.detach())(xt, sigma), nc, 5.0, 2)
+        loss, _ = nft_loss(mb, None, linear_velocity(W, b), linear_velocity(W, b.detach())(xt, sigma), nc, 5.0, 2)
         (grad,) = torch.autograd.grad(loss, [b])
         assert (grad.abs().max() < 1e-6) == zero
     # r = 1: a step along -grad lowers the positive policy's x0 error
     mb = NFTMicroBatch(x0, xt, sigma, torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long))
-    loss, _ = nft_loss(mb, None, _velocity(W, b), _velocity(W, b.detach())(xt, sigma), nc, 5.0, 2)
+    loss, _ = nft_loss(mb, None, linear_velocity(W, b), linear_velocity(W, b.detach())(xt, sigma), nc, 5.0, 2)
     (grad,) = torch.autograd.grad(loss, [b])
 
     def x0_err(bias):
-        v = _velocity(W, bias)(xt, sigma)
+        v = linear_velocity(W, bias)(xt, sigma)
         return float(((xt - sigma.view(-1, 1, 1, 1, 1) * v - x0) ** 2).mean())
     assert x0_err(b.detach() - 1e-2 * grad) < x0_err(b.detach())
 
