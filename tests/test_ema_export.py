@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from helpers_eval import local_eval
 
 from cluster.runs.policy_file import read_policy
 from common.config import load_config
@@ -25,22 +26,6 @@ def _cfg(tmp_path):
         f"train.prompts={prompts}", f"train.steps={STEPS}", "train.groups_per_step=2", "train.eval_seeds=2",
         "sampler.group_size=4", "schedule.steps=4", "bank.capacity=4", "optim.micro_batch=8",
         "optim.lr=0.01", "optim.ema_decay=0.9", f"run.root={tmp_path}", "run.name=ema"])
-
-
-def _local_eval(cfg, payload, pairs):
-    """The pairs ODE-sampled in this process by a fresh toy model holding `payload`, and scored."""
-    from cluster.evaluation.policy import score
-    from common.sde import Schedule
-    from rollout_worker.models.lora import inject_lora
-    from rollout_worker.models.toy import ToyVideoModel
-    from rollout_worker.sampler import sample_videos
-
-    model = ToyVideoModel.from_config(cfg)
-    inject_lora(model.transformer, "toy", cfg.optim)
-    model.load_weights(payload)
-    prompts, seeds = [p for p, _ in pairs], [s for _, s in pairs]
-    frames = sample_videos(model, prompts, seeds, Schedule.from_config(cfg.schedule), "ode")
-    return score(cfg, frames, prompts)[1].numpy()
 
 
 def test_a_run_with_ema_evaluates_and_exports_the_moving_average(ray_session, tmp_path):
@@ -71,7 +56,7 @@ def test_a_run_with_ema_evaluates_and_exports_the_moving_average(ray_session, tm
     assert set(exported) == set(ema) and all(torch.equal(exported[k], ema[k]) for k in ema)
 
     pairs = [(c.prompt, s) for c in load_prompts(cfg.train.eval_prompts) for s in eval_seeds(cfg.train.eval_seeds)]
-    with_ema, with_live = _local_eval(cfg, ema, pairs), _local_eval(cfg, live, pairs)
+    with_ema, with_live = local_eval(cfg, ema, pairs), local_eval(cfg, live, pairs)
     assert len(after.composite) == len(pairs)
     np.testing.assert_allclose(after.composite, with_ema, atol=1e-6)
     assert np.abs(after.composite - with_live).max() > 1e-4, "the live weights must score otherwise"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from helpers_eval import local_eval
 
 from common.config import load_config
 
@@ -24,22 +25,6 @@ def _cfg(tmp_path):
         "kl.strategy=none", "align.enabled=false", "bank.enabled=false", "sampler.shared_noise=false",
         "sampler.initial_noise=group", "nft.old_rate=0.5", "nft.old_max=0.5",
         f"health.eval_every={STEPS}", "health.eval_seeds=2", f"run.root={tmp_path}", "run.name=nft"])
-
-
-def _local_eval(cfg, payload, pairs):
-    """The pairs ODE-sampled in this process by a fresh toy model holding `payload`, and scored."""
-    from cluster.evaluation.policy import score
-    from common.sde import Schedule
-    from rollout_worker.models.lora import inject_lora
-    from rollout_worker.models.toy import ToyVideoModel
-    from rollout_worker.sampler import sample_videos
-
-    model = ToyVideoModel.from_config(cfg)
-    inject_lora(model.transformer, "toy", cfg.optim)
-    model.load_weights(payload)
-    prompts, seeds = [p for p, _ in pairs], [s for _, s in pairs]
-    frames = sample_videos(model, prompts, seeds, Schedule.from_config(cfg.schedule), "ode")
-    return score(cfg, frames, prompts)[1].numpy()
 
 
 def test_nft_evaluates_theta_while_its_rollouts_sample_v_old(ray_session, tmp_path):
@@ -65,7 +50,7 @@ def test_nft_evaluates_theta_while_its_rollouts_sample_v_old(ray_session, tmp_pa
     assert any(not torch.equal(theta[k], v_old[k]) for k in theta)
 
     pairs = [(c.prompt, s) for c in load_prompts(cfg.train.eval_prompts) for s in eval_seeds(cfg.train.eval_seeds)]
-    with_theta, with_old = _local_eval(cfg, theta, pairs), _local_eval(cfg, v_old, pairs)
+    with_theta, with_old = local_eval(cfg, theta, pairs), local_eval(cfg, v_old, pairs)
     assert np.abs(with_theta - with_old).max() > 1e-4, "v_old must score otherwise"
     held_out = dict(driver.health.monitor.evals)
     assert sorted(held_out) == [0, STEPS] and len(held_out[STEPS].composite) == len(pairs)
