@@ -1,6 +1,6 @@
 """What the method tests (test_nft, test_grpo_guard, test_dgpo, test_awm) share: a config built
-from a method's base sections, a parametric velocity, an ODE batch of final latents, and the
-one-line config refusal."""
+from a method's base sections, a parametric velocity, an ODE batch of final latents, the fresh
+groups a short training run scores, and the one-line config refusal."""
 
 from __future__ import annotations
 
@@ -50,3 +50,17 @@ def assert_refused_in_one_line(base: list[str], override: str, named: str) -> No
     with pytest.raises(ConfigError) as e:
         load_config(None, [*base, override])
     assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def scored_groups(model, cfg: RunConfig, step: int, version: int, n: int = 2) -> list[Group]:
+    """`n` fresh groups of conditions c0.. sampled at `step`, each member scored by the mean of its
+    final latents' first channel (a reward the tiny model can learn)."""
+    from rollout_worker.sampler import sample_group  # heavy: the sampler and its models
+
+    out = []
+    for c in range(n):
+        grp = sample_group(model, Condition(f"c{c}", f"prompt {c}"), cfg, seed=10 * step + c, policy_version=version)
+        grp.composite = torch.stack([t.final_latents[0].mean() for t in grp.members])
+        grp.scores = Scores(["h"], grp.composite.view(-1, 1))
+        out.append(grp)
+    return out

@@ -9,13 +9,19 @@ import math
 
 import pytest
 import torch
-from helpers_methods import assert_refused_in_one_line, linear_velocity, method_cfg, ode_batch
+from helpers_methods import (
+    assert_refused_in_one_line,
+    linear_velocity,
+    method_cfg,
+    ode_batch,
+    scored_groups,
+)
 from helpers_tiny import TinyVideoModel
 
 from common.config import RunConfig
 from common.methods import METHODS, method_params
 from common.sde import Flow, Schedule, scheme_from_config
-from common.types import Condition, Scores, TrainBatch
+from common.types import Condition, TrainBatch
 from learner.methods.awm import awm_loss, awm_micro_batches, build_awm_rows, stratified_indices
 from learner.rows import batch_std, member_advantages
 from learner.trainer import Trainer
@@ -178,13 +184,7 @@ def test_awm_trains_a_few_steps_and_its_ema_follows():
     assert {"old", "pi0"} <= set(tr.policy.anchors)
     live0 = {n: p.detach().clone() for n, p in tr.policy.params.items()}
     for step in range(3):
-        fresh = []
-        for c in range(2):
-            grp = sample_group(model, Condition(f"c{c}", f"prompt {c}"), cfg, seed=10 * step + c,
-                               policy_version=tr.version)
-            grp.composite = torch.stack([t.final_latents[0].mean() for t in grp.members])
-            grp.scores = Scores(["h"], grp.composite.view(-1, 1))
-            fresh.append(grp)
+        fresh = scored_groups(model, cfg, step, tr.version)
         old = {n: t.clone() for n, t in tr.policy.anchors["old"].items()}
         st = tr.train_step(TrainBatch(fresh, version=tr.version))
         assert math.isfinite(st["loss"]) and st["grad_norm"] > 0 and st["num_rows"] == 2 * 3 * 3

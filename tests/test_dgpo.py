@@ -8,13 +8,19 @@ import math
 
 import pytest
 import torch
-from helpers_methods import assert_refused_in_one_line, linear_velocity, method_cfg, ode_batch
+from helpers_methods import (
+    assert_refused_in_one_line,
+    linear_velocity,
+    method_cfg,
+    ode_batch,
+    scored_groups,
+)
 from helpers_tiny import TinyVideoModel
 
 from common.config import RunConfig
 from common.methods import METHODS, method_params, micro_batch_rows
 from common.sde import Schedule
-from common.types import Condition, Scores, TrainBatch
+from common.types import Condition, TrainBatch
 from learner.methods.dgpo import build_dgpo_rows, dgpo_loss, dgpo_micro_batches
 from learner.trainer import Trainer
 from rollout_worker.sampler import sample_group
@@ -186,13 +192,7 @@ def test_dgpo_trains_a_few_steps_and_its_reference_follows():
     assert {"old", "pi0"} <= set(tr.policy.anchors)
     live0 = {n: p.detach().clone() for n, p in tr.policy.params.items()}
     for step in range(3):
-        fresh = []
-        for c in range(2):
-            grp = sample_group(model, Condition(f"c{c}", f"prompt {c}"), cfg, seed=10 * step + c,
-                               policy_version=tr.version)
-            grp.composite = torch.stack([t.final_latents[0].mean() for t in grp.members])
-            grp.scores = Scores(["h"], grp.composite.view(-1, 1))
-            fresh.append(grp)
+        fresh = scored_groups(model, cfg, step, tr.version)
         old = {n: t.clone() for n, t in tr.policy.anchors["old"].items()}
         st = tr.train_step(TrainBatch(fresh, version=tr.version))
         assert math.isfinite(st["loss"]) and st["grad_norm"] > 0 and st["num_rows"] == 2 * 4 * 3

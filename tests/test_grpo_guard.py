@@ -8,13 +8,19 @@ import math
 
 import pytest
 import torch
-from helpers_methods import SHAPE, assert_refused_in_one_line, linear_velocity, method_cfg
+from helpers_methods import (
+    SHAPE,
+    assert_refused_in_one_line,
+    linear_velocity,
+    method_cfg,
+    scored_groups,
+)
 from helpers_tiny import TinyVideoModel
 
 from common.config import RunConfig
 from common.methods import METHODS, method_params
 from common.sde import Schedule, make_scheme
-from common.types import Condition, Scores, TrainBatch
+from common.types import Condition, TrainBatch
 from learner.losses import policy_step
 from learner.methods.grpo_guard import guard_loss
 from learner.rows import MicroBatch
@@ -168,13 +174,7 @@ def test_grpo_guard_trains_a_few_steps_on_the_tiny_model():
     tr = Trainer(cfg, model).setup()
     live0 = {n: p.detach().clone() for n, p in tr.policy.params.items()}
     for step in range(3):
-        fresh = []
-        for c in range(2):
-            grp = sample_group(model, Condition(f"c{c}", f"prompt {c}"), cfg, seed=10 * step + c,
-                               policy_version=tr.version)
-            grp.composite = torch.stack([t.final_latents[0].mean() for t in grp.members])
-            grp.scores = Scores(["h"], grp.composite.view(-1, 1))
-            fresh.append(grp)
+        fresh = scored_groups(model, cfg, step, tr.version)
         st = tr.train_step(TrainBatch(fresh, version=tr.version))
         assert math.isfinite(st["loss"]) and st["grad_norm"] > 0
         assert st["onpolicy_rows"] == st["num_rows"] and st["logratio_onpolicy_absmax"] < 1e-4  # replayed exactly
