@@ -34,6 +34,21 @@ def _children(pid: int) -> set[int]:
     return seen
 
 
+def _first_step_with_its_server(proc, metrics: Path) -> set[int]:
+    """Wait (at most 300 s) until the run in `proc` has written its first step; the driver's
+    child processes then, among which the embedded server's binary (valkey-server)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    assert metrics.exists(), "no step finished in 300 s"
+    started = _children(proc.pid)
+    server = os.path.realpath(find_redis_server()[0])
+    assert any(os.path.realpath(f"/proc/{p}/exe") == server for p in started
+               if Path(f"/proc/{p}/exe").exists())
+    return started
+
+
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, name):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -44,15 +59,7 @@ def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, 
          f"run.root={tmp_path}", "run.name=int"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "int" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
-    assert metrics.exists(), "no step finished in 300 s"
-    started = _children(proc.pid)
-    server = os.path.realpath(find_redis_server()[0])      # the embedded server's binary
-    assert any(os.path.realpath(f"/proc/{p}/exe") == server for p in started
-               if Path(f"/proc/{p}/exe").exists())
+    started = _first_step_with_its_server(proc, metrics)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == code, out[-3000:]
@@ -123,15 +130,7 @@ def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_wri
          "sampler.group_size=4", "train.checkpoint_every=1000", f"run.root={tmp_path}", "run.name=int2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "int2" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
-    assert metrics.exists(), "no step finished in 300 s"
-    started = _children(proc.pid)
-    server = os.path.realpath(find_redis_server()[0])  # the embedded server's binary (valkey-server)
-    assert any(server in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")
-               for p in started if Path(f"/proc/{p}/cmdline").exists())
+    started = _first_step_with_its_server(proc, metrics)
     sent.write_text("")
     proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 120
