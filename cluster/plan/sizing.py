@@ -57,7 +57,6 @@ _LIVE_MAPS = 6
 @dataclass
 class Arch:
     family: str
-    joint_text: bool       # text (and image) tokens join the video in self-attention (else cross-attention)
     params: int            # one transformer
     block_params: int      # one block
     root_params: int       # outside the blocks
@@ -72,6 +71,11 @@ class Arch:
     largest_params: int = 0  # the largest single weight (a block's FFN matrix)
     token_timesteps: bool = False  # one timestep per video token (Wan 2.2 TI2V-5B)
     largest_lora: int = 0    # the largest single LoRA adapter matrix (rank × the wider side)
+
+    @property
+    def joint_text(self) -> bool:
+        """Text (and image) tokens join the video in self-attention (else cross-attention)."""
+        return FAMILIES[self.family].joint_text
 
 
 @dataclass
@@ -146,7 +150,7 @@ def arch(cfg, transformer=None) -> Arch:
     text = sum(m.max_sequence_length if n is None else n for n, _ in spec.text)
     text += spec.image_states[0] if spec.image_states is not None else 0
     two = _has_two_experts(cfg)
-    return Arch(m.family, spec.joint_text, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
+    return Arch(m.family, params, block, params - len(blocks) * block, len(blocks), width, ffn, lora,
                 experts=2 if two else 1, trained_experts=1 if (not two or m.train_experts == "high_noise") else 2,
                 tokens=tokens, text_tokens=text, largest_params=max(p.numel() for p in transformer.parameters()),
                 token_timesteps=per_token_timesteps(cfg), largest_lora=largest_lora)
