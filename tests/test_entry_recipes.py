@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.plan.devices import FREE, device_total, role_peaks, shared_devices
+from cluster.plan.checks import gpu_checks
+from cluster.plan.devices import device_total, role_peaks, shared_devices
 from cluster.plan.sizing import GB, GPUS, arch, plan
 from cluster.plan.vae import latent_shape
 from common.config import load_config
@@ -32,11 +33,13 @@ def _fits_with_margin(cfg) -> dict[str, float]:
     """Every role's peak per process and every shared device's total, at most 90% of the GPU."""
     p = plan(cfg)
     cap = GPUS[p.gpu][1] * GB
-    peaks = role_peaks(cfg, p)
+    peaks, free, reserved = role_peaks(cfg, p), cfg.plan.min_free, cfg.plan.gpu_reserved_gib * GB
+    assert free == 0.10
     for role, need in peaks.items():
-        assert need <= (1 - FREE) * cap, (role, need / GB)
+        assert need <= (1 - free) * cap, (role, need / GB)
     for dev in shared_devices(cfg):
-        assert device_total(peaks, dev) <= (1 - FREE) * cap, (dev.roles, device_total(peaks, dev) / GB)
+        total = device_total(peaks, dev, reserved)
+        assert total <= (1 - free) * cap, (dev.roles, total / GB)
     return peaks
 
 
@@ -65,7 +68,7 @@ def test_the_one_gpu_recipe_shares_one_device_and_the_plan_sums_the_three_roles(
     (dev,) = shared_devices(cfg)
     assert dev.roles == ["rollout", "reward", "learner"]
     peaks = _fits_with_margin(cfg)
-    total = device_total(peaks, dev)
+    total = device_total(peaks, dev, cfg.plan.gpu_reserved_gib * GB)
     assert total > sum(peaks.values())  # ... and per device: the three peaks and their CUDA contexts
     assert main(["plan", "-c", ONE_GPU]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GPU 0:"))
@@ -76,10 +79,18 @@ def test_the_one_gpu_recipe_shares_one_device_and_the_plan_sums_the_three_roles(
     bad = load_config(ONE_GPU, big)
     p = plan(bad)
     peaks = role_peaks(bad, p)
-    assert all(v < 80 * GB for v in peaks.values()) and device_total(peaks, shared_devices(bad)[0]) > 80 * GB
-    assert main(["plan", "-c", ONE_GPU, *big]) == 0  # GPU memory is printed, never refused
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("GPU 0:"))
+    reserved = bad.plan.gpu_reserved_gib * GB
+    assert all(v < 80 * GB for v in peaks.values()) and device_total(peaks, shared_devices(bad)[0], reserved) > 80 * GB
+    assert main(["plan", "-c", ONE_GPU, *big]) == 2  # printed, then refused in one line as train's preflight does
+    out, err = capsys.readouterr()
+    (msg,) = err.strip().splitlines()
+    assert msg.startswith("error: pools: rollout + reward + learner share GPU 0") and "gpu_reserved_gib" in msg, msg
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("GPU 0:"))
     assert "(does NOT fit)" in line and "below the 10% margin" in line, line
+    assert any(ln.startswith("  FAIL GPU 0 shared by rollout + reward + learner") for ln in out.splitlines()), out
+    # each role alone passes its own check: only the device sum refuses
+    assert [c.field for c in gpu_checks(bad, p) if not c.ok] == ["GPU 0"]
+    assert main(["plan", "-c", ONE_GPU, *big, "preflight.skip_gpu_memory_check=true"]) == 0
 
 
 def test_the_node_recipe_is_a_full_fine_tune_at_480p_81_frames():

@@ -7,8 +7,6 @@ from cluster.driver.preflight import health_warnings
 from cluster.plan.bank import bank_size
 from cluster.plan.checks import refuse, run_checks
 from cluster.plan.devices import (
-    CUDA_CONTEXT,
-    FREE,
     device_total,
     free_fraction,
     reward_memory,
@@ -132,27 +130,27 @@ def _reward_lines(cfg, cap: float) -> list[str]:
     return lines + [f"  {'peak':<32}{total / GB:9.1f} GiB{_fit(total, cap)}"]
 
 
-def _free(need: float, cap: float) -> str:
+def _free(need: float, cap: float, want: float) -> str:
     f = free_fraction(need, cap)
-    return f"{f:.0%} free" + ("" if f >= FREE else f", below the {FREE:.0%} margin")
+    return f"{f:.0%} free" + ("" if f >= want else f", below the {want:.0%} margin")
 
 
 def _device_lines(cfg, p: Plan, cap: float) -> list[str]:
     """GPU memory per device: each role's peak per process, and the sum on a device roles share."""
-    peaks = role_peaks(cfg, p)
+    peaks, reserved = role_peaks(cfg, p), cfg.plan.gpu_reserved_gib * GB
     pools = cfg.pools
     on_gpu = [r for r in ("rollout", "reward", "learner") if getattr(pools, r).num_gpus > 0 and peaks[r] > 0]
     lines = ["GPU memory per device (peak per process; pools.<role>.num_gpus below 1 shares a GPU):"]
     for r in on_gpu:
         share = getattr(pools, r).num_gpus
         alone = f"{share:g} of a GPU, shared" if share < 1 else "a GPU of its own"
-        lines.append(f"  {r:<32}{peaks[r] / GB:9.1f} GiB  ({alone}; {_free(peaks[r], cap)})")
+        lines.append(f"  {r:<32}{peaks[r] / GB:9.1f} GiB  ({alone}; {_free(peaks[r], cap, cfg.plan.min_free)})")
     for i, dev in enumerate(shared_devices(cfg)):
-        total = device_total(peaks, dev)
+        total = device_total(peaks, dev, reserved)
         parts = " + ".join(f"{r} {peaks[r] / GB:.1f}" for r in dev.roles)
         lines.append(f"  {'GPU ' + str(i) + ': ' + ' + '.join(dev.roles):<32}{total / GB:9.1f} GiB{_fit(total, cap)}"
-                     f"  ({parts} + {len(dev.roles)} CUDA contexts x {CUDA_CONTEXT / GB:.1f} GiB; "
-                     f"{_free(total, cap)})")
+                     f"  ({parts} + {len(dev.roles)} x plan.gpu_reserved_gib {reserved / GB:g} GiB; "
+                     f"{_free(total, cap, cfg.plan.min_free)})")
     return lines
 
 

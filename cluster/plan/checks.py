@@ -5,7 +5,8 @@ below the host RAM of the processes it holds, a Redis maxmemory below bank.max_b
 check is one line of figures; a failing one also carries the one-line refusal (field, figure,
 fix). GPU memory: `gpu_checks` refuses a pool with GPUs whose process peak (plus
 plan.gpu_reserved_gib) leaves less than plan.min_free of plan.gpu (unless
-preflight.skip_gpu_memory_check), and `role_peaks` gives the peaks the cluster preflight compares
+preflight.skip_gpu_memory_check) and a GPU whose sharing processes' summed peaks do, and
+`role_peaks` gives the peaks the cluster preflight compares
 with each node's own GPU.
 """
 
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.plan.bank import BankSize, bank_size
+from cluster.plan.devices import device_total, role_phases, shared_devices
 from cluster.plan.host import (
     REDIS_OVERHEAD,
     ROLES,
@@ -30,7 +32,6 @@ from cluster.plan.sizing import (
     Plan,
     learner_memory,
     learner_peak,
-    rollout_peaks,
 )
 from cluster.plan.timing import SAFETY, estimates
 from common.config import ConfigError, PodsConfig
@@ -105,22 +106,10 @@ SKIP_GPU = "or set preflight.skip_gpu_memory_check=true if you know better"
 
 
 def role_peaks(cfg, p: Plan) -> dict[str, tuple[float, str]]:
-    """GPU bytes one process of each pool with GPUs peaks at by the plan, and at what: a learner
-    rank's train step (with model.gradient_checkpointing as configured) or its setup, when that
-    is on the GPU; a rollout rank's encoding, generating or receiving weights."""
-    out: dict[str, tuple[float, str]] = {}
-    if cfg.pools.learner.num_gpus > 0:
-        ck = cfg.model.gradient_checkpointing
-        parts = {f"train step, {'with' if ck else 'without'} gradient checkpointing": learner_peak(p.learner, ck)}
-        if not cfg.learner.cpu_offload:
-            parts["setup"] = sum(p.learner_setup.values())
-        what = max(parts, key=parts.get)
-        out["learner"] = (parts[what], what)
-    if cfg.pools.rollout.num_gpus > 0:
-        peaks = {f"while {k}": v for k, v in rollout_peaks(cfg, p).items()}
-        what = max(peaks, key=peaks.get)
-        out["rollout"] = (peaks[what], what)
-    return out
+    """The learner's and the rollout's GPU peak per process and at what (devices.role_phases),
+    for the pools that have GPUs: what gpu_checks and the cluster preflight hold to a GPU."""
+    return {role: peak for role, peak in role_phases(cfg, p).items()
+            if role in ("learner", "rollout") and getattr(cfg.pools, role).num_gpus > 0}
 
 
 def _ranks_that_fit(cfg, p: Plan, cap: float) -> int | None:
@@ -138,8 +127,8 @@ def _ranks_that_fit(cfg, p: Plan, cap: float) -> int | None:
 def gpu_checks(cfg, p: Plan) -> list[Check]:
     """Each pool with GPUs: its process's planned peak plus plan.gpu_reserved_gib (the CUDA
     context, NCCL, fragmentation) leaves plan.min_free of plan.gpu free. A pool that shares a GPU
-    (fractional num_gpus) is checked against the whole GPU here; the plan's per-device lines sum
-    the processes that share one."""
+    (fractional num_gpus) is checked against the whole GPU here, and the processes that share one
+    are summed in device_checks."""
     cap = GPUS[p.gpu][1] * GB
     reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
     out = []
@@ -158,6 +147,31 @@ def gpu_checks(cfg, p: Plan) -> list[Check]:
                    f"plan.gpu_reserved_gib = {cfg.plan.gpu_reserved_gib:g} {short}, and plan.min_free = {want:g} "
                    f"asks {want:.0%} free; {fix} (vgrpo plan shows the parts), {SKIP_GPU}")
         out.append(Check(f"pools.{role}", free >= want, line, refusal))
+    return out + device_checks(cfg, p)
+
+
+def device_checks(cfg, p: Plan) -> list[Check]:
+    """Each GPU that processes share (fractional pools.<role>.num_gpus, devices.shared_devices):
+    their peaks summed, each with plan.gpu_reserved_gib, leave plan.min_free of it free. Every
+    process keeps what its allocator reserved while another role is busy, so the peaks add."""
+    cap = GPUS[p.gpu][1] * GB
+    reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
+    peaks = {role: b for role, (b, _) in role_phases(cfg, p).items()}
+    out = []
+    for i, dev in enumerate(shared_devices(cfg)):
+        total = device_total(peaks, dev, reserved)
+        free = 1.0 - total / cap
+        names = " + ".join(dev.roles)
+        parts = " + ".join(f"{r} {peaks[r] / GB:.1f}" for r in dev.roles)
+        line = (f"GPU {i} shared by {names}: {parts} + {len(dev.roles)} x {reserved / GB:g} GiB reserved of "
+                f"{cap / GB:.0f} GiB on {p.gpu}: {free:.0%} free (plan.min_free {want:.0%})")
+        refusal = (f"pools: {names} share GPU {i} and their peaks ({parts} GiB) plus {len(dev.roles)} x "
+                   f"plan.gpu_reserved_gib = {cfg.plan.gpu_reserved_gib:g} come to {total / GB:.1f} of its "
+                   f"{cap / GB:.0f} GiB ({free:.0%} free; plan.min_free = {want:g}); lower a role's peak "
+                   f"(model.gradient_checkpointing, optim.finetune lora, sampler.forward_batch_size, "
+                   f"model.text_encoder_offload; vgrpo plan shows the parts) or give a pool a GPU of its own "
+                   f"(pools.<role>.num_gpus = 1), {SKIP_GPU}")
+        out.append(Check(f"GPU {i}", free >= want, line, refusal))
     return out
 
 

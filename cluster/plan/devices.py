@@ -5,7 +5,9 @@ on one device (configs/wan21_t2v_1p3b_1gpu.yaml: rollout, reward and learner on 
 peaks then add up: each process keeps what its caching allocator reserved, whichever role is
 busy. The shares are packed as Ray packs fractional GPUs on a node, first fit in the order of
 the pools (rollout, reward, learner); a process with num_gpus of 1 or more has its own GPU(s).
-Each process on a device also holds its CUDA context (`CUDA_CONTEXT`).
+Each process on a device also holds what the arithmetic leaves out, `plan.gpu_reserved_gib` (its
+CUDA context, NCCL's buffers, fragmentation), and `plan.min_free` of the GPU must stay free: the
+same figures `cluster/plan/checks.gpu_checks` holds each process to.
 
 The reward rank runs no grad: its weights in its dtype (the released size, or a local
 checkpoint's files) and one scoring batch's activations, counted like the rollout's no-grad
@@ -23,13 +25,8 @@ from cluster.plan.host import reward_bytes
 from cluster.plan.sizing import GB, Plan, learner_peak, rollout_peaks
 from common.scorers import scorer_spec
 
-CUDA_CONTEXT = 0.5 * GB
-"""A CUDA context on a device, per process (an assumption: 0.3-0.6 GiB on an H100 with torch)."""
 TEXT_TOKENS = 512
 """The reward template and prompt per scored row, in tokens (a bound)."""
-FREE = 0.10
-"""The fraction of a GPU that must stay free at a role's or a device's peak (the entry recipes'
-margin; allocator fragmentation and kernels' workspaces live there)."""
 
 
 def sampled_frames(num_frames: int, video_fps: float, fps: float) -> int:
@@ -61,14 +58,24 @@ def reward_memory(cfg) -> dict[str, float]:
     return max(out, key=lambda x: sum(x.values()), default=best)
 
 
-def role_peaks(cfg, p: Plan) -> dict[str, float]:
-    """Each role's GPU peak per process: the rollout's while generating or receiving, the
-    learner's train step (with the config's checkpointing) or setup, the reward's forward."""
-    learner = learner_peak(p.learner, cfg.model.gradient_checkpointing)
+def role_phases(cfg, p: Plan) -> dict[str, tuple[float, str]]:
+    """Each role's GPU peak per process and at what: the learner's train step (with the config's
+    checkpointing) or its setup when that is on the GPU; the rollout's encoding, generating or
+    receiving weights; the reward's scoring batch."""
+    ck = cfg.model.gradient_checkpointing
+    learner = {f"train step, {'with' if ck else 'without'} gradient checkpointing": learner_peak(p.learner, ck)}
     if not cfg.learner.cpu_offload:
-        learner = max(learner, sum(p.learner_setup.values()))
-    return {"rollout": max(rollout_peaks(cfg, p).values()), "reward": sum(reward_memory(cfg).values()),
-            "learner": learner}
+        learner["setup"] = sum(p.learner_setup.values())
+    rollout = {f"while {k}": v for k, v in rollout_peaks(cfg, p).items()}
+    out = {role: max(((b, what) for what, b in phases.items()), key=lambda bw: bw[0])
+           for role, phases in (("learner", learner), ("rollout", rollout))}
+    out["reward"] = (sum(reward_memory(cfg).values()), "scoring a batch")
+    return out
+
+
+def role_peaks(cfg, p: Plan) -> dict[str, float]:
+    """Each role's GPU peak per process, in bytes (role_phases without the phase)."""
+    return {role: b for role, (b, _) in role_phases(cfg, p).items()}
 
 
 @dataclass
@@ -102,9 +109,10 @@ def shared_devices(cfg) -> list[Device]:
     return out
 
 
-def device_total(peaks: dict[str, float], dev: Device) -> float:
-    """A shared device's peak: every process's peak and CUDA context."""
-    return sum(peaks[r] + CUDA_CONTEXT for r in dev.roles)
+def device_total(peaks: dict[str, float], dev: Device, reserved: float) -> float:
+    """A shared device's peak: every process's peak and what each reserves besides (`reserved`
+    bytes: plan.gpu_reserved_gib)."""
+    return sum(peaks[r] + reserved for r in dev.roles)
 
 
 def free_fraction(need: float, cap_gib: float) -> float:
