@@ -465,6 +465,16 @@ class PoolsConfig(Section):
     learner: PoolConfig = Field(default_factory=PoolConfig)
     """learner.num_actors is the number of data-parallel ranks; FSDP2 shards the weights over
     all num_actors × parallel.sp processes."""
+    simulated_gpus: bool = False
+    """For CPU tests of GPU layouts, never a real run: the GPUs the pools ask for are simulated.
+    Ray places every process by its `num_gpus` share as on real devices (a local cluster this
+    run starts declares the GPUs the layout needs; a joined one must declare them itself, e.g.
+    `ray start --num-gpus=1` on a machine without one), and every role computes on the CPU
+    whatever it sees: the preflight looks for no CUDA (it says the GPUs are simulated) and no
+    role moves a tensor to a GPU. configs/toy_1gpu_shared.yaml, the one-GPU recipe's toy
+    twin, sets it (docs/plan.md, "The entry recipes"). Off, a GPU role without CUDA is refused.
+    Read by cluster/driver/pools.py (the local cluster's GPUs), cluster/driver/probe.py (the CUDA
+    check), the rollout and learner actors (their device) and the driver (the reward models')."""
 
 
 ChecksumMode = Literal["fast", "strong", "off"]

@@ -137,7 +137,8 @@ class LearnerRank:
         self.rank, self.world_size, self.sp = rank, world_size, sp
         self.mesh: fsdp.LearnerMesh | None = None
         self.model_factory = model_factory
-        use_gpu = self.cfg.pools.learner.num_gpus > 0 and torch.cuda.is_available()
+        pools = self.cfg.pools  # simulated GPUs: Ray's share only, the rank computes on the CPU
+        use_gpu = pools.learner.num_gpus > 0 and not pools.simulated_gpus and torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")  # Ray sets CUDA_VISIBLE_DEVICES
         self.trainer: Trainer | None = None
         self.publisher: WeightPublisher | None = None

@@ -80,7 +80,8 @@ class RolloutWorker:
         self._followers = None
         if sp_rank == 0 and self.cfg.pools.rollout.parallel.sp > 1:
             self._followers = SPFollowers(RolloutActor, self.cfg, actor_index)
-        self.model = build_model(self.cfg)
+        # simulated GPUs (pools.simulated_gpus): Ray's share only, the model stays on the CPU
+        self.model = build_model(self.cfg, "cpu" if self.cfg.pools.simulated_gpus else None)
         if self.cfg.optim.finetune == "lora":
             # the learner publishes only the adapter: hold the same (zero-effect) adapter to load it
             inject_lora(self.model.trainable_module(), self.cfg.model.family, self.cfg.optim)

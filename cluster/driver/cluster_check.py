@@ -11,7 +11,8 @@ any model loads (preflight.py checks the inputs on the driver's node before Ray 
    placement group (the role's resources, runtime env and working directory, as its actors will
    have them). It checks the files the role reads (model.path; the reward models' folders and
    upstream templates; the I2V first frames the prompt sets name), CUDA where the pool asks for
-   GPUs (device count, torch and its CUDA build, the NVIDIA driver), the GPU's memory against
+   GPUs (device count, torch and its CUDA build, the NVIDIA driver; not where they are simulated,
+   pools.simulated_gpus, a CPU test of a GPU layout), the GPU's memory against
    the plan's peak for the role, and that the storage the role writes (the learner's
    checkpoints) is there and writable. All of it within preflight.timeout_s.
 
@@ -173,7 +174,8 @@ SHARED = "it must be at the same path on every {role} machine (shared storage, o
 
 def role_specs(cfg, run_dir, peaks: dict[str, tuple[float, str]], driver_node: str) -> dict[str, ProbeSpec]:
     """What each role reads and writes, as plain data for its task."""
-    specs = {role: ProbeSpec(role, gpus=float(getattr(cfg.pools, role).num_gpus), peak=peaks.get(role),
+    specs = {role: ProbeSpec(role, gpus=float(getattr(cfg.pools, role).num_gpus), simulated=cfg.pools.simulated_gpus,
+                             peak=peaks.get(role),
                              peak_fix=ROLE_FIX.get(role, ""), driver_node=driver_node) for role in ROLES}
     path = cfg.model.path
     if path is not None and (is_local(path) or not FAMILIES[cfg.model.family].needs_path):

@@ -226,8 +226,11 @@ class Driver:
         names = actor_names(cfg.rewards.models)
         n_rep = max(1, pools.reward.num_actors)
         reward_name = lambda k: f"vgrpo-reward-{self.tag}-{k}"  # noqa: E731 - model-major, as placed
+        models = cfg.rewards.models  # simulated GPUs: Ray's share only, every scorer on the CPU
+        if pools.simulated_gpus:
+            models = [m.model_copy(update={"device": "cpu"}) for m in models]
         reward_actors = reward_worker.actor.create_reward_actors(
-            cfg.rewards.models, pools.reward, self.reward_factory,
+            models, pools.reward, self.reward_factory,
             lambda k: {**reward_pg.options(k), "name": reward_name(k)})
         for m, actors in reward_actors.items():
             for j, a in enumerate(actors):

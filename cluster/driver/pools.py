@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.plan.devices import shared_devices
 from common.config import PoolConfig, RunConfig
 from common.errors import UserError
 
@@ -79,6 +80,19 @@ def local_cpus(cfg: RunConfig) -> int:
     return max(math.ceil(need), 1)
 
 
+def simulated_gpus(cfg: RunConfig) -> int | None:
+    """GPUs a local cluster declares for pools.simulated_gpus: the devices the fractional shares
+    pack onto (cluster/plan/devices.shared_devices) and the whole GPUs of the rest; None (Ray
+    detects the machine's own) when the GPUs are real."""
+    if not cfg.pools.simulated_gpus:
+        return None
+    p = cfg.pools
+    whole = sum(math.ceil(pool.num_gpus) * n for pool, n in
+                ((p.rollout, p.rollout.processes), (p.reward, reward_actor_count(cfg)),
+                 (p.learner, p.learner.processes)) if pool.num_gpus >= 1)
+    return whole + len(shared_devices(cfg))
+
+
 def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> RayHandle:
     """Join RAY_ADDRESS (as under `ray job submit`) or start a local cluster sized for the config,
     or for `copies` runs of it at once (`vgrpo compare --parallel`)."""
@@ -97,7 +111,9 @@ def init_ray(cfg: RunConfig, address: str | None = None, copies: int = 1) -> Ray
                  log_to_driver=True)
         return RayHandle(started_here=False, joined=True)
     resources = {k: v * copies for k, v in local_resources(cfg).items()}
-    ctx = ray.init(num_cpus=local_cpus(cfg) * copies, resources=resources, include_dashboard=False,
+    gpus = simulated_gpus(cfg)
+    ctx = ray.init(num_cpus=local_cpus(cfg) * copies, num_gpus=None if gpus is None else gpus * copies,
+                   resources=resources, include_dashboard=False,
                    runtime_env={"env_vars": env}, log_to_driver=True, logging_level=logging.WARNING)
     return RayHandle(started_here=True, session_dir=ctx.address_info.get("session_dir"))
 

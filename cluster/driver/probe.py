@@ -35,6 +35,7 @@ class ProbeSpec:
     images: dict[str, list[str]] = field(default_factory=dict)   # prompt set field -> first-frame files
     writable: list[tuple[str, str]] = field(default_factory=list)  # (what, folder)
     gpus: float = 0.0
+    simulated: bool = False  # pools.simulated_gpus: the GPUs are Ray's resources only; no CUDA looked for
     peak: tuple[float, str] | None = None  # the plan's GPU bytes per process, and at what
     peak_fix: str = ""
     driver_node: str = ""
@@ -47,7 +48,10 @@ def probe(spec: ProbeSpec) -> tuple[list[str], str]:
     where = f"{spec.role} on node {ray.util.get_node_ip_address()} ({socket.gethostname()})"
     out = [f"{where}: {msg}" for msg in _file_problems(spec) + _writable_problems(spec)]
     found = ""
-    if spec.gpus > 0:
+    if spec.gpus > 0 and spec.simulated:
+        found = (f"{spec.gpus:g} of a simulated GPU (pools.simulated_gpus; Ray's GPU ids "
+                 f"{ray.get_runtime_context().get_accelerator_ids().get('GPU')}): the role computes on the CPU")
+    elif spec.gpus > 0:
         problems, found = _gpu(spec)
         out += [f"{where}: {msg}" for msg in problems]
     return out, f"{where}: {found}" if found else ""
