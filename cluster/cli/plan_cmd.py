@@ -28,6 +28,7 @@ from cluster.plan.sizing import (
 )
 from cluster.plan.timing import SAFETY
 from common.config import ConfigError, load_config
+from common.families import FAMILIES
 
 
 def _fit(need: float, cap_gib: float) -> str:
@@ -189,8 +190,31 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def render_layout(cfg, source: str) -> str:
+    """The GPU layout alone, for a family the plan cannot size whose pools ask for GPUs (the toy
+    twin of a GPU recipe, configs/toy_1gpu_shared.yaml): each role's share and the devices they share."""
+    pools, fam = cfg.pools, cfg.model.family
+    sim = "; simulated (pools.simulated_gpus): every role computes on the CPU" if pools.simulated_gpus else ""
+    lines = [f"vgrpo plan: {source}: model.family = {fam!r} is not sized (no memory or time plan); its GPU layout only",
+             f"GPU layout (pools.<role>.num_gpus below 1 shares a GPU{sim}):"]
+    for r in ("rollout", "reward", "learner"):
+        share = getattr(pools, r).num_gpus
+        if share > 0:
+            lines.append(f"  {r:<36}{share:g} of a GPU" + (", shared" if share < 1 else " (its own)"))
+    for i, dev in enumerate(shared_devices(cfg)):
+        shares = [s for _, s in dev.shares]
+        lines.append(f"  {'GPU ' + str(i) + ': ' + ' + '.join(dev.roles):<36}"
+                     f"{' + '.join(f'{s:g}' for s in shares)} = {sum(shares):g} of the GPU")
+    lines.append(f"plan: GPU layout only for model.family = {fam!r}")
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    if not FAMILIES[cfg.model.family].planned and any(getattr(cfg.pools, r).num_gpus > 0 for r in
+                                                       ("rollout", "reward", "learner")):
+        print(render_layout(cfg, args.config or "defaults"))
+        return 0
     try:
         p = plan(cfg, args.gpu)
     except ValueError as e:
