@@ -21,12 +21,15 @@ ROLE_RESOURCES = {"rollout": 8, "reward": 8, "learner": 8}
 def ray_session():
     """A real local Ray cluster (token authentication left on), shared by the whole session.
 
-    It declares the three role resources so actors placed by pool find a home.
+    It declares the three role resources so actors placed by pool find a home, and one GPU
+    (simulated on a machine without one: Ray's resource only), which no test asks for but the
+    one-GPU recipe's toy twin (tests/test_entry_twin.py, pools.simulated_gpus): its three roles
+    share it by fractions, as on the recipe's real device.
     """
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, resources=dict(ROLE_RESOURCES), include_dashboard=False,
+        ray.init(num_cpus=4, num_gpus=1, resources=dict(ROLE_RESOURCES), include_dashboard=False,
                  log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
