@@ -6,7 +6,8 @@ number of minutes under attack at random intervals; then the accounting. Not a C
         [--config configs/quickstart.yaml] [key.path=value ...]
 
 The run is `vgrpo train --no-eval` with `bank.aof=true` and unlimited actor restarts, in a child
-process. Attacks (benchmarks/soak_attacks.py), one drawn uniformly every MIN_S..MAX_S seconds
+process. Attacks (benchmarks/soak_attacks.py), one every MIN_S..MAX_S seconds: each kind once
+first, in random order (one that finds nothing to attack yet comes again), then drawn uniformly
 (kill twice as often): `kill` SIGKILLs a random rollout or reward actor's process; `flip` flips
 8–32 bits in a random stored entry; `nonfinite` writes +inf/NaN into one (with a valid checksum);
 `untrainable` stamps a queued member with a policy version from the future; `server` SIGKILLs
@@ -15,8 +16,10 @@ the embedded valkey-server (the driver must start it again on its AOF); `sigterm
 also SIGSTOPs the driver once, half-way, for 1.5× `bank.lease_ttl_s`. The entries are damaged
 through the actors' user (the run's URL file), as the soak is outside the run.
 
-At the end the soak SIGTERMs the run, reopens its bank from the AOF (run_dir/redis) and reports:
-faults injected and survived per kind (survived: the run trained a step after it), groups
+At the end the soak SIGTERMs the run (once it has trained a step, as a `sigterm` attack waits
+for: one SIGTERMed before that has no checkpoint to resume, or no handler yet), reopens its bank
+from the AOF (run_dir/redis) and reports: faults injected and survived per kind (survived: the
+run trained a step after it; after a `sigterm`, the resumed run past its checkpoint), groups
 produced / trained / still queued / dropped on the way to the learner (whole groups corrupt or
 quarantined: their conditions are drawn again), lost (pushed, never trained, not dropped and no
 longer queued) and duplicated (trained twice), prompt-stream cursors skipped (a dropped group's
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=float, nargs=2, default=(10.0, 30.0), metavar=("MIN_S", "MAX_S"),
                    help="seconds between attacks, drawn uniformly")
     p.add_argument("--attacks", default="kill,flip,nonfinite,untrainable,server,sigterm",
-                   help="comma-separated, drawn uniformly each time (kill is drawn twice as often)")
+                   help="comma-separated: each once first, in random order, then drawn uniformly each "
+                   "time (kill twice as often)")
     p.add_argument("--pause", action="store_true", help="SIGSTOP the driver once past its bank lease")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", default="configs/quickstart.yaml")
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(Path(cfg.run.root) / cfg.run.name, cfg)
     rng = random.Random(args.seed)
     attacks = [a for a in args.attacks.split(",") for _ in range(2 if a == "kill" else 1)]
+    first = rng.sample(sorted(set(attacks)), len(set(attacks)))   # each kind once first, in random order
     soak.start("train", "-c", args.config, "--no-eval", *overrides)
     t0 = time.monotonic()
     end = t0 + args.minutes * 60
@@ -134,14 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(rng.uniform(*args.every))
         if not soak.alive():
             break
-        kind = "pause" if time.monotonic() >= pause_at else rng.choice(attacks)
+        kind = "pause" if time.monotonic() >= pause_at else first.pop() if first else rng.choice(attacks)
         if kind == "pause":
             pause_at = float("inf")
         try:
             attack(soak, kind, rng)
         except Exception as e:  # noqa: BLE001  (nothing to attack yet, an entry went meanwhile)
             print(f"[soak] {kind} failed: {type(e).__name__}: {e}", flush=True)
+            if kind in attacks and kind not in first:   # not yet done once: drawn first again
+                first.append(kind)
     elapsed = time.monotonic() - t0
+    # the last process stops as the attacks' did: once it has trained a step (its handlers are up)
+    while soak.alive() and soak.step() <= soak.started_at and time.monotonic() < t0 + elapsed + 600:
+        time.sleep(2)
     if soak.alive() and soak.stop() != SIGTERM_EXIT:
         soak.stopped_for_good = f"exit {soak.exits[-1]} on the soak's final SIGTERM"
     report = account(soak, elapsed)
@@ -187,6 +197,7 @@ def attack(soak: Soak, kind: str, rng: random.Random) -> None:
         if (rc := soak.stop()) != SIGTERM_EXIT:
             soak.stopped_for_good = f"exit {rc} on SIGTERM (expected {SIGTERM_EXIT})"
             return
+        step = soak.step()   # the stop's checkpoint: the resumed run must train past it
         soak.start("resume", str(soak.run_dir), "--no-eval")
     else:
         bank = soak.connect()
