@@ -12,7 +12,10 @@ first, in random order (one that finds nothing to attack yet comes again), then 
 8–32 bits in a random stored entry; `nonfinite` writes +inf/NaN into one (with a valid checksum);
 `untrainable` stamps a queued member with a policy version from the future; `server` SIGKILLs
 the embedded valkey-server (the driver must start it again on its AOF); `sigterm` SIGTERMs
-`vgrpo train`, which must checkpoint and exit 143, and runs `vgrpo resume` on the run. `--pause`
+`vgrpo train`, which must checkpoint and exit 143, and runs `vgrpo resume` on the run (`kill` and
+`sigterm` wait until the current process has trained a step: an actor killed while it loads
+stops the run by design, cluster/driver/startup.py, and a run SIGTERMed before its first
+checkpoint is removed). `--pause`
 also SIGSTOPs the driver once, half-way, for 1.5× `bank.lease_ttl_s`. The entries are damaged
 through the actors' user (the run's URL file), as the soak is outside the run.
 
@@ -170,6 +173,10 @@ def attack(soak: Soak, kind: str, rng: random.Random) -> None:
     from benchmarks.soak_attacks import ATTACKS, queued_members, role_pids, server_pids
 
     step, pid = soak.step(), soak.proc.pid
+    if kind in ("kill", "sigterm") and step <= soak.started_at:
+        # a run SIGTERMed before its first checkpoint is removed, nothing to resume; an actor
+        # killed while it loads stops the run at once by design (cluster/driver/startup.py)
+        raise RuntimeError("no step trained since this process started: the run is still starting")
     if kind == "kill":
         role = rng.choice(sorted(ROLES))
         victims = role_pids(pid, ROLES[role])
@@ -190,9 +197,6 @@ def attack(soak: Soak, kind: str, rng: random.Random) -> None:
         time.sleep(seconds)
         os.kill(pid, signal.SIGCONT)
     elif kind == "sigterm":
-        if step <= soak.started_at:
-            raise RuntimeError("no step trained since this process started (a run SIGTERMed before its "
-                               "first checkpoint is removed, nothing to resume)")
         print(f"[soak] SIGTERM to vgrpo at step {step}", flush=True)
         if (rc := soak.stop()) != SIGTERM_EXIT:
             soak.stopped_for_good = f"exit {rc} on SIGTERM (expected {SIGTERM_EXIT})"
