@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             attack(soak, kind, rng)
         except Exception as e:  # noqa: BLE001  (nothing to attack yet, an entry went meanwhile)
             print(f"[soak] {kind} failed: {type(e).__name__}: {e}", flush=True)
-            if kind in attacks and kind not in first:   # not yet done once: drawn first again
+            done = {k.split("_")[0] for k, _ in soak.faults}
+            if kind in attacks and kind not in first and kind not in done:   # comes again until done once
                 first.append(kind)
     elapsed = time.monotonic() - t0
     # the last process stops as the attacks' did: once it has trained a step (its handlers are up)
