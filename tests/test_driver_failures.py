@@ -1,4 +1,5 @@
-"""The driver's failure bookkeeping, without a cluster: refilled groups and the stop after a run of failures."""
+"""The driver's failure bookkeeping: refilled groups and the stop after a run of failures (without a
+cluster), and a learner that dies while its weights are packed (one real actor)."""
 
 from types import SimpleNamespace
 
@@ -59,3 +60,33 @@ def test_the_prompt_stream_is_a_seeded_permutation_per_epoch(tmp_path):
     again = _driver(tmp_path)
     assert [(c.id, s) for c, s, _ in (again.next_condition() for _ in range(n))] == \
         [(c.id, s) for c, s, _ in first]   # same seed, same stream
+
+
+def test_a_learner_that_dies_before_its_weights_are_packed_stops_the_run_in_one_line(ray_session, tmp_path):
+    """The learner dies after its step, while rank 0 packs the weights for the object store (a
+    kill that lands between `train` and `publish`): a StopRun naming the learner, the learner
+    marked lost (no checkpoint is attempted from it), not a RayActorError out of Driver.run."""
+    import os
+
+    import ray
+
+    from cluster.driver.publish import Publisher
+
+    @ray.remote(num_cpus=0)
+    class Rank0:
+        def die(self):
+            os._exit(1)
+
+    rank0 = Rank0.remote()
+
+    class Learner:  # the learner group's one call here, on a real actor that dies during it
+        def weights_record(self, version, checksum, ema):
+            return ray.get(rank0.die.remote())
+
+    d = _driver(tmp_path)
+    lost = []
+    pub = Publisher(d.fleet.cfg, Learner(), d.fleet, registry=None, on_learner_error=lambda: lost.append(1),
+                    timers={"publish": 0.0}, metrics=None)
+    with pytest.raises(StopRun, match=r"^weight sync of version 3 failed: the learner died"):
+        pub.publish(3)
+    assert lost == [1] and pub.published == 0 and d.fleet.versions.current == 0

@@ -41,7 +41,7 @@ class Publisher:
         t0 = time.monotonic()
         version = step + int(ema)
         if self.cfg.weight_sync.transport == "object_store":
-            self._keep(self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema))
+            self._keep(self._record(version, ema))
         else:
             self._broadcast(version, ema)
         self.versions.published(version)
@@ -59,7 +59,7 @@ class Publisher:
             if self.cfg.weight_sync.transport == "collective":
                 self._serve_behind()
             elif not v.has_newest_record():
-                self._keep(self.learner.weights_record(v.current, self.cfg.weight_sync.checksum, self.ema))
+                self._keep(self._record(v.current, self.ema))
         v.served()
         return v.record
 
@@ -103,6 +103,17 @@ class Publisher:
     def version(self) -> int:
         """The newest version published."""
         return self.versions.current
+
+    def _record(self, version: int, ema: bool) -> WeightsRecord:
+        """Rank 0 packs `version` into the object store. A learner that dies meanwhile (between
+        its step and this call, as often as during the step) stops the run as in `Driver.train`."""
+        import ray  # heavy: ray
+
+        try:
+            return self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
+        except ray.exceptions.RayActorError as e:
+            self.on_learner_error()
+            raise StopRun(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
 
     def _keep(self, record: WeightsRecord | None) -> None:
         self.registry.set.remote(record)  # a restarted actor's source (None: nothing kept)
