@@ -46,10 +46,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imported once by the child before any call: what a refusal of the CLI pays for (torch, ray,
-# safetensors, the command modules). Whatever their import prints is added to every call's output.
-WARMUP = ["torch", "ray", "safetensors.torch", "cluster.cli", *[
-    "cluster.cli.config_cmd", "cluster.cli.train_cmd", "cluster.cli.eval_cmd", "cluster.cli.runs_cmd"]]
+# Imported once by the child before any call: what the CLI's refusals import anyway (seen in
+# BatchResult.imported), the seconds of a fresh process. Whatever their import prints is added to
+# every call's output.
+WARMUP = ["torch", "ray", "safetensors.torch", "diffusers", "transformers", "peft", "redis",
+          "cluster.cli", "learner", "memory_bank", "rollout_worker"]
 
 
 @dataclass
