@@ -27,7 +27,8 @@ What a batch cannot reproduce of a fresh process, and how it errs:
     (a false failure), never hide one. Modules not in the warm-up are imported in each fork, so
     their import-time output belongs to the call that imports them, as in a fresh process.
   - a variable read once at import time by a warm-up module (e.g. TRANSFORMERS_VERBOSITY) is read
-    from the child's start env (`env` of run_batch), not the call's. Calls that need such a
+    from the child's start env (`env` of run_batch), not the call's; so is PYTHONPATH (sys.path is
+    made when the interpreter starts; only sys.path[0], the cwd, is the call's). Calls that need such a
     variable set differently belong in their own batch, or a standalone subprocess.
 
 Keep at least one genuine `python -m cluster.cli` subprocess per command in a file that batches
@@ -81,15 +82,16 @@ def default_env() -> dict[str, str]:
 
 
 def run_batch(calls: list[Call | list[str] | tuple[str, ...]], env: dict[str, str] | None = None,
-              timeout: float = 120, warmup: list[str] | None = None) -> list[BatchResult]:
+              timeout: float = 120, warmup: list[str] | None = None, module: str = "cluster.cli") -> list[BatchResult]:
     """Run every call in one child Python; one BatchResult per call, in order.
 
     `env`: the child's start env and every call's default (default_env()); `timeout`: seconds for
-    EACH call (a call past it is killed: returncode -9 and a note on its stderr).
+    EACH call (a call past it is killed: returncode -9 and a note on its stderr); `module`: what
+    `python -m` runs (tests/test_cli_batch.py holds the batch to a real process with a probe).
     """
     env = default_env() if env is None else dict(env)
     calls = [c if isinstance(c, Call) else Call(list(c)) for c in calls]
-    spec = {"warmup": WARMUP if warmup is None else warmup, "timeout": timeout,
+    spec = {"warmup": WARMUP if warmup is None else warmup, "timeout": timeout, "module": module,
             "calls": [{"args": [str(a) for a in c.args], "cwd": str(c.cwd or ROOT),
                        "env": env if c.env is None else {k: str(v) for k, v in c.env.items()}} for c in calls]}
     with tempfile.TemporaryDirectory(prefix="cli_batch_") as tmp:
@@ -141,8 +143,8 @@ def _redirect(out: Path, err: Path) -> None:
         os.close(f)
 
 
-def _run_one(call: dict, tmp: Path, i: int) -> None:
-    """In the fork: become `python -m cluster.cli ARGS` in the call's cwd and env, then exit."""
+def _run_one(call: dict, module: str, tmp: Path, i: int) -> None:
+    """In the fork: become `python -m MODULE ARGS` in the call's cwd and env, then exit."""
     import atexit
     import runpy
     import traceback
@@ -155,10 +157,10 @@ def _run_one(call: dict, tmp: Path, i: int) -> None:
         os.chdir(call["cwd"])
         os.environ.clear()
         os.environ.update(call["env"])
-        sys.argv = [str(ROOT / "cluster/cli/__main__.py"), *call["args"]]
+        sys.argv = ["-m", *call["args"]]  # runpy puts the module's file in sys.argv[0], as `-m` does
         sys.path[0] = os.getcwd()
         try:
-            runpy.run_module("cluster.cli", run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             code = e.code
         except BaseException:  # what the interpreter does with an uncaught exception
@@ -204,7 +206,7 @@ def _child(tmp: Path) -> None:
         start = time.monotonic()
         pid = os.fork()
         if pid == 0:
-            _run_one(call, tmp, i)  # never returns
+            _run_one(call, spec["module"], tmp, i)  # never returns
         deadline = time.monotonic() + spec["timeout"]
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
