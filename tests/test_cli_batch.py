@@ -22,7 +22,8 @@ def _real(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_a_batched_call_sees_and_leaves_what_a_real_process_does():
-    env = {**default_env(), "X": "x"}
+    env = {k: v for k, v in default_env().items() if k != "PYTHONUNBUFFERED"}  # stdout buffered: flushes matter
+    env["X"] = "x"
     got = run_batch([Call(a, cwd=HERE) for a in CALLS], env=env, warmup=[], module="cli_batch_probe")
     for args, out in zip(CALLS, got, strict=True):
         real = _real(args, env)
