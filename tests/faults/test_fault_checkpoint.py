@@ -4,6 +4,17 @@ extra.json, a damaged policy.safetensors, damaged toy weights, and the sharded (
 Every case runs the real `vgrpo` CLI in a subprocess on files written by the real savers and then
 damaged, and checks: exit status 2, exactly one stderr line naming the file, no traceback, and not
 one byte of the run directory changed (nothing written, nothing overwritten).
+
+The CLI refusals are batched: the `batch` fixture prepares every batched case on its own copy of
+the pristine run (damaged as the test says, hashed before), runs them all in ONE child Python that
+forks a fresh `python -m cluster.cli` process per case (tests/cli_batch.py: its own fds 1 and 2,
+cwd, env, exit status; the imports paid once), and each test asserts on its own case's result.
+These stay genuine standalone `python -m cluster.cli` subprocesses (`_vgrpo`), so the real process
+boundary stays covered for every command: eval and sample
+(test_damaged_policy_on_eval_and_sample_is_one_line_and_writes_nothing), train
+(test_train_on_damaged_toy_weights_fails_before_any_actor[truncated]), resume
+(test_sharded_checkpoint_damage_is_one_line, whose damage comes in steps around the run, and
+test_a_wan_trainer_state_of_another_shape_is_one_line_before_ray, whose env differs).
 """
 
 from __future__ import annotations
@@ -14,12 +25,14 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cli_batch import BatchResult, run_batch
 from fault_helpers import ROOT
 from safetensors.torch import save_file
 
@@ -60,14 +73,18 @@ def pristine(tmp_path_factory) -> Path:
     return base
 
 
+def _copy_pristine(pristine: Path, dest: Path) -> Path:
+    shutil.copytree(pristine / "toy", dest / "toy")
+    shutil.copytree(pristine / "run", dest / "run")
+    cfg = (dest / "run/config.yaml").read_text().replace(str(pristine / "toy"), str(dest / "toy"))
+    (dest / "run/config.yaml").write_text(cfg)
+    return dest
+
+
 @pytest.fixture
 def work(pristine, tmp_path) -> Path:
     """A fresh copy of the pristine run dir and toy model for one test to damage."""
-    shutil.copytree(pristine / "toy", tmp_path / "toy")
-    shutil.copytree(pristine / "run", tmp_path / "run")
-    cfg = (tmp_path / "run/config.yaml").read_text().replace(str(pristine / "toy"), str(tmp_path / "toy"))
-    (tmp_path / "run/config.yaml").write_text(cfg)
-    return tmp_path
+    return _copy_pristine(pristine, tmp_path)
 
 
 def _hashes(*roots: Path) -> dict[str, str]:
@@ -122,14 +139,55 @@ def _tensor_offset(f: Path) -> int:
 NEWEST, OLDER = f"step_{STEPS[1]:08d}", f"step_{STEPS[0]:08d}"
 
 
-@pytest.mark.parametrize("case, file, needles", [
+@dataclass
+class Case:
+    """One batched refusal: its own copy of the pristine run (`work`), the file its line must name,
+    the copy's hashes once damaged (before the CLI ran), the CLI invocations, and their results."""
+
+    work: Path
+    f: Path
+    before: dict[str, str]
+    calls: list[list[str]]
+    out: list[BatchResult] = field(default_factory=list)
+
+
+def _prepared(work: Path, f: Path, *calls: list[str]) -> Case:
+    return Case(work, f, _hashes(work), list(calls))
+
+
+@pytest.fixture(scope="module")
+def batch(pristine, tmp_path_factory) -> dict[tuple[str, str], Case]:
+    """Every batched case prepared on its own copy of the pristine run, then all of them run in one
+    child (tests/cli_batch.py: a fresh forked `python -m cluster.cli` process per invocation)."""
+    prepare = {
+        **{("damaged checkpoint", case): (lambda w, c=case, f=file: _damaged_checkpoint(w, c, f))
+           for case, file, _ in DAMAGED_CHECKPOINT},
+        **{("driver field", name): (lambda w, n=name, v=value: _wrong_driver_field(w, n, v))
+           for name, value, _ in DRIVER_FIELDS},
+        **{("damage", case): (lambda w, c=case: _damaged(w, c)) for case in DAMAGE},
+        **{("namespace", where): (lambda w, x=where: _other_namespace(w, x)) for where in NAMESPACE_WHERE},
+        ("nan policy", ""): _nan_policy,
+        ("train", "nan"): lambda w: _damaged_toy_train(w, "nan"),
+        ("toy weights", ""): _damaged_toy_all_commands,
+    }
+    cases = {key: prep(_copy_pristine(pristine, tmp_path_factory.mktemp("case"))) for key, prep in prepare.items()}
+    results = iter(run_batch([call for c in cases.values() for call in c.calls], timeout=240))
+    for c in cases.values():
+        c.out = [next(results) for _ in c.calls]
+    assert next(results, None) is None
+    return cases
+
+
+DAMAGED_CHECKPOINT = [
     ("truncated trainer.pt", "trainer.pt", ["truncated"]),
     ("bit-flipped trainer.pt", "trainer.pt", ["CRC-32"]),
     ("no trainer.pt", "trainer.pt", ["missing"]),
     ("no extra.json", "extra.json", ["missing"]),
     ("truncated extra.json", "extra.json", ["not valid JSON"]),
-])
-def test_resume_with_a_damaged_checkpoint_is_one_line_and_changes_nothing(work, case, file, needles):
+]
+
+
+def _damaged_checkpoint(work: Path, case: str, file: str) -> Case:
     d = work / "run/checkpoints" / NEWEST
     f = d / file
     if case.startswith("truncated"):
@@ -138,33 +196,45 @@ def test_resume_with_a_damaged_checkpoint_is_one_line_and_changes_nothing(work, 
         _flip(f, _tensor_offset(f))  # torch.load alone reads this file without complaint
     else:
         f.unlink()
-    before = _hashes(work)
-    out = _vgrpo("resume", str(work / "run"))
-    line = _assert_one_line(out, f, *needles)
+    return _prepared(work, f, ["resume", str(work / "run")])
+
+
+@pytest.mark.parametrize("case, file, needles", DAMAGED_CHECKPOINT)
+def test_resume_with_a_damaged_checkpoint_is_one_line_and_changes_nothing(batch, case, file, needles):
+    c = batch["damaged checkpoint", case]  # _damaged_checkpoint, run in the batch
+    line = _assert_one_line(c.out[0], c.f, *needles)
     assert f"move {NEWEST} out of" in line and f"resume from {OLDER}" in line  # the fix is named
-    assert _hashes(work) == before
+    assert _hashes(c.work) == c.before
 
 
-@pytest.mark.parametrize("field, value, needle", [
+DRIVER_FIELDS = [
     ("open", {"x": "g1"}, "'open' must be a map of cursor -> group id or null"),
     ("counts", {"groups_trained": -4}, "'counts' must be a map of name -> count"),
     ("uncommitted", "g0000001-v1", "'uncommitted' must be a list of group ids"),
     ("cursor", -3, "'cursor' must be a whole number >= 0"),
-])
-def test_resume_with_wrong_driver_fields_is_one_line_before_ray(work, field, value, needle):
-    """extra.json's driver fields are read as a DriverState before Ray starts: a wrong-typed one
-    is one line naming the file and the field, and nothing changes."""
+]
+
+
+def _wrong_driver_field(work: Path, name: str, value) -> Case:
     import json
 
     f = work / "run/checkpoints" / NEWEST / "extra.json"
     extra = json.loads(f.read_text())
-    extra[field] = value
+    extra[name] = value
     f.write_text(json.dumps(extra))
-    before = _hashes(work)
-    out = _vgrpo("resume", str(work / "run"))
-    _assert_one_line(out, f, needle)
+    return _prepared(work, f, ["resume", str(work / "run")])
+
+
+@pytest.mark.parametrize("field, value, needle", DRIVER_FIELDS)
+def test_resume_with_wrong_driver_fields_is_one_line_before_ray(batch, field, value, needle):
+    """extra.json's driver fields are read as a DriverState before Ray starts: a wrong-typed one
+    is one line naming the file and the field, and nothing changes."""
+    c = batch["driver field", field]  # _wrong_driver_field, run in the batch
+    out = c.out[0]
+    _assert_one_line(out, c.f, needle)
     assert "Ray" not in out.stdout + out.stderr  # it stopped before starting anything
-    assert _hashes(work) == before
+    assert not out.ray_initialized
+    assert _hashes(c.work) == c.before
 
 
 def _edit_state(d: Path, edit) -> Path:
@@ -228,17 +298,23 @@ DAMAGE = {  # case -> (damage(work, newest dir) -> the file named, what the line
 }
 
 
+def _damaged(work: Path, case: str) -> Case:
+    damage, _ = DAMAGE[case]
+    f = damage(work, work / "run/checkpoints" / NEWEST)
+    return _prepared(work, f, ["resume", str(work / "run")])
+
+
 @pytest.mark.parametrize("case", list(DAMAGE))
-def test_resume_reads_trainer_state_status_bank_dump_and_metrics_before_ray(work, case):
+def test_resume_reads_trainer_state_status_bank_dump_and_metrics_before_ray(batch, case):
     """Fields a crash or a hand leaves wrong in trainer.pt, the bank dump, status.json or
     metrics.jsonl: one line naming the file and the field, exit 2, before Ray, nothing changed."""
-    damage, needle = DAMAGE[case]
-    f = damage(work, work / "run/checkpoints" / NEWEST)
-    before = _hashes(work)
-    out = _vgrpo("resume", str(work / "run"))
-    _assert_one_line(out, f, needle)
+    _, needle = DAMAGE[case]
+    c = batch["damage", case]  # _damaged, run in the batch
+    out = c.out[0]
+    _assert_one_line(out, c.f, needle)
     assert "Ray" not in out.stdout + out.stderr
-    assert _hashes(work) == before
+    assert not out.ray_initialized
+    assert _hashes(c.work) == c.before
 
 
 def _snapshot(d: Path, **fields) -> Path:
@@ -253,17 +329,25 @@ def _snapshot(d: Path, **fields) -> Path:
     return f
 
 
-@pytest.mark.parametrize("where", ["extra.json", "bank/index.json"])
-def test_resume_with_another_bank_namespace_is_one_line_before_ray(work, where):
-    """`vgrpo resume RUN bank.namespace=other` on a run whose bank data is in 'vgrpo' (was: a
-    ValueError traceback from the driver's setup, after Ray and the actors had started)."""
+NAMESPACE_WHERE = ["extra.json", "bank/index.json"]
+
+
+def _other_namespace(work: Path, where: str) -> Case:
     d = work / "run/checkpoints" / NEWEST
     f = _snapshot(d) if where == "extra.json" else _bank_index(d, format=2)
-    before = _hashes(work)
-    out = _vgrpo("resume", str(work / "run"), "bank.namespace=other")
-    _assert_one_line(out, f, "'vgrpo'", "bank.namespace='other'", "resume with bank.namespace=vgrpo")
+    return _prepared(work, f, ["resume", str(work / "run"), "bank.namespace=other"])
+
+
+@pytest.mark.parametrize("where", NAMESPACE_WHERE)
+def test_resume_with_another_bank_namespace_is_one_line_before_ray(batch, where):
+    """`vgrpo resume RUN bank.namespace=other` on a run whose bank data is in 'vgrpo' (was: a
+    ValueError traceback from the driver's setup, after Ray and the actors had started)."""
+    c = batch["namespace", where]  # _other_namespace, run in the batch
+    out = c.out[0]
+    _assert_one_line(out, c.f, "'vgrpo'", "bank.namespace='other'", "resume with bank.namespace=vgrpo")
     assert "Ray" not in out.stdout + out.stderr
-    assert _hashes(work) == before
+    assert not out.ray_initialized
+    assert _hashes(c.work) == c.before
 
 
 @pytest.mark.parametrize("fields, needle", [
@@ -320,19 +404,22 @@ def test_damaged_policy_on_eval_and_sample_is_one_line_and_writes_nothing(work):
     assert _hashes(work) == before  # no eval/ dir, no GIF
 
 
-def test_nan_bytes_in_policy_are_named(work):
-    """safetensors has no checksum: bytes that turn a weight into NaN are caught by value."""
+def _nan_policy(work: Path) -> Case:
     f = work / "run/checkpoints" / NEWEST / "policy.safetensors"
     header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
     for i in range(4):  # one fp32 weight := 0xFFFFFFFF, a NaN
         _flip(f, header + 4 * 10 + i, 0xFF)
-    before = _hashes(work)
-    _assert_one_line(_vgrpo("eval", str(work / "run")), f, "NaN/inf")
-    assert _hashes(work) == before
+    return _prepared(work, f, ["eval", str(work / "run")])
 
 
-@pytest.mark.parametrize("how", ["truncated", "nan"])
-def test_train_on_damaged_toy_weights_fails_before_any_actor(work, how):
+def test_nan_bytes_in_policy_are_named(batch):
+    """safetensors has no checksum: bytes that turn a weight into NaN are caught by value."""
+    c = batch["nan policy", ""]  # _nan_policy, run in the batch
+    _assert_one_line(c.out[0], c.f, "NaN/inf")
+    assert _hashes(c.work) == c.before
+
+
+def _damaged_toy_train(work: Path, how: str) -> Case:
     f = work / "toy/toy.safetensors"
     if how == "truncated":
         _truncate(f, 0.9)
@@ -340,25 +427,40 @@ def test_train_on_damaged_toy_weights_fails_before_any_actor(work, how):
         header = 8 + int.from_bytes(f.read_bytes()[:8], "little")
         for i in range(4):
             _flip(f, header + 4 * 100 + i, 0xFF)
-    before = _hashes(work)
-    out = _vgrpo("train", "-c", "configs/quickstart.yaml", "--no-eval", f"run.root={work / 'runs'}",
-                 "run.name=x", f"model.path={work / 'toy'}")
-    _assert_one_line(out, f, "truncated or damaged" if how == "truncated" else "NaN/inf")
-    assert _hashes(work) == before and not (work / "runs").exists()  # not even an empty run dir
+    return _prepared(work, f, ["train", "-c", "configs/quickstart.yaml", "--no-eval", f"run.root={work / 'runs'}",
+                               "run.name=x", f"model.path={work / 'toy'}"])
 
 
-def test_resume_eval_and_sample_on_damaged_toy_weights(work):
+@pytest.mark.parametrize("how", ["truncated", "nan"])
+def test_train_on_damaged_toy_weights_fails_before_any_actor(batch, work, how):
+    if how == "truncated":  # a genuine `python -m cluster.cli train` subprocess
+        c = _damaged_toy_train(work, how)
+        out = _vgrpo(*c.calls[0])
+    else:  # _damaged_toy_train, run in the batch
+        c = batch["train", how]
+        out = c.out[0]
+    _assert_one_line(out, c.f, "truncated or damaged" if how == "truncated" else "NaN/inf")
+    assert _hashes(c.work) == c.before and not (c.work / "runs").exists()  # not even an empty run dir
+
+
+def _damaged_toy_all_commands(work: Path) -> Case:
     f = work / "toy/toy.safetensors"
     _truncate(f, 0.9)
     before = _hashes(work)
-    _assert_one_line(_vgrpo("resume", str(work / "run")), f, "truncated or damaged")
-    _assert_one_line(_vgrpo("eval", str(work / "run")), f, "truncated or damaged")
     cfg = work / "base.yaml"
     cfg.write_text(f"model:\n  family: toy\n  path: {work / 'toy'}\n")
     before[str(cfg)] = hashlib.sha256(cfg.read_bytes()).hexdigest()
-    _assert_one_line(_vgrpo("sample", "base", "-c", str(cfg), "--prompt", "a red square",
-                            "--out", str(work / "s.gif")), f, "truncated or damaged")
-    assert _hashes(work) == before
+    return Case(work, f, before, [["resume", str(work / "run")], ["eval", str(work / "run")],
+                                  ["sample", "base", "-c", str(cfg), "--prompt", "a red square",
+                                   "--out", str(work / "s.gif")]])
+
+
+def test_resume_eval_and_sample_on_damaged_toy_weights(batch):
+    c = batch["toy weights", ""]  # _damaged_toy_all_commands, run in the batch (in this order)
+    _assert_one_line(c.out[0], c.f, "truncated or damaged")  # resume
+    _assert_one_line(c.out[1], c.f, "truncated or damaged")  # eval
+    _assert_one_line(c.out[2], c.f, "truncated or damaged")  # sample
+    assert _hashes(c.work) == c.before
 
 
 def test_pristine_checkpoint_verifies_and_damage_is_caught_in_process(work):
