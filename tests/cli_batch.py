@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Imported once by the child before any call: what the CLI's refusals import anyway (seen in
 # BatchResult.imported), the seconds of a fresh process. Whatever their import prints is added to
 # every call's output.
-WARMUP = ["torch", "ray", "safetensors.torch", "diffusers", "transformers", "peft", "redis",
+WARMUP = ["torch", "ray", "safetensors.torch", "diffusers", "transformers", "redis",
           "cluster.cli", "learner", "memory_bank", "rollout_worker"]
 
 

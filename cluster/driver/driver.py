@@ -215,7 +215,7 @@ class Driver:
         stops the run in one line when one fails. Rollout actors get the reward actors, the weight
         registry and the bank's URL server by name: their constructor arguments are plain data, so a
         restart never depends on an object Ray may have lost."""
-        # heavy: ray, peft
+        # heavy: ray, torch
         from learner.actor import LearnerGroup
         from rollout_worker.actor import RolloutActor
 

@@ -157,7 +157,7 @@ def model_shapes(cfg) -> dict[str, tuple]:
     config.json, parameters and LoRA adapters on the meta device (no weight read, nothing
     allocated: a 14B expert costs the driver no memory). {} for a hub id: nothing is fetched
     before Ray starts (the learner's load_state_dict checks the names there)."""
-    from learner.policy import Policy  # heavy: peft
+    from learner.policy import Policy  # heavy: torch
 
     toy = not FAMILIES[cfg.model.family].needs_path  # ships its own weights: built whole
     if not toy and not (cfg.model.path and is_local(cfg.model.path)):

@@ -14,7 +14,7 @@ def load_policy(cfg, ckpt: Path | None):
     shard at a time (the host holds the model and one shard, never a second copy of the model)."""
     import torch  # lazy: torch (kept out of vgrpo --help)
 
-    # lazy: torch, peft (kept out of vgrpo --help)
+    # lazy: torch (kept out of vgrpo --help)
     from learner.checkpoint import CheckpointError
     from rollout_worker.models import build_model
     from rollout_worker.models.lora import inject_lora

@@ -117,7 +117,7 @@ def arch(cfg, transformer=None) -> Arch:
     """Sizes of the config's transformer (built on the meta device unless given)."""
     import torch  # lazy: torch (kept out of vgrpo --help)
 
-    # lazy: torch, peft (kept out of vgrpo --help)
+    # lazy: torch (kept out of vgrpo --help)
     from rollout_worker.models.lora import lora_targets
 
     m = cfg.model

@@ -154,7 +154,7 @@ def diffusers_lora_layers(weights: dict[str, torch.Tensor]) -> tuple[dict[str, t
     """vgrpo's adapter keys (peft's, with the adapter name: `….to_q.lora_A.default.weight`) →
     diffusers' (`….to_q.lora_A.weight`, as peft's get_peft_model_state_dict gives them), and the
     adapted modules."""
-    from rollout_worker.models.lora import ADAPTER, is_lora_key  # heavy: peft
+    from rollout_worker.models.lora import ADAPTER, is_lora_key  # heavy: torch
 
     layers, modules = {}, set()
     for k, v in weights.items():
