@@ -23,9 +23,10 @@ def test_every_benchmark_has_a_quickest_form():
     assert sorted(SMOKE) == sorted(BENCHES)
 
 
-# Benchmarks whose cluster comes from cluster.driver.pools.init_ray, which joins RAY_ADDRESS: the
-# session's cluster saves them a Ray start (the others size a cluster of their own).
-JOINS_RAY = {"bench_async"}
+# Benchmarks whose quickest form joins RAY_ADDRESS (bench_async: cluster.driver.pools.init_ray;
+# bench_dataplane --smoke): the session's cluster saves them a Ray start (the others size a
+# cluster of their own).
+JOINS_RAY = {"bench_async", "bench_dataplane"}
 
 
 @pytest.mark.parametrize("name", BENCHES)
