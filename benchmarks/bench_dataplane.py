@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller latents and fewer steps")
     ap.add_argument("--smoke", action="store_true", help="the quickest run: one sync and one async "
-                    "run of one step, rows only (tests run it)")
+                    "run of one step, rows only, no cluster probe; joins RAY_ADDRESS when set (tests run it)")
     ap.add_argument("--gpu", action="store_true", help="accepted for run_all; the stubs run on the CPU either way")
     ap.add_argument("--out", default=None, help="append the figures to this markdown file")
     args = ap.parse_args(argv)
@@ -229,9 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     root = tempfile.mkdtemp(prefix="vgrpo-bench-dp-")
     os.environ[STUB_ENV] = os.path.join(root, "stub.json")
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), STUB_ENV: os.environ[STUB_ENV]}
-    ray.init(num_cpus=2, resources={"rollout": 4, "reward": 3, "learner": 1}, include_dashboard=False,
-             log_to_driver=False, runtime_env={"env_vars": env,
-                                               "worker_process_setup_hook": "benchmarks.bench_dataplane.install_stub"})
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "benchmarks.bench_dataplane.install_stub"}
+    if args.smoke and os.environ.get("RAY_ADDRESS"):  # the smoke joins a running cluster (tests: the session's)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=2, resources={"rollout": 4, "reward": 3, "learner": 1}, include_dashboard=False,
+                 log_to_driver=False, runtime_env=runtime_env)
+    # the smoke checks the code paths, not the driver's cluster probe (a task per role; tested on its own)
+    probe = ["preflight.skip_cluster_checks=true"] if args.smoke else []
     rows = {}
     try:
         big = {"latent": [16, 21, 30, 53], "frames": [81, 480, 848], "step_sleep_s": 0.0}
@@ -242,13 +247,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, steps in ((("realistic", 1),) if args.smoke else (("realistic", 2), ("realistic_long", 4))):
             rows[name] = _run(root, name, big, 0.0, [
                 "train.mode=sync", f"train.steps={steps}", "train.groups_per_step=1", "sampler.group_size=2",
-                "schedule.steps=20", "sampler.latent_dtype=bfloat16", "bank.capacity=1"])
+                "schedule.steps=20", "sampler.latent_dtype=bfloat16", "bank.capacity=1", *probe])
         small = {"latent": [4, 2, 8, 8], "frames": [4, 16, 16], "step_sleep_s": 0.0 if args.smoke else 0.2}
         steps = 1 if args.smoke else 2 if args.quick else 3
         for n in ((1,) if args.smoke else (1, 2, 4)):
             rows[f"rollout{n}"] = _run(root, f"rollout{n}", small, 0.0, [
                 "train.mode=async", f"train.steps={steps}", "train.groups_per_step=4", "train.max_staleness=2",
-                "sampler.group_size=2", "schedule.steps=8", f"pools.rollout.num_actors={n}"])
+                "sampler.group_size=2", "schedule.steps=8", f"pools.rollout.num_actors={n}", *probe])
         fast = {**small, "step_sleep_s": 0.0}
         for n in (() if args.smoke else (1, 3)):
             rows[f"reward{n}"] = _run(root, f"reward{n}", fast, 0.5, [
