@@ -220,3 +220,35 @@ def test_clear_stale_bank_flag_sets_the_config_field(monkeypatch, tmp_path):
     for flag, want in (([], False), (["--clear-stale-bank"], True)):
         args = build_parser().parse_args(["train", *flag, f"run.root={tmp_path}", "run.name=flag"])
         assert args.func(args) == 0 and seen["cfg"].bank.clear_stale is want
+
+
+def test_a_second_vgrpo_train_on_a_live_namespace_is_refused_in_one_line(redis_server, ray_address, tmp_path):
+    """The split brain through the real CLI: while one run holds a namespace of a shared server
+    (its lease renewed), `vgrpo train` on the same namespace exits 2 with one error line naming it
+    and that run, and leaves the holder's lease and entries as they were."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    url, ns = redis_server.url.get_secret_value(), _ns()
+    b = _bank(url, ns)
+    held = claim_namespace(b, "the-first-run")
+    held.start()
+    try:
+        b.push_group(make_group("c", "g0", seed=0))
+        keep = ("pushed", "fresh", "banked", "bytes")
+        before = {k: b.stats()[k] for k in keep}
+        env = {**os.environ, "VGRPO_REDIS_URL": url, "RAY_ADDRESS": ray_address, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "train", "-c", "configs/quickstart.yaml",
+                              "--no-eval", f"run.root={tmp_path}", "run.name=second", f"bank.namespace={ns}",
+                              "train.steps=1"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 1, out.stderr[-3000:]
+        assert f"bank.namespace {ns!r} is in use by a live run" in errors[0] and "the-first-run" in errors[0], errors
+        assert url.split("@")[0].split(":")[-1] not in out.stderr + out.stdout  # the password is not shown
+        assert not held.lost and held.renew() and {k: b.stats()[k] for k in keep} == before
+    finally:
+        held.release()
+        b.clear()
