@@ -522,6 +522,11 @@ def test_sharded_checkpoint_damage_is_one_line(sharded, tmp_path):
         dist_checkpoint.verify_newest(single, WORLD)
     with pytest.raises(CheckpointError, match=r"trainer.pt: lacks finetune, policy, optimizer, kl, rng"):
         dist_checkpoint.verify_newest(single, 1)  # a whole torch file, but not a trainer's state
+    # through the CLI: a resume with another learner rank count is one line, before Ray, and writes nothing
+    before = _hashes(tmp_path)
+    _assert_one_line(_vgrpo("resume", str(tmp_path / "run"), "pools.learner.num_actors=1"), d,
+                     "written by 2 learner ranks, this run has 1", "num_actors=2")
+    assert _hashes(tmp_path) == before
     _truncate(d / "rank00001.pt")
     before = _hashes(tmp_path)
     _assert_one_line(_vgrpo("resume", str(tmp_path / "run")), d / "rank00001.pt", "truncated")
