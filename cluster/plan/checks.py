@@ -108,7 +108,11 @@ SKIP_GPU = "or set preflight.skip_gpu_memory_check=true if you know better"
 def role_peaks(cfg, p: Plan) -> dict[str, tuple[float, str]]:
     """The learner's and the rollout's GPU peak per process and at what (devices.role_phases),
     for the pools that have GPUs: what gpu_checks and the cluster preflight hold to a GPU."""
-    return {role: peak for role, peak in role_phases(cfg, p).items()
+    return _on_gpu(cfg, role_phases(cfg, p))
+
+
+def _on_gpu(cfg, phases: dict[str, tuple[float, str]]) -> dict[str, tuple[float, str]]:
+    return {role: peak for role, peak in phases.items()
             if role in ("learner", "rollout") and getattr(cfg.pools, role).num_gpus > 0}
 
 
@@ -132,7 +136,8 @@ def gpu_checks(cfg, p: Plan) -> list[Check]:
     cap = GPUS[p.gpu][1] * GB
     reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
     out = []
-    for role, (peak_b, what) in role_peaks(cfg, p).items():
+    phases = role_phases(cfg, p)  # once: the per-process checks and the shared devices read it
+    for role, (peak_b, what) in _on_gpu(cfg, phases).items():
         free = 1.0 - (peak_b + reserved) / cap
         line = (f"pools.{role} GPU peak ({what}) {peak_b / GB:.1f} + {reserved / GB:.1f} GiB reserved of "
                 f"{cap / GB:.0f} GiB on {p.gpu}: {free:.0%} free (plan.min_free {want:.0%})")
@@ -147,16 +152,16 @@ def gpu_checks(cfg, p: Plan) -> list[Check]:
                    f"plan.gpu_reserved_gib = {cfg.plan.gpu_reserved_gib:g} {short}, and plan.min_free = {want:g} "
                    f"asks {want:.0%} free; {fix} (vgrpo plan shows the parts), {SKIP_GPU}")
         out.append(Check(f"pools.{role}", free >= want, line, refusal))
-    return out + device_checks(cfg, p)
+    return out + device_checks(cfg, p, phases)
 
 
-def device_checks(cfg, p: Plan) -> list[Check]:
+def device_checks(cfg, p: Plan, phases: dict[str, tuple[float, str]]) -> list[Check]:
     """Each GPU that processes share (fractional pools.<role>.num_gpus, devices.shared_devices):
     their peaks summed, each with plan.gpu_reserved_gib, leave plan.min_free of it free. Every
     process keeps what its allocator reserved while another role is busy, so the peaks add."""
     cap = GPUS[p.gpu][1] * GB
     reserved, want = cfg.plan.gpu_reserved_gib * GB, cfg.plan.min_free
-    peaks = {role: b for role, (b, _) in role_phases(cfg, p).items()}
+    peaks = {role: b for role, (b, _) in phases.items()}
     out = []
     for i, dev in enumerate(shared_devices(cfg)):
         total = device_total(peaks, dev, reserved)
