@@ -168,7 +168,7 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
     or StaleBank in one line. Settings: bank.lease_ttl_s, bank.clear_stale."""
     cfg, ns = bank.cfg, bank.keys.namespace
     lease = Lease(bank, run_id, cfg.lease_ttl_s)
-    if not lease.acquire():
+    if not lease.acquire() and not (resume and _own_dead_session(bank, lease, run_id) and lease.acquire()):
         raw, ttl = bank.r.get(lease.key), bank.r.pttl(lease.key)
         raise NamespaceBusy(
             f"bank.namespace {ns!r} is in use by a live run ({describe_holder(raw)}, lease expires in "
@@ -198,6 +198,36 @@ def claim_namespace(bank: MemoryBank, run_id: str, resume: bool = False) -> Leas
         lease.release()
         raise
     return lease.start()
+
+
+def _own_dead_session(bank: MemoryBank, lease: Lease, run_id: str) -> bool:
+    """Whether the lease is held by an earlier session of this same run, on this host, by a
+    process that is gone, and was dropped (only if unchanged): a session whose server died under
+    it could not release its lease, which the server kept (AOF) with its TTL. A holder on another
+    host, or alive, stays and the resume is refused."""
+    raw = bank.r.get(lease.key)
+    try:
+        d = json.loads(raw or "")
+        mine = d["run"] == run_id and d["host"] == socket.gethostname() and int(d["pid"]) != os.getpid()
+    except (ValueError, TypeError, KeyError, OverflowError):
+        return False
+    if not mine or _alive(int(d["pid"])):
+        return False
+    if not int(eval_cached(bank.r, RELEASE, 1, lease.key, raw)):
+        return False   # it changed meanwhile: someone else decides
+    log.warning("bank: run %s's previous session (pid %s on this host) is gone and left its lease on "
+                "namespace %r; taken over", run_id, d["pid"], bank.keys.namespace)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True   # another user's process, or not a pid: count it as alive
+    return True
 
 
 def _s(raw: bytes | None) -> str:

@@ -134,6 +134,52 @@ def test_dead_runs_data_is_reported_and_cleared_only_on_request(redis_server):
     cleared.clear()
 
 
+def _claim_and_die(url, ns) -> None:
+    """A session of run-kept that claims the namespace (a long TTL) and exits without releasing it,
+    as one does when its server dies under it."""
+    claim_namespace(_bank(url, ns, lease_ttl_s=600), "run-kept")
+    os._exit(0)
+
+
+def test_a_resume_takes_over_only_the_lease_its_own_dead_session_left_on_this_host(redis_server):
+    """A lease is dropped early only for `resume` of the run named in it, held by a process of this
+    host that is gone; anything else is refused while the TTL runs."""
+    import json
+    import subprocess
+    import sys
+
+    url, ns = redis_server.url.get_secret_value(), _ns()
+    p = CTX.Process(target=_claim_and_die, args=(url, ns))
+    p.start()
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    b = _bank(url, ns)
+    dead = b.r.get(b.keys.lease)
+    assert json.loads(dead)["pid"] == p.pid and b.r.pttl(b.keys.lease) > 500_000
+    with pytest.raises(NamespaceBusy):                    # another run: refused, the lease stands
+        claim_namespace(b, "run-other", resume=True)
+    with pytest.raises(NamespaceBusy):                    # the same run, not a resume: refused
+        claim_namespace(b, "run-kept")
+    assert b.r.get(b.keys.lease) == dead
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:                                                  # a live holder (its pid runs): refused
+        b.r.set(b.keys.lease, dead.replace(f'"pid": {p.pid}'.encode(), f'"pid": {alive.pid}'.encode()), px=600_000)
+        with pytest.raises(NamespaceBusy):
+            claim_namespace(b, "run-kept", resume=True)
+    finally:
+        alive.kill()
+        alive.wait()
+    b.r.set(b.keys.lease, dead.replace(b'"host": "', b'"host": "elsewhere-'), px=600_000)
+    with pytest.raises(NamespaceBusy):                    # another host's holder: cannot be checked
+        claim_namespace(b, "run-kept", resume=True)
+    b.r.set(b.keys.lease, dead, px=600_000)
+    lease = claim_namespace(b, "run-kept", resume=True)   # its own dead session: taken over
+    now = json.loads(b.r.get(b.keys.lease))
+    assert now["pid"] == os.getpid() and now["epoch"] == json.loads(dead)["epoch"] + 1
+    lease.release()
+    b.clear()
+
+
 # ---- consumers ---------------------------------------------------------------------------
 
 def test_requeue_pending_takes_only_the_callers_own_groups(bank, redis_server):

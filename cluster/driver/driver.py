@@ -29,7 +29,6 @@ trained, so a checkpoint records exactly which groups a resume must keep or draw
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import threading
@@ -72,7 +71,7 @@ from common.metrics import Metrics
 from common.types import PullReceipt
 from learner.checkpoint import DiskFull, disk_full_line, is_disk_full
 from learner.finite_guard import GROUPS, SKIPPED
-from memory_bank.connect import connect_bank
+from memory_bank.connect import connect_bank, resolve_redis_url
 from memory_bank.errors import BankUnavailable
 from memory_bank.ownership import claim_namespace
 from memory_bank.ref import UrlServer, make_ref
@@ -259,9 +258,8 @@ class Driver:
     def _bank_url(self) -> str:
         if self.redis is not None:
             return self.redis.url.get_secret_value()
-        if self.cfg.bank.redis_url is not None:
-            return self.cfg.bank.redis_url.get_secret_value()
-        return os.environ[self.cfg.bank.redis_url_env]
+        url, _ = resolve_redis_url(self.cfg.bank)   # bank.redis_url, its file or its variable
+        return url
 
     def _restore(self, ckpt: Path) -> None:
         """Learner state (weights, optimizer, λ_KL controller, RNG), the driver's state and the

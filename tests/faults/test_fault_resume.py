@@ -1,5 +1,6 @@
 """Redis restarted under a run (AOF on), then the learner killed and the run resumed from its
-checkpoint; Redis gone for good; a weight sync that times out. Each is bounded in time."""
+checkpoint; a weight sync that times out; through the real CLI, a server the user runs killed
+mid-run, then back, and `vgrpo resume`. Each is bounded in time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 import torch
-from fault_helpers import Ledger, in_thread, tiny_cfg, when
+from fault_helpers import ROOT, Ledger, in_thread, tiny_cfg, when
 
 from cluster.driver.driver import Driver
 from cluster.driver.state import cursor_of
@@ -108,33 +109,6 @@ def test_killed_learner_resumes_at_the_checkpoint_with_bank_and_kl_state(crashed
     assert cursors == list(range(cursor)), cursors
 
 
-def test_redis_unreachable_stops_cleanly_with_a_checkpoint(ray_session, tmp_path):
-    cfg = tiny_cfg(tmp_path, "down", "bank.outage_s=4", steps=20)
-    run_dir = RunDir.create(cfg)
-    driver = Driver(cfg, run_dir)
-    try:
-        driver.setup()
-        gone = {}
-
-        def kill_redis():
-            if when(lambda: driver.step >= 1, 300):
-                driver.redis.terminate()
-                gone["t"] = time.monotonic()
-
-        in_thread(kill_redis)
-        driver.run()
-        stopped = time.monotonic()
-        ckpt = driver.checkpoint()
-    finally:
-        driver.teardown()
-    assert "t" in gone
-    assert stopped - gone["t"] < 60                              # bounded backoff, no hang
-    assert driver.stop_reason and "unreachable for 4s" in driver.stop_reason and "redis" in driver.stop_reason.lower()
-    assert driver.step < 20 and ckpt is not None and ckpt.name == f"step_{driver.step:08d}"
-    assert json.loads((ckpt / "extra.json").read_text())["bank"] is None
-    assert _steps(run_dir) == list(range(1, driver.step + 1))
-
-
 def test_weight_sync_timeout_names_the_peer_and_does_not_hang(ray_session, tmp_path):
     cfg = tiny_cfg(tmp_path, "sync", "weight_sync.timeout_s=3", steps=3)
     driver = Driver(cfg, RunDir.create(cfg))
@@ -158,3 +132,76 @@ def test_weight_sync_timeout_names_the_peer_and_does_not_hang(ray_session, tmp_p
     assert "weight sync" in driver.stop_reason and "rollout actor 0" in driver.stop_reason
     assert "weight_sync.timeout_s" in driver.stop_reason
     assert driver.step == 1 and elapsed < 35
+
+
+def test_an_external_server_killed_mid_run_stops_vgrpo_train_with_a_checkpoint_and_resume_finishes(
+        ray_address, tmp_path):
+    """Through the real CLI: `vgrpo train` on a server the user runs (bank.redis_url_file), the server
+    killed mid-run. The run stops within bank.outage_s plus its backoff, in one line naming Redis,
+    with a checkpoint at the step it reached (no bank watermark: Redis was gone) and metrics with
+    no gap. The server comes back on its append-only file and `vgrpo resume` trains to the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from memory_bank.embedded import EmbeddedRedis
+
+    steps = 8
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square moving right\na red square moving up\n")
+    server = EmbeddedRedis(data_dir=tmp_path / "redis", aof=True, fsync="always").start()
+    secret = tmp_path / "redis-url"            # as a mounted secret: every actor on the node reads it
+    secret.write_text(server.url.get_secret_value())
+    secret.chmod(0o600)
+    env = {**os.environ, "RAY_ADDRESS": ray_address, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "COLUMNS": "400"}
+    cli = [sys.executable, "-m", "cluster.cli"]
+    run = tmp_path / "ext"
+    try:
+        proc = subprocess.Popen(
+            [*cli, "train", "-c", "configs/quickstart.yaml", "--no-eval", "bank.outage_s=4", f"bank.redis_url_file={secret}",
+             "train.mode=sync", f"train.steps={steps}", "train.groups_per_step=2", "train.checkpoint_every=2",
+             "sampler.group_size=4", "schedule.steps=6", "bank.capacity=64", f"train.prompts={prompts}",
+             f"run.root={tmp_path}", "run.name=ext"],
+            cwd=ROOT, env=env, stdout=(tmp_path / "out").open("w"), stderr=(tmp_path / "err").open("w"))
+        try:
+            assert when(lambda: (run / "metrics.jsonl").is_file() and _steps_in(run) >= 1 or proc.poll() is not None,
+                        300) and proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+            os.kill(server.pid, signal.SIGKILL)                 # the user's server dies under the run
+            gone = time.monotonic()
+            proc.wait(timeout=120)
+            stopped = time.monotonic()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+        assert stopped - gone < 60                              # bounded backoff, no hang
+        assert proc.returncode == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+        status = json.loads((run / "status.json").read_text())
+        reason = status["reason"]
+        assert status["state"] == "stopped" and "unreachable for 4s" in reason and "redis" in reason.lower()
+        assert "vgrpo resume" in out + err
+        ckpts = sorted((run / "checkpoints").glob("step_*"))
+        stopped_at = _steps_in(run)
+        assert stopped_at < steps and ckpts and ckpts[-1].name == f"step_{stopped_at:08d}"
+        assert json.loads((ckpts[-1] / "extra.json").read_text())["bank"] is None
+        assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == \
+            list(range(1, stopped_at + 1))
+
+        server.restart()                                        # same port and password, AOF reloads
+        res = subprocess.run([*cli, "resume", str(run), "--no-eval"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        assert f"at step {stopped_at}" in res.stdout, res.stdout[-3000:]
+        assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == \
+            list(range(1, steps + 1))
+        assert json.loads((run / "status.json").read_text())["state"] == "finished"
+    finally:
+        server.stop()
+
+
+def _steps_in(run) -> int:
+    lines = [x for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return json.loads(lines[-1])["step"] if lines else 0
