@@ -123,6 +123,7 @@ def filesystem(uri: str):
     """(fsspec filesystem, path inside it) for a URI; names the missing driver when absent."""
     import fsspec  # lazy: fsspec (kept out of vgrpo --help)
 
+    _quiet_orphan_tasks()
     try:
         fs, path = fsspec.core.url_to_fs(uri)
     except ImportError as e:
@@ -130,6 +131,32 @@ def filesystem(uri: str):
         raise ImportError(f"{uri}: the {scheme}:// filesystem needs its fsspec driver "
                           f"(e.g. pip install s3fs for s3://, gcsfs for gs://): {e}") from None
     return fs, path
+
+
+class _OrphanTaskFilter:
+    """Drops asyncio's "Task exception was never retrieved" for a connection error of an HTTP
+    client's own write task: when an endpoint dies mid-upload, aiohttp (under s3fs) leaves one per
+    open request, logged with its traceback, while the request itself fails and is reported in one
+    line (`explain`). Any other orphaned task's error is still logged."""
+
+    def filter(self, record) -> bool:
+        exc = (record.args or {}).get("exception") if isinstance(record.args, dict) else None
+        exc = exc or (record.exc_info[1] if record.exc_info else None)
+        if not str(record.msg).startswith("Task exception was never retrieved") or exc is None:
+            return True
+        names = {c.__name__ for c in type(exc).__mro__}
+        return not names & {"ClientConnectionError", "ClientConnectionResetError", "ServerDisconnectedError"}
+
+
+_FILTER = _OrphanTaskFilter()
+
+
+def _quiet_orphan_tasks() -> None:
+    import logging
+
+    logger = logging.getLogger("asyncio")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
 
 
 def join(uri: str, *parts: str) -> str:

@@ -96,3 +96,33 @@ def test_explain_finds_the_cause_and_leaves_other_errors_alone():
     assert "GOOGLE_APPLICATION_CREDENTIALS" in str(storage.explain(NoCredentialsError(), "gs://b"))
     assert storage.explain(FileNotFoundError("s3://b/x"), "s3://b/x") is None
     assert storage.explain(PermissionError("denied"), "s3://b/x") is None
+
+
+def test_an_endpoint_that_dies_mid_upload_leaves_no_orphan_task_traceback(caplog):
+    """aiohttp (under s3fs) leaves a write task per open request when the endpoint dies; asyncio logs
+    each with a traceback ("Task exception was never retrieved") beside the one-line error. Those
+    are dropped once a filesystem is made; another task's lost error is still logged."""
+    import asyncio
+    import gc
+
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    storage.filesystem("memory://x")
+
+    async def cut():
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    async def bug():
+        raise ValueError("a real bug")
+
+    async def main():
+        tasks = [asyncio.ensure_future(cut()), asyncio.ensure_future(bug())]
+        await asyncio.sleep(0.01)
+        tasks.clear()
+        gc.collect()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+    logged = [r.getMessage() + repr(r.args) + str(r.exc_info) for r in caplog.records]
+    assert any("a real bug" in m for m in logged), logged
+    assert not any("closing transport" in m for m in logged), logged

@@ -4,7 +4,8 @@ Ray cluster and learner actor included (they inherit the AWS_* variables, as pod
 the chart's secret).
 
 The run is killed mid-way (its learner process, SIGKILL) and continued with `vgrpo resume
-s3://…`; then `vgrpo runs`, `vgrpo eval` and `vgrpo export` work on the same URI. In-process
+s3://…`, whose endpoint dies mid-checkpoint (a relay in front of it cut); then, the endpoint back,
+resumed to the end; `vgrpo runs`, `vgrpo eval` and `vgrpo export` work on the same URI. In-process
 checks cover RunDir's mirror, the sharded checkpoint layout and what a reader may list."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dying_endpoint import DyingEndpoint
 
 from cluster.cli import main
 from cluster.runs.policy_file import has_policy
@@ -31,9 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(900)
 
 
-def _vgrpo(*args: str, wait: bool = True, timeout: float = 420):
+def _vgrpo(*args: str, wait: bool = True, timeout: float = 420, endpoint: str | None = None):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "COLUMNS": "400"}  # the console's lines unwrapped
+    if endpoint:
+        env["AWS_ENDPOINT_URL"] = endpoint
     env.pop("RAY_ADDRESS", None)  # each command starts its own local Ray cluster
     cmd = [sys.executable, "-m", "cluster.cli", *args]
     if not wait:
@@ -81,9 +85,17 @@ TRAIN = ["-c", "configs/quickstart.yaml", f"train.steps={STEPS}", "train.checkpo
          "optim.micro_batch=8", "train.eval_seeds=1"]
 
 
-def test_a_run_on_s3_killed_mid_way_resumes_from_the_object_store(s3_root, tmp_path):
+def test_a_run_on_s3_killed_mid_way_and_cut_off_mid_checkpoint_resumes_from_the_object_store(
+        s3_root, s3_server, tmp_path):
+    """Three sessions of one run on s3://. 1: its learner is SIGKILLed past a whole checkpoint.
+    2: `vgrpo resume`, and the endpoint dies while a later checkpoint's policy is being uploaded:
+    one line naming the endpoint, exit 2, the half-written step never listed. 3: the endpoint is
+    back and `vgrpo resume` goes on from the last whole checkpoint to the end."""
     run = storage.Uri(s3_root) / "s3run"
-    proc = _vgrpo("train", "--no-eval", *TRAIN, f"run.root={s3_root}", "run.name=s3run", wait=False)
+    host, port = s3_server.rsplit(":", 1)
+    endpoint = DyingEndpoint((host.split("//")[-1], int(port)))
+    proc = _vgrpo("train", "--no-eval", *TRAIN, f"run.root={s3_root}", "run.name=s3run", wait=False,
+                  endpoint=endpoint.url)
     try:
         deadline = time.monotonic() + 420
         while time.monotonic() < deadline and not _past_a_checkpoint(run):
@@ -106,12 +118,33 @@ def test_a_run_on_s3_killed_mid_way_resumes_from_the_object_store(s3_root, tmp_p
     kept = checkpoint.list_checkpoints(run / "checkpoints")
     assert all((d / "trainer.pt").is_file() and (d / "extra.json").is_file() for d in kept)
 
-    res = _vgrpo("resume", str(run), "--no-eval")
+    # 2. the endpoint dies as the last step's policy shard goes up
+    cut = f"step_{STEPS:08d}/policy/transformer/diffusion_pytorch_model-0"
+    endpoint.die_on = cut.encode()
+    try:
+        res = _vgrpo("resume", str(run), "--no-eval", endpoint=endpoint.url)
+    finally:
+        died = endpoint.died.is_set()
+        endpoint.revive()
+    assert died, (res.stdout + res.stderr)[-3000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
+    # the first write to meet the dead endpoint names its file: the checkpoint's, or a run file mirrored meanwhile
+    assert len(errors) == 1 and errors[0].startswith(f"error: {run}/") and \
+        f": cannot reach the object store at {endpoint.url} (EndpointConnectionError)" in errors[0], errors
+    half = run / "checkpoints" / f"step_{STEPS:08d}"
+    assert (half / "bank" / "index.json").is_file() and not (half / "trainer.pt").exists()  # cut off mid-way
+    whole = checkpoint.list_checkpoints(run / "checkpoints")
+    assert whole and whole[-1].name != half.name and int(whole[-1].name[5:]) >= int(kept[-1].name[5:])
+
+    # 3. the endpoint is back: on from the last whole checkpoint
+    res = _vgrpo("resume", str(run), "--no-eval", endpoint=endpoint.url)
+    endpoint.close()
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    assert f"resumed from {run / 'checkpoints'} at step {int(kept[-1].name[5:])}" in res.stdout, res.stdout[-3000:]
+    assert f"resumed from {run / 'checkpoints'} at step {int(whole[-1].name[5:])}" in res.stdout, res.stdout[-3000:]
     assert _steps(run) == list(range(1, STEPS + 1))          # truncated at the checkpoint, then on to the end
     status = json.loads((run / "status.json").read_text())
-    assert status["state"] == "finished" and len(status["sessions"]) == 2
+    assert status["state"] == "finished" and len(status["sessions"]) >= 2
     newest = checkpoint.list_checkpoints(run / "checkpoints")[-1]
     assert newest.name == f"step_{STEPS:08d}"
     assert (newest / "bank" / "index.json").is_file() and has_policy(newest)
