@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import logging
 import os
 import posixpath
 import re
@@ -152,8 +153,6 @@ _FILTER = _OrphanTaskFilter()
 
 
 def _quiet_orphan_tasks() -> None:
-    import logging
-
     logger = logging.getLogger("asyncio")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
