@@ -29,6 +29,7 @@ from common.config import BankConfig
 from memory_bank.bank import MemoryBank
 from memory_bank.connect import client_from_url
 from memory_bank.ownership import held_fence
+from memory_bank.url_server import UrlServer
 
 URL_FETCH_TIMEOUT_S = 120.0  # a UrlServer answers at once; this bounds a dead driver node
 
@@ -67,16 +68,6 @@ class BankRef:
         """A MemoryBank on its own connection (one per actor process)."""
         return MemoryBank(client_from_url(self.url(), self.cfg.allow_no_password), self.cfg,
                           fence=self.fence)
-
-
-class UrlServer:
-    """Reads the URL file on the driver's node for a worker on another node (see the module doc)."""
-
-    def __init__(self, path: str):
-        self.path = path  # the file's path, not its content: arguments are kept by Ray
-
-    def url(self) -> str:
-        return Path(self.path).read_text().strip()
 
 
 def make_ref(cfg: BankConfig, url: str, secret_dir: str | Path | None = None,

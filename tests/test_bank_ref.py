@@ -64,6 +64,10 @@ def test_a_reader_on_another_node_asks_the_drivers_node_for_the_url(ray_session,
             return r.open().r.ping()
 
         assert ray.get(ping_from_a_worker.remote(away), timeout=120)   # the answer came from the server
+        # the server's own worker imported no torch (it was 2.7 s of CPU and ~300 MB per run)
+        loaded = ray.get(ref.server.__ray_call__.remote(lambda self: sorted(
+            m for m in __import__("sys").modules if m.split(".")[0] in ("torch", "redis", "memory_bank"))), timeout=60)
+        assert loaded == ["memory_bank", "memory_bank.url_server"], loaded
         shutil.rmtree(folder)                                          # the run ended: the file is gone
         with pytest.raises(RuntimeError, match=r"did not give the Redis URL.*VGRPO_REDIS_URL on every node"):
             away.url()

@@ -74,7 +74,8 @@ from learner.finite_guard import GROUPS, SKIPPED
 from memory_bank.connect import connect_bank, resolve_redis_url
 from memory_bank.errors import BankUnavailable
 from memory_bank.ownership import claim_namespace
-from memory_bank.ref import UrlServer, make_ref
+from memory_bank.ref import make_ref
+from memory_bank.url_server import UrlServer
 from reward_worker.actor import RewardClient, actor_names
 
 log = logging.getLogger("vgrpo.driver")
@@ -196,7 +197,7 @@ class Driver:
         return placements
 
     def _url_server(self, path: str) -> tuple[str, ByName]:
-        """A UrlServer (memory_bank/ref.py) pinned to this node and named: actors get its name, by
+        """A UrlServer (memory_bank/url_server.py) pinned to this node and named: actors get its name, by
         value. Returns (this node's id, the server by name)."""
         # heavy: ray
         import ray
