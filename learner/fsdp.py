@@ -19,6 +19,7 @@ that must live on; it destroys the group under the same barrier, rank 0 last.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -29,13 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 
 from common.weight_group import backend_for
 
@@ -132,6 +126,14 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
     offload (learner.cpu_offload): FSDP2's CPUOffloadPolicy, the sharded parameters, their
     gradients and the optimizer state in host memory, the optimizer step on the CPU.
     """
+    # heavy: torch.distributed.fsdp (DTensor and sympy, 1.1 s): only a sharding rank pays it
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
     blocks = transformer_blocks(module)
     if not blocks:
         log.warning("shard_model: %s has no %s ModuleList; sharding the root only",
@@ -164,6 +166,9 @@ def shard_model(module: nn.Module, mesh: DeviceMesh, *,
 def reshard(module: nn.Module) -> None:
     """Free every gathered (unsharded) copy of `module`'s FSDP2 units: the next forward gathers
     from the shards. Needed after the shards change outside an optimizer step (anchor swaps)."""
+    # heavy: torch.distributed.fsdp (shard_model loaded it)
+    from torch.distributed.fsdp import FSDPModule
+
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -179,6 +184,13 @@ def full_tensors(tensors: Iterable[tuple[Tensor, torch.dtype]]) -> Iterator[Tens
     """
     for t, dtype in tensors:
         yield full_value(t.detach().to(dtype))
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor, without importing torch.distributed.tensor (1 s, sympy) where no
+    DTensor was ever made: none can exist before that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def full_value(t: Tensor) -> Tensor:

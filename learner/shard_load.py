@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from common.errors import UserError
 from learner import fsdp
@@ -104,7 +103,7 @@ def file_key(name: str) -> str:
 
 def local_rows(p: Tensor) -> tuple[int, int]:
     """The rows [start, stop) of dim 0 this rank's shard of `p` holds (all of a plain tensor)."""
-    if not isinstance(p, DTensor):
+    if not fsdp.is_dtensor(p):
         return 0, (p.shape[0] if p.dim() else 1)
     n, world = p.shape[0], p.device_mesh.size()
     chunk = -(-n // world)
@@ -152,7 +151,7 @@ def shard_and_load(module: nn.Module, trained: list[str], path: str, mesh, devic
     try:
         for n, p in module.named_parameters():
             start, stop = local_rows(p)
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = p.to_local() if fsdp.is_dtensor(p) else p
             if stop <= start:
                 continue
             src = made_here[n][start:stop] if n in made_here else \

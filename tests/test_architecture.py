@@ -347,3 +347,22 @@ def test_each_package_says_what_it_owns():
     silent = [p.relative_to(ROOT).as_posix() for p in inits
               if "Owns" not in (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "")]
     assert silent == []
+
+
+def test_the_actors_modules_import_none_of_what_only_some_variants_need():
+    """Every Ray actor process imports its class's module when it starts (again at each restart):
+    the toy variant's actors need torch and ray, not peft, transformers, diffusers, or FSDP2 and
+    DTensor (sympy: 1.1 s of CPU a learner start was spending), and the bank's URL server needs
+    no torch at all. Fresh interpreters, so what another test imported does not count."""
+    import subprocess
+    import sys
+
+    heavy = ["peft", "transformers", "diffusers", "sympy", "torch.distributed.fsdp", "torch.distributed.tensor"]
+    code = ("import sys\n"
+            "import memory_bank.url_server, cluster.driver.weight_registry\n"
+            "assert 'torch' not in sys.modules, 'the URL server and the weight registry import torch'\n"
+            "import learner.actor, rollout_worker.actor, reward_worker.actor\n"
+            f"print([m for m in {heavy!r} if m in sys.modules])\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
