@@ -49,10 +49,15 @@ def _first_step_with_its_server(proc, metrics: Path) -> set[int]:
     return started
 
 
+# SIGTERM's run starts its own Ray, which teardown must stop with the rest; Ctrl-C's joins the
+# session's (the same teardown, less a Ray start): what it started, the server, must go.
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
-def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, name):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, name, request):
+    joins = request.getfixturevalue("ray_address") if sig == signal.SIGINT else None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}   # after the fixture: its start sets RAY_AUTH_MODE
     env.pop("RAY_ADDRESS", None)
+    if joins:
+        env["RAY_ADDRESS"] = joins
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "train", "--no-eval", "-c", "configs/quickstart.yaml",
          "train.steps=200", "train.mode=sync", "train.groups_per_step=2", "sampler.group_size=4",
