@@ -147,7 +147,7 @@ def test_an_external_server_killed_mid_run_stops_vgrpo_train_with_a_checkpoint_a
 
     from memory_bank.embedded import EmbeddedRedis
 
-    steps = 8
+    steps = 5
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square moving right\na red square moving up\n")
     server = EmbeddedRedis(data_dir=tmp_path / "redis", aof=True, fsync="always").start()
