@@ -27,6 +27,7 @@ import socket
 import threading
 import uuid
 
+from common.processes import pid_alive
 from memory_bank.bank import MemoryBank, _reachable
 from memory_bank.errors import NamespaceBusy, StaleBank, describe_holder
 from memory_bank.scripts import eval_cached
@@ -211,22 +212,12 @@ def _own_dead_session(bank: MemoryBank, lease: Lease, run_id: str) -> bool:
         mine = d["run"] == run_id and d["host"] == socket.gethostname() and int(d["pid"]) != os.getpid()
     except (ValueError, TypeError, KeyError, OverflowError):
         return False
-    if not mine or _alive(int(d["pid"])):
+    if not mine or pid_alive(int(d["pid"])):
         return False
     if not int(eval_cached(bank.r, RELEASE, 1, lease.key, raw)):
         return False   # it changed meanwhile: someone else decides
     log.warning("bank: run %s's previous session (pid %s on this host) is gone and left its lease on "
                 "namespace %r; taken over", run_id, d["pid"], bank.keys.namespace)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True   # another user's process, or not a pid: count it as alive
     return True
 
 

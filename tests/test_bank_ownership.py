@@ -102,12 +102,18 @@ def _dead_run(url, ns) -> None:
     os._exit(0)
 
 
-def test_dead_runs_data_is_reported_and_cleared_only_on_request(redis_server):
-    url, ns = redis_server.url.get_secret_value(), _ns()
-    p = CTX.Process(target=_dead_run, args=(url, ns))
+def _in_a_process_that_ends(target, url, ns) -> int:
+    """Run `target(url, ns)` in a forked process to its exit (0); its pid, now gone."""
+    p = CTX.Process(target=target, args=(url, ns))
     p.start()
     p.join(timeout=60)
     assert p.exitcode == 0
+    return p.pid
+
+
+def test_dead_runs_data_is_reported_and_cleared_only_on_request(redis_server):
+    url, ns = redis_server.url.get_secret_value(), _ns()
+    _in_a_process_that_ends(_dead_run, url, ns)
     b = _bank(url, ns)
     _wait_until(lambda: not b.r.exists(b.keys.lease))    # its lease expires: nobody renews it
     before = {k: v for k, v in b.stats().items() if k != "redis_latency_ms"}
@@ -149,13 +155,10 @@ def test_a_resume_takes_over_only_the_lease_its_own_dead_session_left_on_this_ho
     import sys
 
     url, ns = redis_server.url.get_secret_value(), _ns()
-    p = CTX.Process(target=_claim_and_die, args=(url, ns))
-    p.start()
-    p.join(timeout=60)
-    assert p.exitcode == 0
+    pid = _in_a_process_that_ends(_claim_and_die, url, ns)
     b = _bank(url, ns)
     dead = b.r.get(b.keys.lease)
-    assert json.loads(dead)["pid"] == p.pid and b.r.pttl(b.keys.lease) > 500_000
+    assert json.loads(dead)["pid"] == pid and b.r.pttl(b.keys.lease) > 500_000
     with pytest.raises(NamespaceBusy):                    # another run: refused, the lease stands
         claim_namespace(b, "run-other", resume=True)
     with pytest.raises(NamespaceBusy):                    # the same run, not a resume: refused
@@ -163,7 +166,7 @@ def test_a_resume_takes_over_only_the_lease_its_own_dead_session_left_on_this_ho
     assert b.r.get(b.keys.lease) == dead
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:                                                  # a live holder (its pid runs): refused
-        b.r.set(b.keys.lease, dead.replace(f'"pid": {p.pid}'.encode(), f'"pid": {alive.pid}'.encode()), px=600_000)
+        b.r.set(b.keys.lease, dead.replace(f'"pid": {pid}'.encode(), f'"pid": {alive.pid}'.encode()), px=600_000)
         with pytest.raises(NamespaceBusy):
             claim_namespace(b, "run-kept", resume=True)
     finally:

@@ -27,6 +27,7 @@ from cluster.runs.tracking import Tracker
 from common import storage
 from common.config import ConfigError, RunConfig, save_config
 from common.errors import UserError
+from common.processes import pid_alive
 
 
 class RunFileError(UserError, ValueError):
@@ -237,16 +238,6 @@ class RunDir:
         if self.tracker is not None and rows:
             self.tracker.image("reward_curve", self.curve_file, rows[-1]["step"])
         return self.curve_file
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def is_stale(status: dict[str, Any]) -> bool:
