@@ -3,6 +3,9 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: the files on the session's Ray run in order on one, the rest on the other
+# (tests/suite_groups.py). PYTEST_ARGS="-n 0" runs the suite in one process.
+XDIST      ?= -n 2 --dist loadgroup
 STAMP      := $(VENV)/.installed
 
 .PHONY: install run test lint bench clean
@@ -22,7 +25,7 @@ run: install
 	$(VENV)/bin/vgrpo train -c configs/quickstart.yaml
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

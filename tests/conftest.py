@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from suite_groups import SESSION_RAY, Entry, groups
 
 # Tests share 2 cores: keep every torch process to one thread unless a test says otherwise.
 torch.set_num_threads(1)
@@ -17,8 +21,82 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 ROLE_RESOURCES = {"rollout": 8, "reward": 8, "learner": 8}
 
 
+GROUPS_ENV = "VGRPO_SUITE_GROUPS"  # the file the workers write their {nodeid: group} to
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "session_ray: the test joins the session's Ray through request.getfixturevalue "
+                                       "(tests/suite_groups.py)")
+    if config.getoption("dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        # the controller: its workers start after this and inherit the variable
+        fd, path = tempfile.mkstemp(prefix="vgrpo-suite-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_ENV] = path
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(GROUPS_ENV):
+        Path(os.environ.pop(GROUPS_ENV)).unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A worker of `make test` (pytest-xdist, --dist loadgroup) writes which unit of work each test
+    is in (tests/suite_groups.py) for the controller's scheduler below."""
+    path = os.environ.get(GROUPS_ENV)
+    if not path or not hasattr(config, "workerinput"):
+        return
+
+    def described(it) -> Entry:
+        defs = getattr(it, "_fixtureinfo", None)
+        defs = defs.name2fixturedefs if defs is not None else {}
+        shared = {name for name, fds in defs.items() if fds and fds[-1].scope in ("module", "class", "package")}
+        return Entry(it.nodeid, frozenset(getattr(it, "fixturenames", ())), frozenset(shared),
+                     it.get_closest_marker("session_ray") is not None)
+
+    tmp = f"{path}.{config.workerinput['workerid']}"
+    with open(tmp, "w") as f:
+        json.dump(groups(described(it) for it in items), f)
+    os.replace(tmp, path)  # both workers collect the same tests: either file is the whole answer
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadgroup reads groups from a nodeid suffix that pytest 9.2 no longer lets it set;
+    the same scheduling (one unit of work per group, in collection order), from the workers' file."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteGroups(LoadScopeScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                with open(os.environ[GROUPS_ENV]) as f:
+                    self._groups = json.load(f)
+            return self._groups[nodeid]
+
+    return SuiteGroups(config, log)
+
+
+def _hold_the_session_ray(tmp_path_factory) -> None:
+    """Under xdist only one worker may start the session's Ray (tests/suite_groups.py): a second
+    one means a test asked for it outside the session-ray group, and would pay a second Ray."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    owner = tmp_path_factory.getbasetemp().parent / "session-ray.worker"
+    try:
+        fd = os.open(owner, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        pytest.fail(f"xdist worker {worker} asked for the session's Ray, which worker {owner.read_text()} holds: "
+                    f"its test is outside the {SESSION_RAY!r} group; mark it "
+                    "`pytest.mark.session_ray` (tests/suite_groups.py)", pytrace=False)
+    os.write(fd, worker.encode())
+    os.close(fd)
+
+
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(tmp_path_factory):
     """A real local Ray cluster (token authentication left on), shared by the whole session.
 
     It declares the three role resources so actors placed by pool find a home, and one GPU
@@ -28,6 +106,7 @@ def ray_session():
     """
     import ray
 
+    _hold_the_session_ray(tmp_path_factory)
     if not ray.is_initialized():
         ray.init(num_cpus=4, num_gpus=1, resources=dict(ROLE_RESOURCES), include_dashboard=False,
                  log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

@@ -75,7 +75,8 @@ def one_child(tmp_path_factory):
     return before, got
 
 
-@pytest.mark.parametrize("name", BENCHES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.session_ray) if n in JOINS_RAY else n
+                                  for n in BENCHES])
 def test_benchmark_runs_in_its_quickest_form(name, request):
     if name in JOINS_RAY:
         before = RESULTS.stat().st_mtime_ns
