@@ -51,7 +51,8 @@ def _first_step_with_its_server(proc, metrics: Path) -> set[int]:
 
 # SIGTERM's run starts its own Ray, which teardown must stop with the rest; Ctrl-C's joins the
 # session's (the same teardown, less a Ray start): what it started, the server, must go.
-@pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+@pytest.mark.parametrize("sig, code, name", [pytest.param(signal.SIGINT, 130, "Ctrl-C", marks=pytest.mark.session_ray),
+                                             (signal.SIGTERM, 143, "SIGTERM")])
 def test_a_stop_signal_checkpoints_and_stops_ray_and_redis(tmp_path, sig, code, name, request):
     joins = request.getfixturevalue("ray_address") if sig == signal.SIGINT else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}   # after the fixture: its start sets RAY_AUTH_MODE
