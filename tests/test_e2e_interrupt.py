@@ -120,15 +120,16 @@ sys.exit(main())
 """
 
 
-def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_written(tmp_path, ray_address):
+def test_a_second_sigterm_during_the_stops_checkpoint_is_ignored_until_it_is_written(tmp_path):
     """SIGTERM, then SIGTERM again while the stop's own checkpoint is being written: the driver
     logs and ignores it, the checkpoint is written whole, teardown stops the redis-server, and
     the exit is SIGTERM's 143 (before: the handlers were gone by then and the second SIGTERM
     killed the driver mid-checkpoint, with no teardown)."""
     from learner import checkpoint, dist_checkpoint
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_address,
-           "COLUMNS": "2000"}
+    # a Ray of its own, which teardown stops too (off the session's, whose xdist worker is the busier)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "2000"}
+    env.pop("RAY_ADDRESS", None)
     sent, writing = tmp_path / "sent", tmp_path / "writing"
     proc = subprocess.Popen(
         [sys.executable, "-c", SLOW_CHECKPOINT, str(sent), str(writing), "train", "--no-eval",
