@@ -83,10 +83,15 @@ def test_a_learner_that_dies_before_its_weights_are_packed_stops_the_run_in_one_
         def weights_record(self, version, checksum, ema):
             return ray.get(rank0.die.remote())
 
+    from cluster.driver.driver import Driver
+    from cluster.runs.run_dir import RunDir
+
     d = _driver(tmp_path)
+    d.run_dir, d.learner_lost = RunDir.create(d.fleet.cfg), False  # what the driver's stop line reads
     lost = []
     pub = Publisher(d.fleet.cfg, Learner(), d.fleet, registry=None, on_learner_error=lambda: lost.append(1),
-                    timers={"publish": 0.0}, metrics=None)
-    with pytest.raises(StopRun, match=r"^weight sync of version 3 failed: the learner died"):
+                    timers={"publish": 0.0}, metrics=None, learner_died=lambda what: Driver._learner_died(d, what))
+    with pytest.raises(StopRun, match=r"^weight sync of version 3 failed: the learner died \(.*\); continue from "
+                                      r"the last checkpoint with: vgrpo resume \S+$"):
         pub.publish(3)
-    assert lost == [1] and pub.published == 0 and d.fleet.versions.current == 0
+    assert lost == [1] and pub.published == 0 and d.fleet.versions.current == 0 and d.learner_lost

@@ -254,7 +254,7 @@ class Driver:
                          [f"reward actor {m}" for m in reward_actors])
         self.rewards = RewardClient(reward_actors, dict(zip(names, cfg.rewards.models, strict=True)))
         self.publisher = Publisher(cfg, self.learner, self.fleet, registry, on_learner_error=self._learner_check,
-                                   timers=self.timers, metrics=self.metrics)
+                                   timers=self.timers, metrics=self.metrics, learner_died=self._learner_died)
 
     def _bank_url(self) -> str:
         if self.redis is not None:
@@ -353,9 +353,8 @@ class Driver:
                 s.step += 1
             self._commit(pulled.group_ids)
         except ray.exceptions.RayActorError as e:
-            self.learner_lost = True  # its pulled groups stay pending; a resume requeues them
-            raise StopRun(f"the learner died ({why_lost(e)}); continue from the last checkpoint "
-                          f"with: vgrpo resume {self.run_dir.location}") from None
+            raise self._learner_died(f"the learner died ({why_lost(e)})") from None  # its pulled groups
+            # stay pending; a resume requeues them
         self.timers["train"] += time.monotonic() - t0
         self._skipped(stats.values)
         return _step_values(stats.values, pulled, s.step - 1)
@@ -396,6 +395,12 @@ class Driver:
         what = (f"the moving average of the weights (optim.ema_decay {self.cfg.optim.ema_decay})"
                 if self.cfg.optim.ema_decay > 0 else "the trained weights θ, not the rollouts' sampling policy")
         self.note(f"the rollout actors hold the exported policy: {what} after step {self.state.step}")
+
+    def _learner_died(self, what: str) -> StopRun:
+        """The stop for a learner that died, wherever the driver saw it: marked lost (no checkpoint
+        is tried from it), and the line says how to go on."""
+        self.learner_lost = True
+        return StopRun(f"{what}; continue from the last checkpoint with: vgrpo resume {self.run_dir.location}")
 
     def _learner_check(self) -> None:
         """Mark the learner lost when its ranks no longer answer (no checkpoint can be written)."""

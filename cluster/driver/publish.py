@@ -28,9 +28,10 @@ from common.weights_record import WeightsRecord
 
 class Publisher:
     def __init__(self, cfg, learner, fleet: RolloutFleet, registry, *, on_learner_error: Callable[[], None],
-                 timers: dict[str, float], metrics):
+                 timers: dict[str, float], metrics, learner_died: Callable[[str], StopRun] = StopRun):
         self.cfg, self.learner, self.fleet, self.registry = cfg, learner, fleet, registry
         self.on_learner_error, self.timers, self.metrics = on_learner_error, timers, metrics
+        self.learner_died = learner_died          # the stop for a dead learner (the driver adds how to resume)
         self.versions = fleet.versions            # the version and record are kept there, with the actors'
         self.published = 0                        # newest step whose weights the rollout actors may load
         self.ema = False                          # whether that version is the moving average
@@ -80,7 +81,7 @@ class Publisher:
         except ray.exceptions.RayError as e:
             self.on_learner_error()
             if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member
-                raise StopRun(f"weight sync of version {v.current} failed: the learner died ({_why_lost(e)})") from None
+                raise self.learner_died(f"weight sync of version {v.current} failed: the learner died ({_why_lost(e)})") from None
             self._lost(who, e)
             return
         for i in who:
@@ -113,7 +114,7 @@ class Publisher:
             return self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
         except ray.exceptions.RayActorError as e:
             self.on_learner_error()
-            raise StopRun(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
+            raise self.learner_died(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
 
     def _keep(self, record: WeightsRecord | None) -> None:
         self.registry.set.remote(record)  # a restarted actor's source (None: nothing kept)
@@ -138,7 +139,7 @@ class Publisher:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self.on_learner_error()
                 if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member: no retry
-                    raise StopRun(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
+                    raise self.learner_died(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
                 if attempt == 0:  # a member died mid-broadcast: once more, with whoever answers
                     self.group.invalidate()
                     continue
