@@ -353,8 +353,8 @@ class Driver:
                 s.step += 1
             self._commit(pulled.group_ids)
         except ray.exceptions.RayActorError as e:
-            raise self._learner_died(f"the learner died ({why_lost(e)})") from None  # its pulled groups
-            # stay pending; a resume requeues them
+            # its pulled groups stay pending; a resume requeues them
+            raise self._learner_died(f"the learner died ({why_lost(e)})") from None
         self.timers["train"] += time.monotonic() - t0
         self._skipped(stats.values)
         return _step_values(stats.values, pulled, s.step - 1)

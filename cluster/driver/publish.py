@@ -28,7 +28,7 @@ from common.weights_record import WeightsRecord
 
 class Publisher:
     def __init__(self, cfg, learner, fleet: RolloutFleet, registry, *, on_learner_error: Callable[[], None],
-                 timers: dict[str, float], metrics, learner_died: Callable[[str], StopRun] = StopRun):
+                 timers: dict[str, float], metrics, learner_died: Callable[[str], StopRun]):
         self.cfg, self.learner, self.fleet, self.registry = cfg, learner, fleet, registry
         self.on_learner_error, self.timers, self.metrics = on_learner_error, timers, metrics
         self.learner_died = learner_died          # the stop for a dead learner (the driver adds how to resume)
@@ -81,7 +81,7 @@ class Publisher:
         except ray.exceptions.RayError as e:
             self.on_learner_error()
             if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member
-                raise self.learner_died(f"weight sync of version {v.current} failed: the learner died ({_why_lost(e)})") from None
+                raise self._learner_gone(v.current, e) from None
             self._lost(who, e)
             return
         for i in who:
@@ -114,7 +114,10 @@ class Publisher:
             return self.learner.weights_record(version, self.cfg.weight_sync.checksum, ema)
         except ray.exceptions.RayActorError as e:
             self.on_learner_error()
-            raise self.learner_died(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
+            raise self._learner_gone(version, e) from None
+
+    def _learner_gone(self, version: int, e: BaseException) -> StopRun:
+        return self.learner_died(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})")
 
     def _keep(self, record: WeightsRecord | None) -> None:
         self.registry.set.remote(record)  # a restarted actor's source (None: nothing kept)
@@ -139,7 +142,7 @@ class Publisher:
                 cause = getattr(e, "cause", None) or e  # WeightSyncTimeout names the late peer
                 self.on_learner_error()
                 if isinstance(e, ray.exceptions.RayActorError):  # a learner rank, not a member: no retry
-                    raise self.learner_died(f"weight sync of version {version} failed: the learner died ({_why_lost(e)})") from None
+                    raise self._learner_gone(version, e) from None
                 if attempt == 0:  # a member died mid-broadcast: once more, with whoever answers
                     self.group.invalidate()
                     continue
